@@ -1,0 +1,138 @@
+"""The ``n-proxy`` command: serve (in front of a URL, a YAML config, or the built-in demo backend)
+and ``check-config``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.config import (
+    MAX_N_CEILING,
+    Config,
+    ConfigError,
+    Listen,
+    load_config,
+    single_upstream_config,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["check-config"]:
+        return check_config(args[1:])
+    options = _parser().parse_args(args)
+    try:
+        config = _config(options)
+    except ConfigError as exc:
+        print(f"n-proxy: config error: {exc}", file=sys.stderr)
+        return 2
+    _install_uvloop()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(config, demo=options.upstream is None and options.config is None))
+    return 0
+
+
+def check_config(args: Sequence[str]) -> int:
+    if len(args) != 1:
+        print("usage: n-proxy check-config FILE", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args[0])
+    except ConfigError as exc:
+        print(f"{args[0]}: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args[0]}: ok ({len(config.upstreams)} upstreams, {len(config.routes)} routes)")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="n-proxy",
+        description="Reverse proxy that gives OpenAI n>1 to servers that serve one choice. "
+        "Without --upstream or --config it starts a built-in demo backend. "
+        "`n-proxy check-config FILE` validates a config file.",
+    )
+    parser.add_argument("--upstream", help="base URL of the OpenAI-compatible server")
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("N_PROXY_CONFIG"),
+        help="YAML config (env N_PROXY_CONFIG)",
+    )
+    parser.add_argument("--host", help="listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="listen port (default 8080)")
+    parser.add_argument(
+        "--max-n", type=int, help=f"largest n accepted (default 10, at most {MAX_N_CEILING})"
+    )
+    return parser
+
+
+def _config(options: argparse.Namespace) -> Config:
+    if options.config is not None:
+        config = load_config(options.config)
+        if options.upstream is not None:
+            default = config.upstream(config.default_upstream)
+            replaced = dataclasses.replace(
+                default, urls=single_upstream_config(options.upstream).upstreams[0].urls
+            )
+            config = dataclasses.replace(
+                config, upstreams=tuple(replaced if u is default else u for u in config.upstreams)
+            )
+    else:
+        config = single_upstream_config(options.upstream or "http://127.0.0.1:0")
+    listen = Listen(
+        host=options.host if options.host is not None else config.listen.host,
+        port=options.port if options.port is not None else config.listen.port,
+    )
+    max_n = options.max_n if options.max_n is not None else config.max_n
+    if not 1 <= max_n <= MAX_N_CEILING:
+        raise ConfigError(f"--max-n: must be an integer from 1 to {MAX_N_CEILING}")
+    return dataclasses.replace(config, listen=listen, max_n=max_n)
+
+
+async def serve(config: Config, *, demo: bool = False) -> None:
+    """Run until SIGTERM or SIGINT."""
+    cleanup: list[web.AppRunner] = []
+    if demo:
+        from proxy.devserver import DevConfig, start_devserver
+
+        dev_runner, dev_port, _ = await start_devserver(DevConfig(token_delay=0.02))
+        cleanup.append(dev_runner)
+        upstream = dataclasses.replace(config.upstreams[0], urls=(f"http://127.0.0.1:{dev_port}",))
+        config = dataclasses.replace(config, upstreams=(upstream,))
+        print(
+            f"n-proxy: no --upstream given; started the demo backend on 127.0.0.1:{dev_port}",
+            flush=True,
+        )
+    runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    cleanup.insert(0, runner)
+    try:
+        site = web.TCPSite(runner, config.listen.host, config.listen.port)
+        await site.start()
+        upstreams = ", ".join(f"{u.name}={'|'.join(u.urls)}" for u in config.upstreams)
+        where = f"http://{config.listen.host}:{config.listen.port}"
+        print(f"n-proxy: listening on {where} -> {upstreams}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        for r in cleanup:
+            await r.cleanup()
+
+
+def _install_uvloop() -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

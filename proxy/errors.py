@@ -1,0 +1,74 @@
+"""The proxy's own errors and the one place that turns them into OpenAI error bodies.
+
+ProxyError                 status + OpenAI error body
+├── InvalidRequest         400 invalid_request_error (bad n, seed, best_of, JSON)
+├── BodyTooLarge           413
+├── Overloaded             429, with Retry-After
+├── UpstreamUnavailable    502 (connection refused, reset before headers, bad upstream body)
+└── UpstreamTimeout        504
+ChildFailed                a child's own non-2xx answer, relayed with its status and body
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ProxyError(Exception):
+    status = 500
+    type_ = "server_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        return orjson.dumps(error_body(self.message, self.type_, self.param))
+
+
+class InvalidRequest(ProxyError):
+    status = 400
+    type_ = "invalid_request_error"
+
+
+class BodyTooLarge(ProxyError):
+    status = 413
+    type_ = "invalid_request_error"
+
+
+class Overloaded(ProxyError):
+    status = 429
+    type_ = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class UpstreamUnavailable(ProxyError):
+    status = 502
+    type_ = "server_error"
+
+
+class UpstreamTimeout(ProxyError):
+    status = 504
+    type_ = "server_error"
+
+
+class ChildFailed(Exception):
+    """A child answered with a non-2xx status before streaming (SPEC §5, §7)."""
+
+    def __init__(self, status: int, body: bytes, content_type: str | None) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type

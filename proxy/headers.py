@@ -1,0 +1,65 @@
+"""Which headers cross the proxy (SPEC §9). Pure.
+
+Hop-by-hop headers, and any named in ``Connection``, never cross; ``Host`` is the upstream's and
+``Content-Length`` is recomputed, so neither is copied either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+
+
+Headers = CIMultiDictProxy[str] | CIMultiDict[str]
+
+
+def _connection_tokens(headers: Headers) -> set[str]:
+    tokens: set[str] = set()
+    for value in headers.getall("Connection", ()):
+        tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
+    return tokens
+
+
+def _filtered(headers: Headers, drop: frozenset[str]) -> CIMultiDict[str]:
+    named = _connection_tokens(headers)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower not in drop and lower not in named:
+            out.add(name, value)
+    return out
+
+
+def request_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDict[str]:
+    """End-to-end request headers for the upstream; configured headers replace the client's."""
+    out = _filtered(incoming, _REQUEST_DROP)
+    for name, value in injected.items():
+        out[name] = value
+    return out
+
+
+def response_headers(incoming: Headers) -> CIMultiDict[str]:
+    return _filtered(incoming, _RESPONSE_DROP)
+
+
+def with_request_id(headers: Iterable[tuple[str, str]], request_id: str) -> CIMultiDict[str]:
+    out = CIMultiDict(headers)
+    out["X-Request-Id"] = request_id
+    return out

@@ -1,0 +1,162 @@
+"""Validating a fan-out request and planning its children (SPEC §2, §3, §8). Pure: no I/O.
+
+``plan_request`` returns ``None`` when the request passes through untouched (n missing, null or 1),
+otherwise a ``Plan`` with one ``Child`` per (prompt, choice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import orjson
+
+from proxy.errors import InvalidRequest
+
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+RANDOM_SEED = -1  # llama.cpp's and vLLM's "random" sentinel: sent unchanged to every child
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    index: int  # the choice index the client sees (p * n + i)
+    prompt: int  # which prompt of a list this child answers
+    body: bytes  # the child's JSON body, ready to send
+    request_id: str  # the child's X-Request-Id
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    parent_id: str
+    n: int  # choices per prompt the client sees
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    children: tuple[Child, ...]
+    best_of: int | None = None  # children per prompt when ranking (SPEC §8)
+    keep_logprobs: bool = True  # False: strip the logprobs that best_of asked for on our behalf
+
+    @property
+    def prompts(self) -> int:
+        return len(self.children) // (self.best_of or self.n)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A fan-out path's body must be a JSON object, whatever its n (SPEC §2)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def plan_request(
+    body: dict[str, Any], parent_id: str, max_n: int, *, completions: bool
+) -> Plan | None:
+    n = _requested_n(body, max_n)
+    best_of = _requested_best_of(body, n, max_n) if completions else None
+    stream = body.get("stream") is True
+    if best_of is not None and stream:
+        raise InvalidRequest("best_of cannot be used with stream", param="best_of")
+    per_prompt = best_of or n
+    if per_prompt == 1:
+        return None
+    seed = body.get("seed")
+    # orjson reads integer literals beyond 64 bits as floats: those are out of range too.
+    out_of_range = isinstance(seed, float) and abs(seed) >= 2**63
+    if out_of_range or (_is_int(seed) and not INT64_MIN <= seed <= INT64_MAX - (per_prompt - 1)):
+        raise InvalidRequest(
+            f"seed must satisfy {INT64_MIN} <= seed and seed + {per_prompt - 1} <= {INT64_MAX}",
+            param="seed",
+        )
+    options = body.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    prompts = _split_prompts(body.get("prompt")) if completions else None
+    children = tuple(
+        _child(body, parent_id, p, i, per_prompt, prompt, prompts is not None, best_of is not None)
+        for p, prompt in enumerate(prompts or [None])
+        for i in range(per_prompt)
+    )
+    client_logprobs = body.get("logprobs")
+    return Plan(
+        parent_id=parent_id,
+        n=n,
+        stream=stream,
+        include_usage=stream and options.get("include_usage") is True,
+        continuous_usage=stream and options.get("continuous_usage_stats") is True,
+        children=children,
+        best_of=best_of,
+        keep_logprobs=client_logprobs is not None and client_logprobs is not False,
+    )
+
+
+def _requested_n(body: dict[str, Any], max_n: int) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n):
+        raise InvalidRequest("n must be an integer", param="n")
+    if not 1 <= n <= max_n:
+        raise InvalidRequest(f"n must be between 1 and {max_n}, got {n}", param="n")
+    return int(n)
+
+
+def _requested_best_of(body: dict[str, Any], n: int, max_n: int) -> int | None:
+    """``best_of > n`` is ranked by the proxy; ``best_of == n`` is plain n (SPEC §8)."""
+    best_of = body.get("best_of")
+    if best_of is None:
+        return None
+    if not _is_int(best_of):
+        raise InvalidRequest("best_of must be an integer", param="best_of")
+    if best_of < n:
+        raise InvalidRequest(f"best_of must be >= n ({n}), got {best_of}", param="best_of")
+    if best_of > max_n:
+        raise InvalidRequest(f"best_of must be at most {max_n}, got {best_of}", param="best_of")
+    return int(best_of) if best_of > n else None
+
+
+def _split_prompts(prompt: object) -> list[Any] | None:
+    """A list of strings or of token-id lists is a batch; a flat list of ints is ONE prompt."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        return prompt
+    return None
+
+
+def _child(
+    body: dict[str, Any],
+    parent_id: str,
+    p: int,
+    i: int,
+    per_prompt: int,
+    prompt: object,
+    batched: bool,
+    ranking: bool,
+) -> Child:
+    child = dict(body)
+    child.pop("n", None)
+    rid = f"{i}_{parent_id}-{p}" if batched else f"{i}_{parent_id}"
+    seed = child.get("seed")
+    if _is_int(seed) and seed != RANDOM_SEED:
+        child["seed"] = seed + i
+    if batched:
+        child["prompt"] = prompt
+    request_id = child.get("request_id")
+    if isinstance(request_id, str):
+        child["request_id"] = f"{i}_{request_id}-{p}" if batched else f"{i}_{request_id}"
+    kv = child.get("kv_transfer_params")
+    if isinstance(kv, list) and len(kv) == per_prompt:
+        child["kv_transfer_params"] = kv[i]
+    if ranking:
+        child.pop("best_of", None)
+        logprobs = child.get("logprobs")
+        child["logprobs"] = max(logprobs, 1) if _is_int(logprobs) else 1
+    elif "best_of" in child:
+        child.pop("best_of")  # best_of == n: each child is a plain n=1 request
+    return Child(index=p * per_prompt + i, prompt=p, body=orjson.dumps(child), request_id=rid)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)

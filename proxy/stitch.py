@@ -1,0 +1,187 @@
+"""Stitching children's answers into the one a native-n server sends (SPEC §4, §5, §8). Pure.
+
+``stitch_json`` merges whole bodies; ``StreamStitcher`` rewrites SSE chunks one at a time, holds
+back each child's usage chunk and ``[DONE]``, and writes the single merged tail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from proxy.plan import Child, Plan
+from proxy.usage import merge_usage
+
+DONE = b"data: [DONE]\n\n"
+
+
+class StreamError(Exception):
+    """A child's stream failed after the 200 was sent (SPEC §7)."""
+
+    def __init__(self, choice: int, reason: str) -> None:
+        super().__init__(f"choice {choice}: {reason}")
+        self.choice = choice
+        self.reason = reason
+
+
+def parent_response_id(child_id: object, child: Child, parent_id: str) -> object:
+    """``chatcmpl-0_abc`` -> ``chatcmpl-abc``: the child marker removed, as with native n."""
+    if isinstance(child_id, str) and child.request_id in child_id:
+        return child_id.replace(child.request_id, parent_id, 1)
+    return child_id
+
+
+def prompt_heads(plan: Plan) -> list[int]:
+    per_prompt = plan.best_of or plan.n
+    return [pos for pos, child in enumerate(plan.children) if child.index % per_prompt == 0]
+
+
+def stitch_json(plan: Plan, bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    merged = dict(bodies[0])
+    merged["id"] = parent_response_id(merged.get("id"), plan.children[0], plan.parent_id)
+    choices = [
+        {**choice, "index": child.index}
+        for child, body in zip(plan.children, bodies, strict=True)
+        for choice in _choices(body)
+    ]
+    if plan.best_of is not None:
+        choices = _best(plan, choices)
+    merged["choices"] = sorted(choices, key=lambda c: int(c["index"]))
+    usage = merge_usage([b.get("usage") for b in bodies], prompt_heads(plan))
+    if usage is not None:
+        merged["usage"] = usage
+    return merged
+
+
+def _choices(body: dict[str, Any]) -> list[dict[str, Any]]:
+    choices = body.get("choices")
+    return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+
+
+def _best(plan: Plan, choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Keep each prompt's ``n`` choices with the highest mean token logprob (SPEC §8)."""
+    best_of = plan.best_of or plan.n
+    kept = []
+    for p in range(plan.prompts):
+        group = [c for c in choices if int(c["index"]) // best_of == p]
+        group.sort(key=lambda c: (-mean_logprob(c), int(c["index"])))
+        for j, choice in enumerate(group[: plan.n]):
+            choice = {**choice, "index": p * plan.n + j}
+            if not plan.keep_logprobs:
+                choice["logprobs"] = None
+            kept.append(choice)
+    return kept
+
+
+def mean_logprob(choice: dict[str, Any]) -> float:
+    """Mean over the sampled tokens' logprobs, completions or chat shape; -inf when absent."""
+    logprobs = choice.get("logprobs")
+    values: list[object] = []
+    if isinstance(logprobs, dict):
+        if isinstance(logprobs.get("token_logprobs"), list):
+            values = logprobs["token_logprobs"]
+        elif isinstance(logprobs.get("content"), list):
+            values = [t.get("logprob") for t in logprobs["content"] if isinstance(t, dict)]
+    numbers = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    return math.fsum(numbers) / len(numbers) if numbers else -math.inf
+
+
+class StreamStitcher:
+    """Rewrites the children's SSE ``data`` payloads into one native-n stream."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._shared: dict[str, Any] | None = None  # id, created, model of the first chunk
+        self._usage: list[dict[str, Any] | None] = [None] * len(plan.children)
+        self._usage_chunk: dict[str, Any] | None = None
+        self._finished = [False] * len(plan.children)
+        self.chunks = 0
+
+    def chunk(self, pos: int, data: str, event: str = "message") -> bytes | None:
+        """The SSE bytes to send for one child event, or None when it is held back."""
+        child = self.plan.children[pos]
+        if data == "[DONE]":
+            self._finished[pos] = True
+            return None
+        try:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise StreamError(child.index, "upstream sent a data line that is not JSON") from None
+        if not isinstance(payload, dict):
+            raise StreamError(child.index, "upstream sent a data line that is not a JSON object")
+        if event == "error" or "error" in payload:
+            raise StreamError(child.index, f"upstream error: {_message(payload)}")
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            self._usage[pos] = usage
+        choices = payload.get("choices")
+        if not choices or not isinstance(choices, list):
+            if self._usage_chunk is None and isinstance(usage, dict):
+                self._usage_chunk = payload
+            return None
+        shared = self._shared
+        if shared is None:
+            shared = self._shared = {
+                "id": parent_response_id(payload.get("id"), child, self.plan.parent_id),
+                "created": payload.get("created"),
+                "model": payload.get("model"),
+                "object": payload.get("object"),
+            }
+        payload["id"] = shared["id"]
+        payload["created"] = shared["created"]
+        payload["model"] = shared["model"]
+        for choice in choices:
+            if isinstance(choice, dict):
+                choice["index"] = child.index
+                if choice.get("finish_reason") is not None:
+                    self._finished[pos] = True
+        if usage is not None and not self.plan.continuous_usage:
+            # A per-choice usage (llama.cpp puts one on its last chunk) must not pass for the total.
+            payload["usage"] = None
+        self.chunks += 1
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    def finished(self, pos: int) -> bool:
+        return self._finished[pos]
+
+    def tail(self) -> bytes:
+        """The merged usage chunk (when asked for) and the one ``[DONE]``."""
+        usage = merge_usage(self._usage, prompt_heads(self.plan))
+        if not self.plan.include_usage or usage is None:
+            return DONE
+        shared = self._shared or {}
+        chunk = dict(self._usage_chunk or {})
+        chunk.update(
+            {
+                "id": shared.get("id", chunk.get("id")),
+                "object": chunk.get("object", shared.get("object")),
+                "created": shared.get("created", chunk.get("created")),
+                "model": shared.get("model", chunk.get("model")),
+                "choices": [],
+                "usage": usage,
+            }
+        )
+        return b"data: " + orjson.dumps(chunk) + b"\n\n" + DONE
+
+
+def error_event(error: StreamError) -> bytes:
+    """One error event, then the one ``[DONE]`` (SPEC §7; vLLM's mid-stream error shape)."""
+    body = {
+        "error": {
+            "message": f"choice {error.choice} failed: {error.reason}",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    return b"data: " + orjson.dumps(body) + b"\n\n" + DONE
+
+
+def _message(payload: dict[str, Any]) -> str:
+    error = payload.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    return str(error)[:200]

@@ -1,0 +1,182 @@
+"""The one owner of the upstream ``ClientSession``: replicas, placement, concurrency and timeouts.
+
+Every byte sent upstream goes through ``UpstreamPool.send``; aiohttp client errors are mapped here
+to the proxy's own errors (502 unreachable, 504 timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import aiohttp
+from multidict import CIMultiDict
+
+from proxy.config import Config, Upstream
+from proxy.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
+
+
+class Slots:
+    """A FIFO weighted semaphore: a request takes a slot per child, all at once.
+
+    Taking them all at once matters: children that hold slots while waiting for siblings that
+    cannot get one would deadlock two large streaming requests against each other.
+    """
+
+    def __init__(self, capacity: int, max_queue: int) -> None:
+        self.capacity = capacity
+        self.max_queue = max_queue
+        self.in_use = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, weight: int) -> int:
+        weight = min(weight, self.capacity)
+        if not self._waiters and self.in_use + weight <= self.capacity:
+            self.in_use += weight
+            return weight
+        if len(self._waiters) >= self.max_queue:
+            raise Overloaded("upstream is at its concurrency limit; retry shortly", retry_after=1)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (weight, future)
+        self._waiters.append(entry)
+        try:
+            await future
+        except BaseException:
+            if future.done() and not future.cancelled():
+                self.release(weight)  # granted just as we were cancelled: hand it back
+            else:
+                self._waiters.remove(entry)
+                self._wake()
+            raise
+        return weight
+
+    def release(self, weight: int) -> None:
+        self.in_use -= weight
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.in_use + self._waiters[0][0] <= self.capacity:
+            weight, future = self._waiters.popleft()
+            self.in_use += weight
+            future.set_result(None)
+
+
+@dataclass
+class _UpstreamState:
+    upstream: Upstream
+    slots: Slots
+    turn: itertools.count[int] = field(default_factory=itertools.count)
+    in_flight: int = 0
+
+
+class UpstreamPool:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._states = {
+            u.name: _UpstreamState(u, Slots(u.max_concurrency, u.max_queue))
+            for u in config.upstreams
+        }
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            timeout=aiohttp.ClientTimeout(total=None),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "UpstreamPool.start() was not awaited"
+        return self._session
+
+    def state(self, upstream: Upstream) -> _UpstreamState:
+        return self._states[upstream.name]
+
+    def place(self, upstream: Upstream, count: int) -> list[str]:
+        """Replica URLs for ``count`` children: round-robin (spread) or one replica (pack)."""
+        urls = upstream.urls
+        start = next(self.state(upstream).turn)
+        if upstream.placement == "pack":
+            return [urls[start % len(urls)]] * count
+        return [urls[(start + j) % len(urls)] for j in range(count)]
+
+    @asynccontextmanager
+    async def slots(self, upstream: Upstream, count: int) -> AsyncIterator[None]:
+        slots = self.state(upstream).slots
+        taken = await slots.acquire(count)
+        try:
+            yield
+        finally:
+            slots.release(taken)
+
+    @asynccontextmanager
+    async def send(
+        self,
+        upstream: Upstream,
+        base_url: str,
+        method: str,
+        path_qs: str,
+        headers: Mapping[str, str] | CIMultiDict[str],
+        body: bytes | None,
+        *,
+        decompress: bool,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """Open one upstream request; the response is closed (never reused) if left unread."""
+        timeouts = upstream.timeouts
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
+        )
+        state = self.state(upstream)
+        state.in_flight += 1
+        try:
+            try:
+                response = await self.session.request(
+                    method,
+                    base_url + path_qs,
+                    headers=headers,
+                    data=body,
+                    timeout=timeout,
+                    allow_redirects=False,
+                    auto_decompress=decompress,
+                )
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise upstream_error(exc, upstream) from None
+            try:
+                _set_idle_timeout(response, timeouts.idle)
+                yield response
+            finally:
+                if response.content.at_eof():
+                    response.release()
+                else:
+                    response.close()  # an abandoned body: drop the connection so generation stops
+        finally:
+            state.in_flight -= 1
+
+
+def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:
+    """Map an aiohttp client failure to the proxy's own error (SPEC §7: 502 or 504)."""
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeout(f"upstream {upstream.name} timed out")
+    return UpstreamUnavailable(f"upstream {upstream.name} failed: {type(exc).__name__}")
+
+
+def _set_idle_timeout(response: aiohttp.ClientResponse, idle: float) -> None:
+    """After the headers, the read timeout is the idle gap between bytes, not the first byte."""
+    connection = response.connection
+    if connection is not None and connection.protocol is not None:
+        connection.protocol.read_timeout = idle

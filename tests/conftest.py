@@ -1,0 +1,85 @@
+"""Shared fixtures: the demo backend and n-proxy, both real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.config import Config, single_upstream_config
+from proxy.devserver import DevConfig, DevState, start_devserver
+
+
+@dataclass
+class Backend:
+    url: str
+    state: DevState
+
+
+@dataclass
+class Proxy:
+    url: str
+    config: Config
+
+
+async def start_proxy(config: Config) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def make_backend() -> AsyncIterator[Callable[..., Awaitable[Backend]]]:
+    runners: list[web.AppRunner] = []
+
+    async def make(**options: Any) -> Backend:
+        runner, port, state = await start_devserver(DevConfig(**options))
+        runners.append(runner)
+        return Backend(f"http://127.0.0.1:{port}", state)
+
+    yield make
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def backend(make_backend: Callable[..., Awaitable[Backend]]) -> Backend:
+    return await make_backend()
+
+
+@pytest.fixture
+async def make_proxy() -> AsyncIterator[Callable[[Config], Awaitable[Proxy]]]:
+    runners: list[web.AppRunner] = []
+
+    async def make(config: Config) -> Proxy:
+        runner, url = await start_proxy(config)
+        runners.append(runner)
+        return Proxy(url, config)
+
+    yield make
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def proxy(make_proxy: Callable[[Config], Awaitable[Proxy]], backend: Backend) -> Proxy:
+    return await make_proxy(single_upstream_config(backend.url))
+
+
+def proxy_config(backend: Backend, **overrides: Any) -> Config:
+    return dataclasses.replace(single_upstream_config(backend.url), **overrides)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
