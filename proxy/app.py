@@ -6,9 +6,12 @@ through both ways with method, path, query, status, body and end-to-end headers 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -18,35 +21,107 @@ from proxy.config import Config, Upstream
 from proxy.errors import BodyTooLarge, ChildFailed, Overloaded, ProxyError
 from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import request_headers, response_headers
+from proxy.log import log_request
 from proxy.plan import parse_body, plan_request
-from proxy.upstream import UpstreamPool
+from proxy.runtime import Runtime
+from proxy.upstream import Trace, UpstreamPool
 
-CONFIG = web.AppKey("config", Config)
+RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
+HEALTH_INTERVAL = 5.0
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")  # visible ASCII: safe to echo and to prefix
 
 
-def build_app(config: Config) -> web.Application:
+def build_app(config: Config, runtime: Runtime | None = None) -> web.Application:
     app = web.Application(
         client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536}
     )
-    app[CONFIG] = config
+    app[RUNTIME] = runtime or Runtime(config)
     app.cleanup_ctx.append(_pool)
     app.router.add_route("*", "/{tail:.*}", handle)
     return app
 
 
 async def _pool(app: web.Application) -> AsyncIterator[None]:
-    pool = UpstreamPool(app[CONFIG])
+    runtime = app[RUNTIME]
+    pool = UpstreamPool(runtime.config, runtime.metrics)
     await pool.start()
     app[POOL] = pool
+    checker = asyncio.create_task(_check_health(pool, runtime))
     yield
+    checker.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await checker
     await pool.close()
 
 
+async def _check_health(pool: UpstreamPool, runtime: Runtime) -> None:
+    while True:
+        results = await asyncio.gather(*(pool.healthy(u) for u in runtime.config.upstreams))
+        for upstream, ok in zip(runtime.config.upstreams, results, strict=True):
+            runtime.healthy[upstream.name] = ok
+        await asyncio.sleep(HEALTH_INTERVAL)
+
+
+@dataclass
+class _Outcome:
+    """What the request log line and the metrics say about one request."""
+
+    route: str = "other"
+    upstream: str = ""
+    n: int = 1
+    children: int = 0
+    status: int = 499  # nginx's "client closed request", kept when the client leaves first
+    streamed: bool = True  # the response body follows the upstream's as it arrives
+    trace: Trace = field(default_factory=Trace)
+    fanout: Fanout | None = None
+
+    def overhead(self, started: float, ended: float) -> float | None:
+        """Time before the first upstream request, plus stitching after the last body ended."""
+        if self.trace.sent_at is None:
+            return None
+        after = 0.0
+        if not self.streamed and self.trace.done_at is not None:
+            after = max(ended - self.trace.done_at, 0.0)
+        return self.trace.sent_at - started + after
+
+
 async def handle(request: web.Request) -> web.StreamResponse:
-    config = request.app[CONFIG]
+    runtime = request.app[RUNTIME]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    outcome = _Outcome()
+    runtime.enter()
+    try:
+        response = await _dispatch(request, outcome)
+        outcome.status = response.status
+        return response
+    finally:
+        runtime.leave()
+        ended = loop.time()
+        fanout = outcome.fanout
+        fanned = "true" if outcome.children else "false"
+        runtime.metrics.requests.labels(outcome.route, str(outcome.status), fanned).inc()
+        overhead = outcome.overhead(started, ended)
+        if overhead is not None:
+            runtime.metrics.overhead.observe(overhead)
+        log_request(
+            request_id=fanout.plan.parent_id if fanout else request.headers.get("X-Request-Id"),
+            method=request.method,
+            route=outcome.route,
+            upstream=outcome.upstream,
+            n=outcome.n,
+            children=outcome.children,
+            children_aborted=fanout.aborted if fanout else 0,
+            status=outcome.status,
+            duration_ms=round((ended - started) * 1000, 3),
+        )
+
+
+async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamResponse:
+    runtime = request.app[RUNTIME]
+    config = runtime.config
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -55,10 +130,13 @@ async def handle(request: web.Request) -> web.StreamResponse:
         )
     path = request.rel_url.path
     fanout_path = request.method == "POST" and path in config.fanout_paths
+    if fanout_path:
+        outcome.route = path
     try:
         parsed = parse_body(body) if fanout_path else _maybe_json(request, body, config)
         model = parsed.get("model") if parsed is not None else None
         upstream = config.choose_upstream(path, model if isinstance(model, str) else None)
+        outcome.upstream = upstream.name
         if fanout_path and parsed is not None and not upstream.native_n:
             plan = plan_request(
                 parsed,
@@ -68,17 +146,23 @@ async def handle(request: web.Request) -> web.StreamResponse:
                 and not path.endswith("/chat/completions"),
             )
             if plan is not None:
-                fanout = Fanout(
+                outcome.n = plan.best_of or plan.n
+                outcome.children = len(plan.children)
+                runtime.metrics.n.observe(outcome.n)
+                fanout = outcome.fanout = Fanout(
                     pool=request.app[POOL],
+                    runtime=runtime,
                     upstream=upstream,
                     plan=plan,
                     path_qs=request.rel_url.raw_path_qs,
                     headers=request_headers(request.headers, upstream.headers),
+                    trace=outcome.trace,
                 )
+                outcome.streamed = plan.stream
                 if plan.stream:
                     return await respond_stream(fanout, request)
                 return await respond_json(fanout)
-        return await pass_through(request, upstream, body)
+        return await pass_through(request, upstream, body, outcome.trace)
     except ProxyError as exc:
         return error_response(exc)
     except ChildFailed as exc:
@@ -107,7 +191,9 @@ def _parent_id(request: web.Request) -> str:
     return uuid.uuid4().hex
 
 
-async def pass_through(request: web.Request, upstream: Upstream, body: bytes) -> web.StreamResponse:
+async def pass_through(
+    request: web.Request, upstream: Upstream, body: bytes, trace: Trace
+) -> web.StreamResponse:
     pool = request.app[POOL]
     (url,) = pool.place(upstream, 1)
     headers = request_headers(request.headers, upstream.headers)
@@ -121,6 +207,7 @@ async def pass_through(request: web.Request, upstream: Upstream, body: bytes) ->
             headers,
             body if request.body_exists else None,
             decompress=False,
+            trace=trace,
         ) as upstream_response,
     ):
         response = web.StreamResponse(

@@ -8,13 +8,9 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
-from aiohttp import web
-
-from proxy.app import build_app
 from proxy.config import (
     MAX_N_CEILING,
     Config,
@@ -23,6 +19,8 @@ from proxy.config import (
     load_config,
     single_upstream_config,
 )
+from proxy.log import setup_logging
+from proxy.server import Server, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,6 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"n-proxy: config error: {exc}", file=sys.stderr)
         return 2
+    setup_logging(config.log_format)
     _install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config, demo=options.upstream is None and options.config is None))
@@ -69,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8080)")
+    parser.add_argument("--admin-port", type=int, help="admin port for /livez /readyz /metrics")
+    parser.add_argument("--log-format", choices=("json", "text"), help="request log format")
     parser.add_argument(
         "--max-n", type=int, help=f"largest n accepted (default 10, at most {MAX_N_CEILING})"
     )
@@ -95,40 +96,36 @@ def _config(options: argparse.Namespace) -> Config:
     max_n = options.max_n if options.max_n is not None else config.max_n
     if not 1 <= max_n <= MAX_N_CEILING:
         raise ConfigError(f"--max-n: must be an integer from 1 to {MAX_N_CEILING}")
-    return dataclasses.replace(config, listen=listen, max_n=max_n)
+    admin = config.admin
+    if options.admin_port is not None:
+        admin = Listen(host=admin.host if admin else listen.host, port=options.admin_port)
+    log_format = options.log_format or config.log_format
+    return dataclasses.replace(
+        config, listen=listen, max_n=max_n, admin=admin, log_format=log_format
+    )
 
 
 async def serve(config: Config, *, demo: bool = False) -> None:
-    """Run until SIGTERM or SIGINT."""
-    cleanup: list[web.AppRunner] = []
+    """Run until SIGTERM or SIGINT, then drain."""
+    dev_runner = None
     if demo:
         from proxy.devserver import DevConfig, start_devserver
 
         dev_runner, dev_port, _ = await start_devserver(DevConfig(token_delay=0.02))
-        cleanup.append(dev_runner)
         upstream = dataclasses.replace(config.upstreams[0], urls=(f"http://127.0.0.1:{dev_port}",))
         config = dataclasses.replace(config, upstreams=(upstream,))
-        print(
-            f"n-proxy: no --upstream given; started the demo backend on 127.0.0.1:{dev_port}",
-            flush=True,
-        )
-    runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    cleanup.insert(0, runner)
+        print(f"n-proxy: no --upstream given; demo backend on 127.0.0.1:{dev_port}", flush=True)
+    server = Server(config)
     try:
-        site = web.TCPSite(runner, config.listen.host, config.listen.port)
-        await site.start()
+        await server.start()
         upstreams = ", ".join(f"{u.name}={'|'.join(u.urls)}" for u in config.upstreams)
-        where = f"http://{config.listen.host}:{config.listen.port}"
-        print(f"n-proxy: listening on {where} -> {upstreams}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        where = f"http://{config.listen.host}:{server.proxy_port}"
+        admin = f", admin on port {server.admin_port}" if config.admin else ""
+        print(f"n-proxy: listening on {where} -> {upstreams}{admin}", flush=True)
+        await run(server)
     finally:
-        for r in cleanup:
-            await r.cleanup()
+        if dev_runner is not None:
+            await dev_runner.cleanup()
 
 
 def _install_uvloop() -> None:

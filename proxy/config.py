@@ -47,6 +47,7 @@ class Upstream:
     placement: Literal["spread", "pack"] = "spread"
     headers: Mapping[str, str] = field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
+    health_path: str = "/health"
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Config:
     max_n: int = 10
     max_body_bytes: int = 16 * 1024 * 1024
     drain_seconds: float = 25.0
+    drain_grace_seconds: float = 3.0
     log_format: Literal["json", "text"] = "json"
     routes: tuple[Route, ...] = ()
     default_upstream: str = ""
@@ -133,6 +135,7 @@ class _Reader:
                 "max_n",
                 "max_body_bytes",
                 "drain_seconds",
+                "drain_grace_seconds",
                 "log_format",
                 "upstreams",
                 "routes",
@@ -174,6 +177,9 @@ class _Reader:
                 top.get("max_body_bytes", 16 * 1024 * 1024), "max_body_bytes", 1, 1 << 31
             ),
             drain_seconds=self._number(top.get("drain_seconds", 25), "drain_seconds"),
+            drain_grace_seconds=self._number(
+                top.get("drain_grace_seconds", 3), "drain_grace_seconds"
+            ),
             log_format=log_format,
             routes=routes,
             default_upstream=default,
@@ -195,6 +201,7 @@ class _Reader:
                 "placement",
                 "headers",
                 "timeouts",
+                "health_path",
             },
         )
         name = m.get("name")
@@ -245,6 +252,7 @@ class _Reader:
             placement=placement,
             headers=headers,
             timeouts=timeouts,
+            health_path=self._path(m.get("health_path", "/health"), f"{key}.health_path"),
         )
 
     def _route(self, raw: object, key: str, names: list[str]) -> Route:

@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from itertools import accumulate
 from typing import Any, Literal
 
@@ -47,7 +47,9 @@ ERROR_EVENT = orjson.dumps(
     {"error": {"message": "Injected error event", "type": "server_error", "code": 500}}
 )
 
+Json = dict[str, Any]
 Outcome = Literal["finished", "aborted", "faulted"]
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 @dataclass(frozen=True)
@@ -65,21 +67,26 @@ class DevState:
     """
 
     def __init__(self) -> None:
-        self.active: dict[str, dict[str, Any]] = {}
+        self.active: dict[str, Json] = {}
         self.finished: list[str] = []
         self.aborted: list[str] = []
         # Requests the server broke on purpose (x_demo faults), neither finished nor aborted.
         self.faulted: list[str] = []
-        self.seen: list[tuple[str, dict[str, Any], dict[str, str]]] = []
+        self.seen: list[tuple[str, Json, dict[str, str]]] = []
+        self._outcomes = {
+            "finished": self.finished,
+            "aborted": self.aborted,
+            "faulted": self.faulted,
+        }
         # A fresh event per change: changes happen in sync code (even while a handler is being
         # cancelled), where an asyncio.Condition could not be notified without awaiting its lock.
         self._changed = asyncio.Event()
 
-    def record(self, rid: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+    def record(self, rid: str, body: Json, headers: dict[str, str]) -> None:
         self.seen.append((rid, body, headers))
         self._notify()
 
-    def begin(self, rid: str, body: dict[str, Any]) -> None:
+    def begin(self, rid: str, body: Json) -> None:
         self.active[rid] = body
         self._notify()
 
@@ -88,9 +95,7 @@ class DevState:
         if rid not in self.active:
             return
         del self.active[rid]
-        {"finished": self.finished, "aborted": self.aborted, "faulted": self.faulted}[
-            outcome
-        ].append(rid)
+        self._outcomes[outcome].append(rid)
         self._notify()
 
     async def wait_for(self, predicate: Callable[[DevState], bool], timeout: float = 5.0) -> None:
@@ -98,6 +103,9 @@ class DevState:
         async with asyncio.timeout(timeout):
             while not predicate(self):
                 await self._changed.wait()
+
+    def snapshot(self) -> Json:
+        return {"active": list(self.active), **self._outcomes}
 
     def _notify(self) -> None:
         self._changed.set()
@@ -190,8 +198,7 @@ class Job:
     chat: bool
     model: str
     prompt: str
-    seed: int | None
-    n: int
+    seeds: tuple[int | None, ...]  # choice i is generated as the n=1 request with seed + i
     max_tokens: int
     may_stop: bool
     stream: bool
@@ -204,12 +211,6 @@ class Job:
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt.split()) + 1
-
-    def choice_seeds(self) -> list[int | None]:
-        """Choice i is generated as the n=1 request with seed + i (-1 stays random)."""
-        if self.seed is None or self.seed == -1:
-            return [self.seed] * self.n
-        return [self.seed + i for i in range(self.n)]
 
 
 def _is_int(value: object) -> bool:
@@ -246,18 +247,15 @@ def _token_ids(value: object) -> str | None:
 
 
 def _completion_prompt(prompt: object) -> str:
+    if isinstance(prompt, list) and _token_ids(prompt) is None:
+        if len(prompt) > 1:
+            # Splitting a list of prompts is the proxy's job (SPEC section 3).
+            raise RequestError("only one prompt per request", "prompt")
+        prompt = prompt[0] if prompt else None
     if isinstance(prompt, str):
         return prompt
     if (ids := _token_ids(prompt)) is not None:
         return ids
-    if isinstance(prompt, list) and len(prompt) > 1:
-        # Splitting a list of prompts is the proxy's job (SPEC section 3).
-        raise RequestError("only one prompt per request", "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        if isinstance(prompt[0], str):
-            return prompt[0]
-        if (ids := _token_ids(prompt[0])) is not None:
-            return ids
     raise RequestError("prompt must be a string, a list of one string or token ids", "prompt")
 
 
@@ -302,14 +300,11 @@ def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
         limit_key = "max_completion_tokens"
     max_tokens = _optional_int(body, limit_key, DEFAULT_MAX_TOKENS, 0, 1 << 20)
     if chat:
-        wants_logprobs = body.get("logprobs")
-        if wants_logprobs is not None and not isinstance(wants_logprobs, bool):
-            raise RequestError("logprobs must be a boolean", "logprobs")
         k = _optional_int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
-        top_logprobs = k if wants_logprobs else None
+        top_logprobs = k if body.get("logprobs") is True else None
     else:
-        top_logprobs = _optional_int(body, "logprobs", -1, 0, MAX_TOP_LOGPROBS)
-        top_logprobs = None if top_logprobs < 0 else top_logprobs
+        k = _optional_int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        top_logprobs = None if body.get("logprobs") is None else k
     stream = body.get("stream") is True
     options = body.get("stream_options") if stream else None
     options = options if isinstance(options, dict) else {}
@@ -320,8 +315,8 @@ def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
         chat=chat,
         model=model if isinstance(model, str) else config.model,
         prompt=prompt,
-        seed=seed,
-        n=n,
+        # -1 is the "random" sentinel, sent unchanged to every child (SPEC section 3).
+        seeds=tuple(seed if seed in (None, -1) else seed + i for i in range(n)),
         max_tokens=max_tokens,
         may_stop=max_tokens >= STOP_MIN_MAX_TOKENS and body.get("ignore_eos") is not True,
         stream=stream,
@@ -353,10 +348,10 @@ class Reply:
     job: Job
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def usage(self, completion_counts: Sequence[int]) -> dict[str, Any]:
+    def usage(self, completion_counts: Sequence[int]) -> Json:
         prompt = self.job.prompt_tokens
         completion = sum(completion_counts)
-        usage: dict[str, Any] = {
+        usage: Json = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
@@ -367,15 +362,12 @@ class Reply:
             usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return usage
 
-    def body(self, gens: Sequence[Generation]) -> dict[str, Any]:
+    def body(self, gens: Sequence[Generation]) -> Json:
         choices = []
         for index, gen in enumerate(gens):
             text = "".join(token.text for token in gen.tokens)
-            content = (
-                {"message": {"role": "assistant", "content": text}}
-                if self.job.chat
-                else {"text": text}
-            )
+            message = {"role": "assistant", "content": text}
+            content = {"message": message} if self.job.chat else {"text": text}
             logprobs = self._logprobs(gen, range(len(gen.tokens)))
             choice = {"index": index, **content, "logprobs": logprobs}
             choice.update(finish_reason=gen.finish_reason, stop_reason=None)
@@ -384,14 +376,14 @@ class Reply:
         obj = "chat.completion" if self.job.chat else "text_completion"
         return {**self._envelope(obj), "choices": choices, "usage": usage}
 
-    def opening_chunks(self, gens: Sequence[Generation]) -> Iterator[dict[str, Any]]:
+    def opening_chunks(self, gens: Sequence[Generation]) -> Iterator[Json]:
         for index, gen in enumerate(gens):
             if self.job.chat:
                 yield self._chunk(index, {"delta": {"role": "assistant", "content": ""}}, None, 0)
             if not gen.tokens:
                 yield self._finish_chunk(index, gen)
 
-    def step_chunks(self, gens: Sequence[Generation], step: int) -> Iterator[dict[str, Any]]:
+    def step_chunks(self, gens: Sequence[Generation], step: int) -> Iterator[Json]:
         """The chunks of token number `step` of every choice still generating, interleaved."""
         for index, gen in enumerate(gens):
             if step >= len(gen.tokens):
@@ -403,7 +395,7 @@ class Reply:
             if step == len(gen.tokens) - 1:
                 yield self._finish_chunk(index, gen)
 
-    def usage_chunk(self, gens: Sequence[Generation]) -> dict[str, Any]:
+    def usage_chunk(self, gens: Sequence[Generation]) -> Json:
         usage = self.usage([len(gen.tokens) for gen in gens])
         return {**self._envelope(self._chunk_object), "choices": [], "usage": usage}
 
@@ -412,9 +404,9 @@ class Reply:
         # vLLM uses "text_completion" for completion chunks too.
         return "chat.completion.chunk" if self.job.chat else "text_completion"
 
-    def _envelope(self, obj: str) -> dict[str, Any]:
+    def _envelope(self, obj: str) -> Json:
         prefix = "chatcmpl" if self.job.chat else "cmpl"
-        envelope: dict[str, Any] = {
+        envelope: Json = {
             "id": f"{prefix}-{self.job.rid}",
             "object": obj,
             "created": self.created,
@@ -424,25 +416,20 @@ class Reply:
             envelope["system_fingerprint"] = SYSTEM_FINGERPRINT
         return envelope
 
-    def _finish_chunk(self, index: int, gen: Generation) -> dict[str, Any]:
-        content: dict[str, Any] = {"delta": {}} if self.job.chat else {"text": ""}
+    def _finish_chunk(self, index: int, gen: Generation) -> Json:
+        content: Json = {"delta": {}} if self.job.chat else {"text": ""}
         return self._chunk(index, content, None, len(gen.tokens), gen.finish_reason)
 
     def _chunk(
-        self,
-        index: int,
-        content: dict[str, Any],
-        logprobs: dict[str, Any] | None,
-        completed: int,
-        finish_reason: str | None = None,
-    ) -> dict[str, Any]:
-        choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+        self, index: int, content: Json, logprobs: Json | None, done: int, finish: str | None = None
+    ) -> Json:
+        choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish}
         chunk = {**self._envelope(self._chunk_object), "choices": [choice]}
         if self.job.continuous_usage:
-            chunk["usage"] = self.usage([completed])
+            chunk["usage"] = self.usage([done])
         return chunk
 
-    def _logprobs(self, gen: Generation, positions: range) -> dict[str, Any] | None:
+    def _logprobs(self, gen: Generation, positions: range) -> Json | None:
         k = self.job.top_logprobs
         if k is None:
             return None
@@ -459,11 +446,11 @@ class Reply:
         }
 
 
-def _logprob_entry(token: Token) -> dict[str, Any]:
+def _logprob_entry(token: Token) -> Json:
     return {"token": token.text, "logprob": token.logprob, "bytes": list(token.text.encode())}
 
 
-def _chat_logprob(gen: Generation, position: int, k: int) -> dict[str, Any]:
+def _chat_logprob(gen: Generation, position: int, k: int) -> Json:
     top = [_logprob_entry(t) for t in top_tokens(gen, position, k)]
     return {**_logprob_entry(gen.tokens[position]), "top_logprobs": top}
 
@@ -552,7 +539,7 @@ async def _answer(request: web.Request, job: Job, state: DevState) -> web.Stream
         return web.Response()
     gens = [
         shape_generation(generate(job.prompt, seed, job.max_tokens, job.may_stop), job.knobs)
-        for seed in job.choice_seeds()
+        for seed in job.seeds
     ]
     if job.stream:
         return await _stream(request, job, gens, state)
@@ -595,13 +582,7 @@ async def _stream(
     ping = b": ping" + eol if fault == "ping" else b""
     steps = max(len(gen.tokens) for gen in gens)
     fault_step = min(job.knobs.after_tokens, steps) if fault in MID_STREAM_FAULTS else -1
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Request-Id": job.rid,
-        }
-    )
+    response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": job.rid})
 
     async def send(data: bytes) -> None:
         await response.write(ping + b"data: " + data + eol + eol)
@@ -642,14 +623,6 @@ async def _stream(
     return response
 
 
-async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _handle_generation(request, chat=True)
-
-
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await _handle_generation(request, chat=False)
-
-
 async def _models(request: web.Request) -> web.Response:
     model = request.app[_CONFIG].model
     card = {"id": model, "object": "model", "created": 0, "owned_by": "n-proxy-devserver"}
@@ -662,13 +635,12 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[DEV_STATE]
-    text = (
-        "# HELP devserver_requests_total Generation requests received.\n"
-        "# TYPE devserver_requests_total counter\n"
-        f"devserver_requests_total {len(state.seen)}\n"
-        "# HELP devserver_requests_running Generation requests in progress.\n"
-        "# TYPE devserver_requests_running gauge\n"
-        f"devserver_requests_running {len(state.active)}\n"
+    text = "".join(
+        f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name} {value}\n"
+        for name, kind, help_text, value in [
+            ("devserver_requests_total", "counter", "Generation requests.", len(state.seen)),
+            ("devserver_requests_running", "gauge", "Requests generating.", len(state.active)),
+        ]
     )
     content_type = "text/plain; version=0.0.4; charset=utf-8"
     return web.Response(body=text.encode(), headers={"Content-Type": content_type})
@@ -679,29 +651,17 @@ def _embed(text: str) -> list[float]:
     return [round((byte - 127.5) / 127.5, 6) for byte in digest[:8]]
 
 
-def _embedding_texts(raw: object) -> list[str]:
-    items = [raw] if isinstance(raw, str) or _token_ids(raw) is not None else raw
-    if not isinstance(items, list) or not items:
-        raise RequestError("input must be a string, token ids or a list of them", "input")
-    texts = []
-    for item in items:
-        text = item if isinstance(item, str) else _token_ids(item)
-        if text is None:
-            raise RequestError("input must be a string, token ids or a list of them", "input")
-        texts.append(text)
-    return texts
-
-
 async def _embeddings(request: web.Request) -> web.Response:
     body = _decode_json(await request.read())
     fields = body if isinstance(body, dict) else {}
-    try:
-        texts = _embedding_texts(fields.get("input"))
-    except RequestError as exc:
-        return _error_response(400, exc.message, None, exc.param)
+    raw = fields.get("input")
+    if raw is None or raw == []:
+        return _error_response(400, "input is required", None, "input")
+    # A string or a flat list of token ids is one input; any other list holds several.
+    items = raw if isinstance(raw, list) and _token_ids(raw) is None else [raw]
+    texts = [item if isinstance(item, str) else orjson.dumps(item).decode() for item in items]
     data = [
-        {"object": "embedding", "index": i, "embedding": _embed(text)}
-        for i, text in enumerate(texts)
+        {"object": "embedding", "index": i, "embedding": _embed(t)} for i, t in enumerate(texts)
     ]
     tokens = sum(len(text.split()) + 1 for text in texts)
     model = fields.get("model") or request.app[_CONFIG].model
@@ -710,12 +670,9 @@ async def _embeddings(request: web.Request) -> web.Response:
 
 
 async def _echo(request: web.Request) -> web.Response:
-    status_text = request.query.get("status", "200")
-    if not status_text.isdigit() or not 100 <= int(status_text) <= 599:
+    status = request.query.get("status", "200")
+    if not status.isdigit() or not 200 <= int(status) <= 599:
         return _error_response(400, "status must be an HTTP status code", None, "status")
-    status = int(status_text)
-    if status < 200 or status in (204, 304):
-        return web.Response(status=status)  # these statuses carry no body
     echo = {
         "method": request.method,
         "path": request.path,
@@ -723,19 +680,11 @@ async def _echo(request: web.Request) -> web.Response:
         "headers": _header_dict(request),
         "body": (await request.read()).decode("utf-8", "replace"),
     }
-    return _json_response(echo, status)
+    return _json_response(echo, int(status))
 
 
 async def _debug_state(request: web.Request) -> web.Response:
-    state = request.app[DEV_STATE]
-    return _json_response(
-        {
-            "active": list(state.active),
-            "finished": state.finished,
-            "aborted": state.aborted,
-            "faulted": state.faulted,
-        }
-    )
+    return _json_response(request.app[DEV_STATE].snapshot())
 
 
 def build_app(config: DevConfig = DevConfig()) -> web.Application:
@@ -743,8 +692,8 @@ def build_app(config: DevConfig = DevConfig()) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[_CONFIG] = config
     app[DEV_STATE] = DevState()
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", partial(_handle_generation, chat=True))
+    app.router.add_post("/v1/completions", partial(_handle_generation, chat=False))
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
@@ -778,13 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="demo-model")
     args = parser.parse_args(argv)
     config = DevConfig(token_delay=args.token_delay, native_n=args.native_n, model=args.model)
-    web.run_app(
-        build_app(config),
-        host=args.host,
-        port=args.port,
-        handler_cancellation=True,
-        shutdown_timeout=1.0,
-    )
+    app = build_app(config)
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=1)
     return 0
 
 

@@ -7,8 +7,9 @@ cancelled (its connection closed) in a ``finally``, so nothing generates for a c
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
@@ -19,29 +20,45 @@ from multidict import CIMultiDict
 from proxy.config import Upstream
 from proxy.errors import ChildFailed, ProxyError, UpstreamUnavailable
 from proxy.plan import Plan
+from proxy.runtime import Runtime
 from proxy.sse import Event, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
-from proxy.upstream import UpstreamPool, upstream_error
+from proxy.upstream import Trace, UpstreamPool, upstream_error
 
 T = TypeVar("T")
-_END = None  # a child's stream ended cleanly
+Item = list[Event] | BaseException | None  # events, a failure, or None: the child ended cleanly
 
 
-@dataclass(frozen=True)
+@dataclass
 class Fanout:
     """One fan-out request: where its children go and what they carry."""
 
     pool: UpstreamPool
+    runtime: Runtime
     upstream: Upstream
     plan: Plan
     path_qs: str
     headers: CIMultiDict[str]  # end-to-end headers shared by every child
+    trace: Trace = field(default_factory=Trace)
+    aborted: int = 0  # children cancelled before they finished
 
     def child_headers(self, pos: int) -> CIMultiDict[str]:
         headers = self.headers.copy()
         headers["X-Request-Id"] = self.plan.children[pos].request_id
         headers["Content-Type"] = "application/json"
         return headers
+
+    def send(self, pos: int, url: str) -> Any:
+        return self.pool.send(
+            self.upstream, url, "POST", self.path_qs, self.child_headers(pos),
+            self.plan.children[pos].body, decompress=True, trace=self.trace,
+        )  # fmt: skip
+
+    async def cancel(self, tasks: Sequence[asyncio.Future[Any]]) -> None:
+        aborted = await _cancel_all(tasks)
+        if aborted:
+            self.aborted += aborted
+            self.runtime.metrics.children_aborted.labels(self.upstream.name).inc(aborted)
 
 
 async def respond_json(fanout: Fanout) -> web.Response:
@@ -50,29 +67,29 @@ async def respond_json(fanout: Fanout) -> web.Response:
     urls = fanout.pool.place(fanout.upstream, len(plan.children))
 
     async def fetch(pos: int) -> dict[str, Any]:
-        child = plan.children[pos]
-        async with fanout.pool.send(
-            fanout.upstream, urls[pos], "POST", fanout.path_qs, fanout.child_headers(pos),
-            child.body, decompress=True,
-        ) as response:  # fmt: skip
+        async with fanout.send(pos, urls[pos]) as response:
             try:
                 raw = await response.read()
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise upstream_error(exc, fanout.upstream) from None
             if response.status >= 300:
                 raise ChildFailed(response.status, raw, response.content_type)
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                body = None
-            if not isinstance(body, dict):
-                raise UpstreamUnavailable(
-                    f"upstream sent a body that is not a JSON object: {raw[:80]!r}"
-                )
-            return body
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            raise UpstreamUnavailable(
+                f"upstream sent a body that is not a JSON object: {raw[:80]!r}"
+            )
+        return body
 
     async with fanout.pool.slots(fanout.upstream, len(plan.children)):
-        bodies = await _all_or_first_failure([fetch(pos) for pos in range(len(urls))])
+        tasks = [asyncio.ensure_future(fetch(pos)) for pos in range(len(urls))]
+        try:
+            bodies = await _all_or_first_failure(tasks)
+        finally:
+            await fanout.cancel(tasks)
     return web.Response(
         body=orjson.dumps(stitch_json(plan, bodies)),
         content_type="application/json",
@@ -85,17 +102,18 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
     plan = fanout.plan
     count = len(plan.children)
     urls = fanout.pool.place(fanout.upstream, count)
-    # Bounded: a child can run at most one read ahead of a slow client (backpressure, STYLE).
-    queue: asyncio.Queue[tuple[int, list[Event] | BaseException | None]] = asyncio.Queue(count)
+    mailbox = Mailbox(count)
     headers_in = [asyncio.get_running_loop().create_future() for _ in range(count)]
 
+    def headers_failed(pos: int, exc: BaseException) -> bool:
+        if headers_in[pos].done():
+            return False
+        headers_in[pos].set_exception(exc)
+        return True
+
     async def run_child(pos: int) -> None:
-        child = plan.children[pos]
         try:
-            async with fanout.pool.send(
-                fanout.upstream, urls[pos], "POST", fanout.path_qs, fanout.child_headers(pos),
-                child.body, decompress=True,
-            ) as response:  # fmt: skip
+            async with fanout.send(pos, urls[pos]) as response:
                 if response.status >= 300:
                     raise ChildFailed(response.status, await response.read(), response.content_type)
                 if not headers_in[pos].done():  # done already if a sibling failed first
@@ -104,22 +122,18 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 async for data in response.content.iter_any():
                     events = decoder.feed(data)
                     if events:
-                        await queue.put((pos, events))
-                await queue.put((pos, decoder.close()))
-                await queue.put((pos, _END))
+                        await mailbox.put((pos, events))
+                await mailbox.put((pos, decoder.close()))
+            await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:
-            if not headers_in[pos].done():
-                headers_in[pos].set_exception(exc)
-            else:
-                await queue.put((pos, exc))
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            if not headers_in[pos].done():
-                headers_in[pos].set_exception(upstream_error(exc, fanout.upstream))
-            else:
-                await queue.put((pos, exc))
+            if not headers_failed(pos, exc):
+                await mailbox.put((pos, exc))
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            if not headers_failed(pos, upstream_error(exc, fanout.upstream)):
+                await mailbox.put((pos, exc))
 
     async with fanout.pool.slots(fanout.upstream, count):
-        tasks = [asyncio.create_task(run_child(pos)) for pos in range(count)]
+        tasks = [asyncio.ensure_future(run_child(pos)) for pos in range(count)]
         try:
             await _all_or_first_failure(headers_in)
             response = web.StreamResponse(
@@ -130,29 +144,82 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 }
             )
             await response.prepare(request)
-            await _merge(plan, queue, response)
+            fanout.runtime.streams.add(mailbox)
+            try:
+                chunks = await _merge(plan, mailbox, response)
+            finally:
+                fanout.runtime.streams.discard(mailbox)
+                fanout.runtime.metrics.stitched_chunks.inc(chunks)
             await response.write_eof()
             return response
         finally:
             for future in headers_in:
                 if future.done() and not future.cancelled():
                     future.exception()  # retrieved: a sibling's failure is not "never retrieved"
-            await _cancel_all(tasks)
+            await fanout.cancel(tasks)
 
 
-async def _merge(
-    plan: Plan,
-    queue: asyncio.Queue[tuple[int, list[Event] | BaseException | None]],
-    response: web.StreamResponse,
-) -> None:
+class Mailbox:
+    """A bounded hand-off from the child tasks to the one writer.
+
+    Bounded so a slow client stalls the children's reads (backpressure reaches the upstream);
+    ``cut`` wakes the writer at once, for a drain that has run out of time.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._items: deque[tuple[int, Item]] = deque()
+        self._size = size
+        self._getter: asyncio.Future[None] | None = None
+        self._putters: deque[asyncio.Future[None]] = deque()
+        self.cut_reason: str | None = None
+
+    async def put(self, item: tuple[int, Item]) -> None:
+        while len(self._items) >= self._size:
+            putter = asyncio.get_running_loop().create_future()
+            self._putters.append(putter)
+            try:
+                await putter
+            finally:
+                if putter in self._putters:
+                    self._putters.remove(putter)
+        self._items.append(item)
+        _wake(self._getter)
+
+    async def take(self) -> list[tuple[int, Item]]:
+        """Everything waiting (at least one item), or [] once cut."""
+        while not self._items and self.cut_reason is None:
+            self._getter = asyncio.get_running_loop().create_future()
+            await self._getter
+        if self.cut_reason is not None:
+            return []
+        items = list(self._items)
+        self._items.clear()
+        while self._putters:
+            _wake(self._putters.popleft())
+        return items
+
+    def cut(self, reason: str) -> None:
+        self.cut_reason = reason
+        _wake(self._getter)
+
+
+def _wake(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
+async def _merge(plan: Plan, mailbox: Mailbox, response: web.StreamResponse) -> int:
+    """Write chunks as they arrive; returns how many were stitched."""
     stitcher = StreamStitcher(plan)
     running = len(plan.children)
     while running:
         out: list[bytes] = []
-        pos, item = await queue.get()
         try:
-            while True:
-                if item is _END:
+            items = await mailbox.take()
+            if not items:
+                raise StreamError(None, mailbox.cut_reason or "cut")
+            for pos, item in items:
+                if item is None:
                     running -= 1
                     if not stitcher.finished(pos):
                         raise StreamError(plan.children[pos].index, "stream ended before finishing")
@@ -163,16 +230,14 @@ async def _merge(
                         chunk = stitcher.chunk(pos, event.data, event.event)
                         if chunk is not None:
                             out.append(chunk)
-                if queue.empty():
-                    break
-                pos, item = queue.get_nowait()  # coalesce what is already here into one write
         except StreamError as error:
             out.append(error_event(error))
             await response.write(b"".join(out))
-            return
+            return stitcher.chunks
         if out:
             await response.write(b"".join(out))
     await response.write(stitcher.tail())
+    return stitcher.chunks
 
 
 def _reason(exc: BaseException) -> str:
@@ -182,27 +247,32 @@ def _reason(exc: BaseException) -> str:
         return "upstream went idle (timeout)"
     if isinstance(exc, ProxyError):
         return exc.message
+    if isinstance(exc, ValueError):
+        return f"upstream stream is malformed: {exc}"
     return f"upstream connection broke ({type(exc).__name__})"
 
 
 async def _all_or_first_failure(awaitables: Sequence[Awaitable[T]]) -> list[T]:
-    """Await all concurrently; on the first failure cancel the rest and raise it (SPEC §7)."""
+    """Await all concurrently; raise the first failure as soon as it happens (SPEC §7).
+
+    The caller cancels what is left, so that it can count the children it cut short.
+    """
     tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        pending: set[asyncio.Future[T]] = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t for t in tasks if t in done and t.exception() is not None]
-            if failed:
-                error = failed[0].exception()
-                assert error is not None
-                raise error
-        return [t.result() for t in tasks]
-    finally:
-        await _cancel_all(tasks)
+    pending: set[asyncio.Future[T]] = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t in done and t.exception() is not None]
+        if failed:
+            error = failed[0].exception()
+            assert error is not None
+            raise error
+    return [t.result() for t in tasks]
 
 
-async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
-    for task in tasks:
+async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> int:
+    """Cancel whatever still runs and wait for it to unwind; returns how many were cut short."""
+    running = [t for t in tasks if not t.done()]
+    for task in running:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    return len(running)

@@ -194,12 +194,10 @@ class SSEDecoder:
                 self._add_data(value, limit)
             elif name == b"event":
                 self._event = value
-            elif name == b"id":
-                if b"\0" not in value:
-                    self._id = value.decode("utf-8", "replace")
-            elif name == b"retry":
-                if value.isdigit():  # bytes.isdigit accepts ASCII digits only, as the spec
-                    self._retry = int(value)
+            elif name == b"id" and b"\0" not in value:  # the spec ignores ids holding NUL
+                self._id = value.decode("utf-8", "replace")
+            elif name == b"retry" and value.isdigit():  # bytes.isdigit: ASCII digits only
+                self._retry = int(value)
             # Any other field name is ignored, as the spec says.
         return events
 

@@ -21,9 +21,9 @@ DONE = b"data: [DONE]\n\n"
 class StreamError(Exception):
     """A child's stream failed after the 200 was sent (SPEC §7)."""
 
-    def __init__(self, choice: int, reason: str) -> None:
-        super().__init__(f"choice {choice}: {reason}")
-        self.choice = choice
+    def __init__(self, choice: int | None, reason: str) -> None:
+        super().__init__(reason if choice is None else f"choice {choice} failed: {reason}")
+        self.choice = choice  # None: the whole stream was cut (a drain ran out of time)
         self.reason = reason
 
 
@@ -171,7 +171,7 @@ def error_event(error: StreamError) -> bytes:
     """One error event, then the one ``[DONE]`` (SPEC §7; vLLM's mid-stream error shape)."""
     body = {
         "error": {
-            "message": f"choice {error.choice} failed: {error.reason}",
+            "message": str(error),
             "type": "server_error",
             "param": None,
             "code": None,

@@ -18,6 +18,7 @@ from multidict import CIMultiDict
 
 from proxy.config import Config, Upstream
 from proxy.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
+from proxy.metrics import Metrics
 
 
 class Slots:
@@ -70,16 +71,24 @@ class Slots:
 
 
 @dataclass
+class Trace:
+    """When a request first went upstream and when its last upstream body ended."""
+
+    sent_at: float | None = None
+    done_at: float | None = None
+
+
+@dataclass
 class _UpstreamState:
     upstream: Upstream
     slots: Slots
     turn: itertools.count[int] = field(default_factory=itertools.count)
-    in_flight: int = 0
 
 
 class UpstreamPool:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, metrics: Metrics) -> None:
         self.config = config
+        self.metrics = metrics
         self._states = {
             u.name: _UpstreamState(u, Slots(u.max_concurrency, u.max_queue))
             for u in config.upstreams
@@ -118,7 +127,11 @@ class UpstreamPool:
     @asynccontextmanager
     async def slots(self, upstream: Upstream, count: int) -> AsyncIterator[None]:
         slots = self.state(upstream).slots
-        taken = await slots.acquire(count)
+        try:
+            taken = await slots.acquire(count)
+        except Overloaded:
+            self.metrics.rejected.labels(upstream.name).inc()
+            raise
         try:
             yield
         finally:
@@ -135,14 +148,19 @@ class UpstreamPool:
         body: bytes | None,
         *,
         decompress: bool,
+        trace: Trace | None = None,
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """Open one upstream request; the response is closed (never reused) if left unread."""
         timeouts = upstream.timeouts
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
         )
-        state = self.state(upstream)
-        state.in_flight += 1
+        in_flight = self.metrics.children_in_flight.labels(upstream.name)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        if trace is not None and trace.sent_at is None:
+            trace.sent_at = started
+        in_flight.inc()
         try:
             try:
                 response = await self.session.request(
@@ -156,6 +174,7 @@ class UpstreamPool:
                 )
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise upstream_error(exc, upstream) from None
+            self.metrics.upstream_ttfb.labels(upstream.name).observe(loop.time() - started)
             try:
                 _set_idle_timeout(response, timeouts.idle)
                 yield response
@@ -165,7 +184,27 @@ class UpstreamPool:
                 else:
                     response.close()  # an abandoned body: drop the connection so generation stops
         finally:
-            state.in_flight -= 1
+            in_flight.dec()
+            ended = loop.time()
+            self.metrics.upstream_duration.labels(upstream.name).observe(ended - started)
+            if trace is not None:
+                trace.done_at = ended if trace.done_at is None else max(trace.done_at, ended)
+
+    async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
+        """An upstream is healthy when any replica answers its health path without a 5xx."""
+        for url in upstream.urls:
+            try:
+                async with self.session.get(
+                    url + upstream.health_path,
+                    headers=upstream.headers,
+                    timeout=aiohttp.ClientTimeout(total=timeout),
+                    allow_redirects=False,
+                ) as response:
+                    if response.status < 500:
+                        return True
+            except (TimeoutError, aiohttp.ClientError):
+                continue
+        return False
 
 
 def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:

@@ -83,3 +83,26 @@ def proxy_config(backend: Backend, **overrides: Any) -> Config:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+# llama.cpp's own server (via xllamacpp) on a tiny self-built model, one per test session. The
+# heavy imports stay inside the fixtures so tests that never ask for them do not pay for them.
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GGUF with EOS reachable, so choices end with both "stop" and "length"."""
+    from tests.tinymodel import build_tiny_gguf
+
+    return build_tiny_gguf(tmp_path_factory.mktemp("llama") / "tiny.gguf", eos_reachable=True)
+
+
+@pytest.fixture(scope="session")
+def llama_url(llama_model: Path) -> Iterator[str]:
+    """A llama-server with one slot: it rejects every n != 1, so n>1 only works via n-proxy."""
+    from tests.llamacpp import llama_server
+
+    with llama_server(llama_model, n_parallel=1) as server:
+        yield server.base_url

@@ -31,7 +31,9 @@ async def post(
         return response.status, await response.read(), response.headers
 
 
-async def direct_choice(http: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any]) -> Any:
+async def direct_choice(
+    http: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any]
+) -> Any:
     status, raw, _ = await post(http, backend.url + path, body)
     assert status == 200, raw
     choice = orjson.loads(raw)["choices"][0]
@@ -49,7 +51,12 @@ async def test_chat_n3_choices_equal_n1_answers_with_seed_plus_i(
     assert headers["X-Request-Id"] == "abc"
     assert [c["index"] for c in merged["choices"]] == [0, 1, 2]
     for i, choice in enumerate(merged["choices"]):
-        expected = await direct_choice(http, backend, CHAT, {"model": "m", "messages": MESSAGES, "seed": 40 + i, "max_tokens": 8})
+        expected = await direct_choice(
+            http,
+            backend,
+            CHAT,
+            {"model": "m", "messages": MESSAGES, "seed": 40 + i, "max_tokens": 8},
+        )
         assert choice["message"]["content"] == expected
     usage = merged["usage"]
     assert usage["completion_tokens"] == 24
@@ -63,8 +70,17 @@ async def test_chat_n3_choices_equal_n1_answers_with_seed_plus_i(
 async def test_children_carry_seed_request_id_and_no_n(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
-    body = {"model": "m", "messages": MESSAGES, "n": 2, "seed": 7, "tools": [{"type": "function", "function": {"name": "f"}}], "vendor_x": {"k": 1}}
-    status, raw, _ = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "r1", "Authorization": "Bearer secret"})
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 2,
+        "seed": 7,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "vendor_x": {"k": 1},
+    }
+    status, raw, _ = await post(
+        http, proxy.url + CHAT, body, **{"X-Request-Id": "r1", "Authorization": "Bearer secret"}
+    )
     assert status == 200, raw
     children = {rid: (b, h) for rid, b, h in backend.state.seen}
     for i in range(2):
@@ -79,14 +95,25 @@ async def test_children_carry_seed_request_id_and_no_n(
 async def test_completions_list_prompts_index_p_times_n_plus_i(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
-    body = {"model": "m", "prompt": ["one two", "three four five"], "n": 2, "seed": 1, "max_tokens": 4}
+    body = {
+        "model": "m",
+        "prompt": ["one two", "three four five"],
+        "n": 2,
+        "seed": 1,
+        "max_tokens": 4,
+    }
     status, raw, _ = await post(http, proxy.url + COMPLETIONS, body, **{"X-Request-Id": "lp"})
     assert status == 200, raw
     merged = orjson.loads(raw)
     assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3]
     for p, prompt in enumerate(body["prompt"]):
         for i in range(2):
-            expected = await direct_choice(http, backend, COMPLETIONS, {"model": "m", "prompt": prompt, "seed": 1 + i, "max_tokens": 4})
+            expected = await direct_choice(
+                http,
+                backend,
+                COMPLETIONS,
+                {"model": "m", "prompt": prompt, "seed": 1 + i, "max_tokens": 4},
+            )
             assert merged["choices"][p * 2 + i]["text"] == expected
     seen = {rid for rid, _, _ in backend.state.seen}
     assert {"0_lp-0", "1_lp-0", "0_lp-1", "1_lp-1"} <= seen
@@ -120,9 +147,16 @@ async def test_stream_n3_interleaves_rewrites_and_ends_with_one_done(
         (choice,) = chunk["choices"]
         texts[choice["index"]] += choice["delta"].get("content") or ""
     for i in range(3):
-        expected = await direct_choice(http, backend, CHAT, {"model": "m", "messages": MESSAGES, "seed": 5 + i, "max_tokens": 6})
+        expected = await direct_choice(
+            http,
+            backend,
+            CHAT,
+            {"model": "m", "messages": MESSAGES, "seed": 5 + i, "max_tokens": 6},
+        )
         assert texts[i] == expected
-    finishes = [c["choices"][0]["index"] for c in choice_chunks if c["choices"][0].get("finish_reason")]
+    finishes = [
+        c["choices"][0]["index"] for c in choice_chunks if c["choices"][0].get("finish_reason")
+    ]
     assert sorted(finishes) == [0, 1, 2]
     if include_usage:
         (usage_chunk,) = usage_chunks
@@ -164,7 +198,9 @@ async def test_stream_continuous_usage_keeps_each_childs_own_usage(
 async def test_invalid_n_or_seed_is_400_and_nothing_reaches_upstream(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, body: dict[str, Any], param: str
 ) -> None:
-    status, raw, _ = await post(http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, **body})
+    status, raw, _ = await post(
+        http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, **body}
+    )
     assert status == 400
     error = orjson.loads(raw)["error"]
     assert error["type"] == "invalid_request_error"
@@ -176,7 +212,9 @@ async def test_invalid_n_or_seed_is_400_and_nothing_reaches_upstream(
 async def test_fanout_path_with_bad_json_is_400(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, raw_body: bytes
 ) -> None:
-    async with http.post(proxy.url + CHAT, data=raw_body, headers={"Content-Type": "application/json"}) as response:
+    async with http.post(
+        proxy.url + CHAT, data=raw_body, headers={"Content-Type": "application/json"}
+    ) as response:
         assert response.status == 400
         assert (await response.json())["error"]["type"] == "invalid_request_error"
     assert backend.state.seen == []
@@ -198,7 +236,13 @@ async def test_child_500_before_headers_returns_that_status_and_aborts_siblings(
 async def test_child_400_non_streaming_relays_status_and_body(
     http: aiohttp.ClientSession, proxy: Proxy
 ) -> None:
-    body = {"model": "m", "messages": MESSAGES, "n": 2, "seed": 0, "x_demo": {"only_seed": 1, "fault": "status_400"}}
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 2,
+        "seed": 0,
+        "x_demo": {"only_seed": 1, "fault": "status_400"},
+    }
     status, raw, _ = await post(http, proxy.url + CHAT, body)
     assert status == 400
     assert orjson.loads(raw)["error"]["type"] == "invalid_request_error"
@@ -235,14 +279,24 @@ async def test_error_event_mid_stream_is_relayed_as_one_error(
     status, raw, _ = await post(http, proxy.url + COMPLETIONS, body)
     assert status == 200
     payloads = sse_payloads(raw)
-    assert [p for p in payloads if p != "[DONE]" and "error" in p][0]["error"]["message"].startswith("choice 0")
+    assert [p for p in payloads if p != "[DONE]" and "error" in p][0]["error"][
+        "message"
+    ].startswith("choice 0")
     assert payloads[-1] == "[DONE]"
 
 
 async def test_client_disconnect_aborts_every_child(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
-    body = {"model": "m", "messages": MESSAGES, "n": 3, "seed": 1, "stream": True, "max_tokens": 10_000, "x_demo": {"token_delay": 0.01}}
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": 1,
+        "stream": True,
+        "max_tokens": 10_000,
+        "x_demo": {"token_delay": 0.01},
+    }
     async with http.post(proxy.url + CHAT, json=body, headers={"X-Request-Id": "gone"}) as response:
         assert response.status == 200
         await response.content.readline()
@@ -256,7 +310,14 @@ async def test_client_disconnect_aborts_every_child(
 async def test_client_disconnect_non_streaming_aborts_every_child(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
-    body = {"model": "m", "messages": MESSAGES, "n": 2, "seed": 1, "max_tokens": 10_000, "x_demo": {"token_delay": 0.01}}
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 2,
+        "seed": 1,
+        "max_tokens": 10_000,
+        "x_demo": {"token_delay": 0.01},
+    }
     task = asyncio.create_task(post(http, proxy.url + CHAT, body, **{"X-Request-Id": "gone2"}))
     await backend.state.wait_for(lambda s: len(s.active) == 2)
     task.cancel()
@@ -267,14 +328,26 @@ async def test_upstream_unreachable_is_502(http: aiohttp.ClientSession, make_pro
     from proxy.config import single_upstream_config
 
     proxy = await make_proxy(single_upstream_config("http://127.0.0.1:9"))
-    for body in ({"model": "m", "messages": MESSAGES, "n": 2}, {"model": "m", "messages": MESSAGES}):
+    for body in (
+        {"model": "m", "messages": MESSAGES, "n": 2},
+        {"model": "m", "messages": MESSAGES},
+    ):
         status, raw, _ = await post(http, proxy.url + CHAT, body)
         assert status == 502
         assert orjson.loads(raw)["error"]["type"] == "server_error"
 
 
-async def test_finish_reason_abort_is_a_normal_choice(http: aiohttp.ClientSession, proxy: Proxy) -> None:
-    body = {"model": "m", "messages": MESSAGES, "n": 2, "seed": 0, "max_tokens": 8, "x_demo": {"only_seed": 1, "fault": "abort", "after_tokens": 2}}
+async def test_finish_reason_abort_is_a_normal_choice(
+    http: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 2,
+        "seed": 0,
+        "max_tokens": 8,
+        "x_demo": {"only_seed": 1, "fault": "abort", "after_tokens": 2},
+    }
     status, raw, _ = await post(http, proxy.url + CHAT, body)
     assert status == 200
     reasons = [c["finish_reason"] for c in orjson.loads(raw)["choices"]]
@@ -288,10 +361,14 @@ async def test_configured_prefix_path_fans_out(
 
     # The backend serves /v1/...; a prefix is configured where the backend mounts the same API.
     proxy = await make_proxy(proxy_config(backend, fanout_paths=("/v1/chat/completions",)))
-    status, raw, _ = await post(http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, "n": 2})
+    status, raw, _ = await post(
+        http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, "n": 2}
+    )
     assert status == 200
     assert len(orjson.loads(raw)["choices"]) == 2
-    status, raw, _ = await post(http, proxy.url + COMPLETIONS, {"model": "m", "prompt": "x", "n": 2})
+    status, raw, _ = await post(
+        http, proxy.url + COMPLETIONS, {"model": "m", "prompt": "x", "n": 2}
+    )
     assert status == 400  # not a fan-out path here: passed through, and the backend rejects n=2
     assert orjson.loads(raw)["error"]["message"] == "Only n=1 is supported"
 
@@ -305,9 +382,16 @@ async def test_native_n_upstream_passes_n_through(
 
     native = await make_backend(native_n=True)
     config = proxy_config(native)
-    config = dataclasses.replace(config, upstreams=(dataclasses.replace(config.upstreams[0], native_n=True),))
+    config = dataclasses.replace(
+        config, upstreams=(dataclasses.replace(config.upstreams[0], native_n=True),)
+    )
     proxy = await make_proxy(config)
-    status, raw, _ = await post(http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, "n": 3}, **{"X-Request-Id": "nat"})
+    status, raw, _ = await post(
+        http,
+        proxy.url + CHAT,
+        {"model": "m", "messages": MESSAGES, "n": 3},
+        **{"X-Request-Id": "nat"},
+    )
     assert status == 200
     assert len(orjson.loads(raw)["choices"]) == 3
     assert [rid for rid, _, _ in native.state.seen] == ["nat"]

@@ -11,8 +11,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from llamacpp import LlamaServer, llama_server
-from tinymodel import build_tiny_gguf
+from tests.llamacpp import LlamaServer, llama_server
+from tests.tinymodel import build_tiny_gguf
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -32,6 +32,8 @@ class Recorder:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        if request.path == "/health":  # the proxy's own health checks
+            return web.Response(text="ok")
         self.requests.append((request.method, request.path_qs, CIMultiDict(request.headers), body))
         if request.path == "/slow-stream":
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -45,14 +47,24 @@ class Recorder:
         if request.path == "/v1/chat/completions":
             response = web.StreamResponse(
                 status=200,
-                headers={"Content-Type": "text/event-stream", "X-Upstream": "yes", "Connection": "keep-alive, X-Hop", "X-Hop": "1"},
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "X-Upstream": "yes",
+                    "Connection": "keep-alive, X-Hop",
+                    "X-Hop": "1",
+                },
             )
             await response.prepare(request)
             for piece in (ODD_STREAM[:30], ODD_STREAM[30:77], ODD_STREAM[77:]):
                 await response.write(piece)
             await response.write_eof()
             return response
-        return web.Response(status=418, body=b"\x00\x01teapot", headers={"X-Upstream": "yes"}, content_type="application/octet-stream")
+        return web.Response(
+            status=418,
+            body=b"\x00\x01teapot",
+            headers={"X-Upstream": "yes"},
+            content_type="application/octet-stream",
+        )
 
 
 @pytest.fixture
@@ -75,8 +87,14 @@ async def test_n1_request_and_response_bytes_pass_unchanged(
     rec, url = recorder
     proxy: Proxy = await make_proxy(single_upstream_config(url))
     raw_body = b'{"model":"m",  "n": 1, "seed": 5, "stream": true, "messages":[]}'
-    headers = {"X-Request-Id": "keep-me", "Content-Type": "application/json", "Authorization": "Bearer k"}
-    async with http.post(proxy.url + "/v1/chat/completions?x=1", data=raw_body, headers=headers) as response:
+    headers = {
+        "X-Request-Id": "keep-me",
+        "Content-Type": "application/json",
+        "Authorization": "Bearer k",
+    }
+    async with http.post(
+        proxy.url + "/v1/chat/completions?x=1", data=raw_body, headers=headers
+    ) as response:
         assert response.status == 200
         assert response.headers["X-Upstream"] == "yes"
         assert "X-Hop" not in response.headers
@@ -94,7 +112,9 @@ async def test_other_methods_and_paths_keep_status_body_and_query(
 ) -> None:
     rec, url = recorder
     proxy: Proxy = await make_proxy(single_upstream_config(url))
-    async with http.request(method, proxy.url + "/tokenize/a%20b?q=1&q=2", data=b"payload" if method != "GET" else None) as response:
+    async with http.request(
+        method, proxy.url + "/tokenize/a%20b?q=1&q=2", data=b"payload" if method != "GET" else None
+    ) as response:
         assert response.status == 418
         assert await response.read() == b"\x00\x01teapot"
         assert response.headers["X-Upstream"] == "yes"
@@ -106,7 +126,14 @@ async def test_hop_by_hop_request_headers_are_not_forwarded(
 ) -> None:
     rec, url = recorder
     proxy: Proxy = await make_proxy(single_upstream_config(url))
-    headers = {"Connection": "keep-alive, X-Private", "X-Private": "1", "Keep-Alive": "timeout=5", "Proxy-Authorization": "x", "TE": "trailers", "X-End": "ok"}
+    headers = {
+        "Connection": "keep-alive, X-Private",
+        "X-Private": "1",
+        "Keep-Alive": "timeout=5",
+        "Proxy-Authorization": "x",
+        "TE": "trailers",
+        "X-End": "ok",
+    }
     async with http.get(proxy.url + "/v1/models", headers=headers) as response:
         await response.read()
     seen = rec.requests[0][2]
@@ -130,10 +157,19 @@ async def test_pass_through_streams_without_buffering(
 async def test_n1_through_demo_backend_equals_direct_call(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": 3, "max_tokens": 5}
-    async with http.post(backend.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "d"}) as r:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "seed": 3,
+        "max_tokens": 5,
+    }
+    async with http.post(
+        backend.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "d"}
+    ) as r:
         direct = orjson.loads(await r.read())
-    async with http.post(proxy.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "d"}) as r:
+    async with http.post(
+        proxy.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "d"}
+    ) as r:
         proxied = orjson.loads(await r.read())
     direct.pop("created")
     proxied.pop("created")
@@ -148,7 +184,9 @@ async def test_absolute_uri_and_host_never_choose_the_destination(
     proxy: Proxy = await make_proxy(single_upstream_config(url))
     host, port = proxy.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"GET http://evil.example/steal?x=1 HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n")
+    writer.write(
+        b"GET http://evil.example/steal?x=1 HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+    )
     await writer.drain()
     reply = await asyncio.wait_for(reader.read(), 5)
     writer.close()
@@ -158,7 +196,9 @@ async def test_absolute_uri_and_host_never_choose_the_destination(
     assert headers["Host"] == url.removeprefix("http://")
 
 
-async def test_body_over_limit_is_413(http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]) -> None:
+async def test_body_over_limit_is_413(
+    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]
+) -> None:
     rec, url = recorder
     proxy: Proxy = await make_proxy(single_upstream_config(url, max_body_bytes=1000))
     async with http.post(proxy.url + "/v1/chat/completions", data=b"x" * 2000) as response:

@@ -1,0 +1,88 @@
+"""Prometheus metrics of one proxy instance (its own registry, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "n_proxy_requests",
+            "Requests answered, by route, status and whether they were fanned out.",
+            ["route", "status", "fanned_out"],
+            registry=r,
+        )
+        self.n = Histogram(
+            "n_proxy_request_n",
+            "The n of fanned-out requests (choices per prompt, or best_of).",
+            buckets=(2, 3, 4, 5, 8, 10, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.children_in_flight = Gauge(
+            "n_proxy_children_in_flight",
+            "Upstream requests in flight, per upstream.",
+            ["upstream"],
+            registry=r,
+        )
+        self.upstream_ttfb = Histogram(
+            "n_proxy_upstream_ttfb_seconds",
+            "Time from sending an upstream request to its response headers.",
+            ["upstream"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.upstream_duration = Histogram(
+            "n_proxy_upstream_duration_seconds",
+            "Time from sending an upstream request to the end of its body.",
+            ["upstream"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "n_proxy_overhead_seconds",
+            "Time the proxy itself spends on a request: before its first upstream request and "
+            "after its last upstream byte.",
+            buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1),
+            registry=r,
+        )
+        self.stitched_chunks = Counter(
+            "n_proxy_stitched_chunks", "SSE chunks written by fan-out streams.", registry=r
+        )
+        self.children_aborted = Counter(
+            "n_proxy_children_aborted",
+            "Children cancelled before they finished (a sibling failed or the client left).",
+            ["upstream"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "n_proxy_rejected",
+            "Requests refused with 429 because an upstream's queue was full.",
+            ["upstream"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,48 @@
+"""Live state shared by the proxy and admin listeners: draining, in-flight requests, health."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from proxy.config import Config
+from proxy.metrics import Metrics
+
+
+class Cuttable(Protocol):
+    def cut(self, reason: str) -> None: ...
+
+
+@dataclass
+class Runtime:
+    config: Config
+    metrics: Metrics = field(default_factory=Metrics)
+    draining: bool = False
+    in_flight: int = 0
+    healthy: dict[str, bool] = field(default_factory=dict)  # upstream name -> last health check
+    streams: set[Cuttable] = field(default_factory=set)  # fan-out streams a drain can cut
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._idle.set()
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and any(self.healthy.values())
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def cut_streams(self, reason: str) -> None:
+        for stream in list(self.streams):
+            stream.cut(reason)
