@@ -1,7 +1,7 @@
 """Which headers cross the proxy (SPEC §9). Pure.
 
-Hop-by-hop headers, and any named in ``Connection``, never cross; ``Host`` is the upstream's and
-``Content-Length`` is recomputed, so neither is copied either.
+Hop-by-hop headers (``Proxy-*`` among them), and any named in ``Connection``, never cross;
+``Host`` is the upstream's and ``Content-Length`` is recomputed, so neither is copied either.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _filtered(headers: Headers, drop: frozenset[str]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
         lower = name.lower()
-        if lower not in drop and lower not in named:
+        if lower not in drop and lower not in named and not lower.startswith("proxy-"):
             out.add(name, value)
     return out
 

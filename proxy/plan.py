@@ -75,8 +75,11 @@ def plan_request(
     options = body.get("stream_options")
     options = options if isinstance(options, dict) else {}
     prompts = _split_prompts(body.get("prompt")) if completions else None
+    shape = _Shape(
+        body, parent_id, per_prompt, prompts is not None, best_of is not None, completions
+    )
     children = tuple(
-        _child(body, parent_id, p, i, per_prompt, prompt, prompts is not None, best_of is not None)
+        _child(shape, p, i, prompt)
         for p, prompt in enumerate(prompts or [None])
         for i in range(per_prompt)
     )
@@ -125,37 +128,45 @@ def _split_prompts(prompt: object) -> list[Any] | None:
     return None
 
 
-def _child(
-    body: dict[str, Any],
-    parent_id: str,
-    p: int,
-    i: int,
-    per_prompt: int,
-    prompt: object,
-    batched: bool,
-    ranking: bool,
-) -> Child:
-    child = dict(body)
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """What every child of one request shares."""
+
+    body: dict[str, Any]
+    parent_id: str
+    per_prompt: int
+    batched: bool  # a completions list of prompts: one child per (prompt, choice)
+    ranking: bool  # best_of > n: ask for logprobs to rank by
+    completions: bool
+
+
+def _child(shape: _Shape, p: int, i: int, prompt: object) -> Child:
+    child = dict(shape.body)
     child.pop("n", None)
-    rid = f"{i}_{parent_id}-{p}" if batched else f"{i}_{parent_id}"
+    suffix = f"-{p}" if shape.batched else ""
     seed = child.get("seed")
     if _is_int(seed) and seed != RANDOM_SEED:
         child["seed"] = seed + i
-    if batched:
+    if shape.batched:
         child["prompt"] = prompt
     request_id = child.get("request_id")
     if isinstance(request_id, str):
-        child["request_id"] = f"{i}_{request_id}-{p}" if batched else f"{i}_{request_id}"
+        child["request_id"] = f"{i}_{request_id}{suffix}"
     kv = child.get("kv_transfer_params")
-    if isinstance(kv, list) and len(kv) == per_prompt:
+    if isinstance(kv, list) and len(kv) == shape.per_prompt:
         child["kv_transfer_params"] = kv[i]
-    if ranking:
+    if shape.completions:
+        # best_of == n is plain n; best_of > n is ranked here, so no child carries it either.
         child.pop("best_of", None)
+    if shape.ranking:
         logprobs = child.get("logprobs")
         child["logprobs"] = max(logprobs, 1) if _is_int(logprobs) else 1
-    elif "best_of" in child:
-        child.pop("best_of")  # best_of == n: each child is a plain n=1 request
-    return Child(index=p * per_prompt + i, prompt=p, body=orjson.dumps(child), request_id=rid)
+    return Child(
+        index=p * shape.per_prompt + i,
+        prompt=p,
+        body=orjson.dumps(child),
+        request_id=f"{i}_{shape.parent_id}{suffix}",
+    )
 
 
 def _is_int(value: object) -> TypeGuard[int]:

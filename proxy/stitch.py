@@ -120,6 +120,7 @@ class StreamStitcher:
         choices = payload.get("choices")
         if not choices or not isinstance(choices, list):
             if self._usage_chunk is None and isinstance(usage, dict):
+                payload["id"] = parent_response_id(payload.get("id"), child, self.plan.parent_id)
                 self._usage_chunk = payload
             return None
         shared = self._shared

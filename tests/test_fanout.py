@@ -127,9 +127,14 @@ async def test_stream_n3_interleaves_rewrites_and_ends_with_one_done(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, include_usage: bool
 ) -> None:
     body = {
-        "model": "m", "messages": MESSAGES, "n": 3, "seed": 5, "max_tokens": 6, "stream": True,
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": 5,
+        "max_tokens": 6,
+        "stream": True,
         "stream_options": {"include_usage": include_usage},
-    }  # fmt: skip
+    }
     status, raw, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "s1"})
     assert status == 200, raw
     assert headers["Content-Type"].startswith("text/event-stream")
@@ -171,9 +176,14 @@ async def test_stream_continuous_usage_keeps_each_childs_own_usage(
     http: aiohttp.ClientSession, proxy: Proxy
 ) -> None:
     body = {
-        "model": "m", "prompt": "a b c", "n": 2, "seed": 3, "max_tokens": 4, "stream": True,
+        "model": "m",
+        "prompt": "a b c",
+        "n": 2,
+        "seed": 3,
+        "max_tokens": 4,
+        "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }  # fmt: skip
+    }
     status, raw, _ = await post(http, proxy.url + COMPLETIONS, body)
     assert status == 200
     chunks = [p for p in sse_payloads(raw) if p != "[DONE]"]
@@ -224,9 +234,14 @@ async def test_child_500_before_headers_returns_that_status_and_aborts_siblings(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
     body = {
-        "model": "m", "messages": MESSAGES, "n": 3, "seed": 10, "stream": True, "max_tokens": 50,
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": 10,
+        "stream": True,
+        "max_tokens": 50,
         "x_demo": {"only_seed": 11, "fault": "status_500"},
-    }  # fmt: skip
+    }
     status, raw, _ = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "f1"})
     assert status == 500
     assert "error" in orjson.loads(raw)
@@ -252,9 +267,21 @@ async def test_child_reset_mid_stream_sends_one_error_event_then_done(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
     body = {
-        "model": "m", "messages": MESSAGES, "n": 3, "seed": 20, "stream": True, "max_tokens": 400,
-        "stream_options": {"include_usage": True}, "x_demo": {"only_seed": 22, "fault": "reset_mid_stream", "after_tokens": 2, "token_delay": 0.001},
-    }  # fmt: skip
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": 20,
+        "stream": True,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "x_demo": {
+            "only_seed": 22,
+            "fault": "reset_mid_stream",
+            "after_tokens": 2,
+            "token_delay": 0.001,
+        },
+    }
     status, raw, _ = await post(http, proxy.url + CHAT, body)
     assert status == 200
     payloads = sse_payloads(raw)
@@ -273,15 +300,19 @@ async def test_error_event_mid_stream_is_relayed_as_one_error(
     http: aiohttp.ClientSession, proxy: Proxy
 ) -> None:
     body = {
-        "model": "m", "prompt": "x", "n": 2, "seed": 0, "stream": True, "max_tokens": 8,
+        "model": "m",
+        "prompt": "x",
+        "n": 2,
+        "seed": 0,
+        "stream": True,
+        "max_tokens": 8,
         "x_demo": {"only_seed": 0, "fault": "error_event", "after_tokens": 1},
-    }  # fmt: skip
+    }
     status, raw, _ = await post(http, proxy.url + COMPLETIONS, body)
     assert status == 200
     payloads = sse_payloads(raw)
-    assert [p for p in payloads if p != "[DONE]" and "error" in p][0]["error"][
-        "message"
-    ].startswith("choice 0")
+    error = next(p for p in payloads if p != "[DONE]" and "error" in p)["error"]
+    assert error["message"].startswith("choice 0")
     assert payloads[-1] == "[DONE]"
 
 
@@ -295,6 +326,7 @@ async def test_client_disconnect_aborts_every_child(
         "seed": 1,
         "stream": True,
         "max_tokens": 10_000,
+        "ignore_eos": True,
         "x_demo": {"token_delay": 0.01},
     }
     async with http.post(proxy.url + CHAT, json=body, headers={"X-Request-Id": "gone"}) as response:
@@ -316,6 +348,7 @@ async def test_client_disconnect_non_streaming_aborts_every_child(
         "n": 2,
         "seed": 1,
         "max_tokens": 10_000,
+        "ignore_eos": True,
         "x_demo": {"token_delay": 0.01},
     }
     task = asyncio.create_task(post(http, proxy.url + CHAT, body, **{"X-Request-Id": "gone2"}))

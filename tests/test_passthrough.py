@@ -185,13 +185,14 @@ async def test_absolute_uri_and_host_never_choose_the_destination(
     host, port = proxy.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
-        b"GET http://evil.example/steal?x=1 HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+        b"GET http://evil.example/steal?x=1 HTTP/1.1\r\n"
+        b"Host: evil.example\r\nConnection: close\r\n\r\n"
     )
     await writer.drain()
     reply = await asyncio.wait_for(reader.read(), 5)
     writer.close()
     assert reply.startswith(b"HTTP/1.1 418")
-    method, path_qs, headers, _ = rec.requests[0]
+    _, path_qs, headers, _ = rec.requests[0]
     assert path_qs == "/steal?x=1"
     assert headers["Host"] == url.removeprefix("http://")
 

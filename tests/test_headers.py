@@ -1,0 +1,144 @@
+"""Tests for proxy.headers: literal header lists in, the headers that cross out (SPEC §9)."""
+
+from __future__ import annotations
+
+import pytest
+from multidict import CIMultiDict
+
+from proxy.headers import request_headers, response_headers
+
+HOP_BY_HOP = [
+    ("Connection", "keep-alive"),
+    ("Keep-Alive", "timeout=5"),
+    ("Proxy-Authorization", "Basic cHJveHk6cHc="),
+    ("Proxy-Authenticate", "Basic"),
+    ("Proxy-Connection", "keep-alive"),
+    ("TE", "trailers"),
+    ("Trailer", "X-Checksum"),
+    ("Transfer-Encoding", "chunked"),
+    ("Upgrade", "websocket"),
+]
+# SPEC §9 names the whole ``Proxy-*`` family hop-by-hop, not only the registered three.
+DROPPED = [*HOP_BY_HOP, ("Proxy-Anything", "x"), ("proxy-client-ip", "10.0.0.9")]
+
+END_TO_END_REQUEST = [
+    ("Authorization", "Bearer sk-123"),
+    ("Content-Type", "application/json"),
+    ("Accept", "text/event-stream"),
+    ("Accept-Encoding", "gzip"),
+    ("User-Agent", "OpenAI/Python 1.50.0"),
+    ("X-Request-Id", "abc"),
+    ("OpenAI-Organization", "org-1"),
+    ("Traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+    ("Cookie", "a=1"),
+]
+
+END_TO_END_RESPONSE = [
+    ("Content-Type", "text/event-stream"),
+    ("Cache-Control", "no-cache"),
+    ("X-Request-Id", "abc"),
+    ("Set-Cookie", "a=1"),
+    ("Set-Cookie", "b=2"),
+    ("Server", "uvicorn"),
+]
+
+
+def headers(pairs: list[tuple[str, str]]) -> CIMultiDict[str]:
+    return CIMultiDict(pairs)
+
+
+def names(out: CIMultiDict[str]) -> list[str]:
+    return [name.lower() for name in out]
+
+
+@pytest.mark.parametrize(("name", "value"), DROPPED)
+def test_request_drops_hop_by_hop_header(name: str, value: str) -> None:
+    out = request_headers(headers([(name, value), ("Authorization", "Bearer k")]), {})
+    assert list(out.items()) == [("Authorization", "Bearer k")]
+
+
+@pytest.mark.parametrize(("name", "value"), DROPPED)
+def test_response_drops_hop_by_hop_header(name: str, value: str) -> None:
+    out = response_headers(headers([(name, value), ("Content-Type", "application/json")]))
+    assert list(out.items()) == [("Content-Type", "application/json")]
+
+
+@pytest.mark.parametrize(
+    "name", ["connection", "CONNECTION", "transfer-encoding", "Transfer-encoding", "te"]
+)
+def test_hop_by_hop_names_match_case_insensitively(name: str) -> None:
+    assert list(request_headers(headers([(name, "x")]), {}).items()) == []
+    assert list(response_headers(headers([(name, "x")])).items()) == []
+
+
+@pytest.mark.parametrize(
+    "connection",
+    [
+        pytest.param("X-Hop, keep-alive", id="list"),
+        pytest.param(" x-hop ,close", id="spaces-and-case"),
+        pytest.param("close,,X-HOP", id="empty-token"),
+    ],
+)
+def test_headers_named_in_connection_are_dropped_both_ways(connection: str) -> None:
+    pairs = [("Connection", connection), ("X-Hop", "1"), ("X-Keep", "2")]
+    assert list(request_headers(headers(pairs), {}).items()) == [("X-Keep", "2")]
+    assert list(response_headers(headers(pairs)).items()) == [("X-Keep", "2")]
+
+
+def test_headers_named_in_any_of_several_connection_headers_are_dropped() -> None:
+    pairs = [("Connection", "X-One"), ("Connection", "X-Two"), ("X-One", "1"), ("X-Two", "2")]
+    assert list(request_headers(headers(pairs), {}).items()) == []
+    assert list(response_headers(headers(pairs)).items()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("Host", "evil.example:443"),
+        ("host", "x"),
+        ("Content-Length", "42"),
+        ("content-length", "0"),
+    ],
+)
+def test_request_drops_host_and_content_length(name: str, value: str) -> None:
+    out = request_headers(headers([(name, value), ("Accept", "*/*")]), {})
+    assert list(out.items()) == [("Accept", "*/*")]
+
+
+def test_request_keeps_authorization_and_every_end_to_end_header_in_order() -> None:
+    out = request_headers(headers(END_TO_END_REQUEST + HOP_BY_HOP + [("Host", "h")]), {})
+    assert list(out.items()) == END_TO_END_REQUEST
+
+
+def test_response_keeps_every_end_to_end_header_including_repeated_ones() -> None:
+    out = response_headers(headers(HOP_BY_HOP + END_TO_END_RESPONSE))
+    assert list(out.items()) == END_TO_END_RESPONSE
+
+
+def test_injected_headers_replace_the_clients() -> None:
+    incoming = headers(
+        [
+            ("authorization", "Bearer client"),
+            ("X-Tenant", "a"),
+            ("X-Tenant", "b"),
+            ("Accept", "*/*"),
+        ]
+    )
+    out = request_headers(incoming, {"Authorization": "Bearer upstream", "x-tenant": "ops"})
+    assert out.getall("Authorization") == ["Bearer upstream"]
+    assert out.getall("X-Tenant") == ["ops"]
+    assert out["Accept"] == "*/*"
+    assert sorted(names(out)) == ["accept", "authorization", "x-tenant"]
+
+
+def test_injected_headers_are_added_when_the_client_sent_none() -> None:
+    out = request_headers(headers([("Accept", "*/*")]), {"Authorization": "Bearer upstream"})
+    assert list(out.items()) == [("Accept", "*/*"), ("Authorization", "Bearer upstream")]
+
+
+def test_filtering_does_not_mutate_the_incoming_headers() -> None:
+    pairs = [("Connection", "X-Hop"), ("X-Hop", "1"), ("Host", "h"), ("Authorization", "k")]
+    incoming = headers(pairs)
+    request_headers(incoming, {"Authorization": "other"})
+    response_headers(incoming)
+    assert list(incoming.items()) == pairs
