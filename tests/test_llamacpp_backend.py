@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+
 from tests.llamacpp import LlamaServer, llama_server
 from tests.tinymodel import build_tiny_gguf
 
