@@ -12,6 +12,7 @@ import hashlib
 import random
 import secrets
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -582,10 +583,18 @@ async def _stream(
     ping = b": ping" + eol if fault == "ping" else b""
     steps = max(len(gen.tokens) for gen in gens)
     fault_step = min(job.knobs.after_tokens, steps) if fault in MID_STREAM_FAULTS else -1
-    response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": job.rid})
+    headers = {**SSE_HEADERS, "X-Request-Id": job.rid}
+    # gzip on a stream: each event is flushed at once, so compression never delays a token.
+    encoder = zlib.compressobj(wbits=31) if fault == "gzip" else None
+    if encoder is not None:
+        headers["Content-Encoding"] = "gzip"
+    response = web.StreamResponse(headers=headers)
 
     async def send(data: bytes) -> None:
-        await response.write(ping + b"data: " + data + eol + eol)
+        frame = ping + b"data: " + data + eol + eol
+        if encoder is not None:
+            frame = encoder.compress(frame) + encoder.flush(zlib.Z_SYNC_FLUSH)
+        await response.write(frame)
 
     async def inject() -> bool:
         """Fire the mid-stream fault; True when the stream goes on afterwards."""
@@ -618,6 +627,8 @@ async def _stream(
         # Ended before [DONE] goes out, so a client that has read [DONE] sees it finished.
         state.end(job.rid, "finished")
         await send(b"[DONE]")
+        if encoder is not None:
+            await response.write(encoder.flush())
     except ConnectionError:
         state.end(job.rid, "aborted")
     return response
