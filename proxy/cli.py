@@ -21,6 +21,7 @@ from proxy.config import (
 )
 from proxy.log import setup_logging
 from proxy.server import Server, run
+from proxy.workers import run_workers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,10 +34,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"n-proxy: config error: {exc}", file=sys.stderr)
         return 2
+    demo = options.upstream is None and options.config is None
+    if options.workers > 1:
+        if demo:
+            print("n-proxy: --workers needs --upstream or --config", file=sys.stderr)
+            return 2
+        return run_workers(config, options.workers)
     setup_logging(config.log_format)
-    _install_uvloop()
+    install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config, demo=options.upstream is None and options.config is None))
+        asyncio.run(serve(config, demo=demo))
     return 0
 
 
@@ -69,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="listen port (default 8080)")
     parser.add_argument("--admin-port", type=int, help="admin port for /livez /readyz /metrics")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)"
+    )
     parser.add_argument("--log-format", choices=("json", "text"), help="request log format")
     parser.add_argument(
         "--max-n", type=int, help=f"largest n accepted (default 10, at most {MAX_N_CEILING})"
@@ -128,7 +138,7 @@ async def serve(config: Config, *, demo: bool = False) -> None:
             await dev_runner.cleanup()
 
 
-def _install_uvloop() -> None:
+def install_uvloop() -> None:
     with contextlib.suppress(ImportError):
         import uvloop
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# Set by ``--workers``: every worker writes its values there and /metrics adds them up.
+MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 
 _LATENCY = (
     0.0005,
@@ -46,6 +52,7 @@ class Metrics:
             "Upstream requests in flight, per upstream.",
             ["upstream"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.upstream_ttfb = Histogram(
             "n_proxy_upstream_ttfb_seconds",
@@ -85,4 +92,8 @@ class Metrics:
         )
 
     def render(self) -> bytes:
+        if MULTIPROCESS:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -23,8 +23,9 @@ _CUT_GRACE = 1.0  # seconds for cut streams to write their last event before soc
 
 
 class Server:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, reuse_port: bool = False) -> None:
         self.config = config
+        self.reuse_port = reuse_port
         self.runtime = Runtime(config)
         self._proxy = web.AppRunner(
             build_app(config, self.runtime),
@@ -40,7 +41,9 @@ class Server:
     async def start(self) -> None:
         await self._proxy.setup()
         listen = self.config.listen
-        self._proxy_site = web.TCPSite(self._proxy, listen.host, listen.port)
+        self._proxy_site = web.TCPSite(
+            self._proxy, listen.host, listen.port, reuse_port=self.reuse_port or None
+        )
         await self._proxy_site.start()
         self.proxy_port = _port(self._proxy)
         if self.config.admin is not None:
@@ -70,11 +73,13 @@ class Server:
         await self._admin.cleanup()
 
 
-async def run(server: Server) -> None:
-    """Serve until SIGTERM or SIGINT, then drain and stop."""
+async def run(
+    server: Server, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+) -> None:
+    """Serve until one of ``signals``, then drain and stop."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()

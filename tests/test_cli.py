@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
 
@@ -70,3 +75,48 @@ def test_shipped_config_examples_pass_check_config(
 ) -> None:
     monkeypatch.setenv("CHAT_API_KEY", "example-key")
     assert main(["check-config", str(example)]) == 0
+
+
+async def test_workers_share_one_port_and_metrics_add_up(make_backend: Any) -> None:
+    backend = await make_backend()
+    port, admin = free_port(), free_port()
+    command = [
+        sys.executable, "-m", "proxy", "--upstream", backend.url, "--workers", "2",
+        "--port", str(port), "--admin-port", str(admin),
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        banners = [(await process.stdout.readline()).decode() for _ in range(2)]
+        assert len({re.findall(r"pid \d+", banner)[0] for banner in banners}) == 2
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}
+        async with aiohttp.ClientSession() as http:
+            for _ in range(20):
+                # a fresh connection each time, so the kernel spreads them over the workers
+                async with http.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json=body,
+                    headers={"Connection": "close"},
+                ) as response:
+                    assert response.status == 200
+            async with http.get(f"http://127.0.0.1:{admin}/metrics") as response:
+                text = await response.text()
+        total = sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "n_proxy_requests_total"
+        )
+        assert total == 20
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 15) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
