@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import Config, Upstream
-from proxy.errors import BodyTooLarge, ChildFailed, Overloaded, ProxyError
+from proxy.errors import BodyTooLarge, ChildFailed, Overloaded, ProxyError, error_body
 from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import request_headers, response_headers
 from proxy.log import log_request
@@ -166,11 +166,7 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
     except ProxyError as exc:
         return error_response(exc)
     except ChildFailed as exc:
-        return web.Response(
-            status=exc.status,
-            body=exc.body,
-            content_type=exc.content_type or "application/json",
-        )
+        return child_failed_response(exc)
 
 
 def _maybe_json(request: web.Request, body: bytes, config: Config) -> dict[str, object] | None:
@@ -228,6 +224,17 @@ async def pass_through(
             return response
         await response.write_eof()
         return response
+
+
+def child_failed_response(exc: ChildFailed) -> web.Response:
+    """The failing child's own status and body (SPEC §5, §7); an empty body gets an OpenAI one."""
+    if exc.body.strip():
+        return web.Response(
+            status=exc.status, body=exc.body, content_type=exc.content_type or "application/json"
+        )
+    message = f"upstream answered {exc.status} with an empty body"
+    type_ = "invalid_request_error" if exc.status < 500 else "server_error"
+    return web.json_response(error_body(message, type_, code=exc.status), status=exc.status)
 
 
 def error_response(exc: ProxyError) -> web.Response:

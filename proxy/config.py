@@ -48,6 +48,9 @@ class Upstream:
     headers: Mapping[str, str] = field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
     health_path: str = "/health"
+    # X-Request-Id on children: vLLM's "{i}_{parent}", a fresh UUID (servers that insist on
+    # one, such as llama-cpp-python), or none at all.
+    child_request_id: Literal["prefixed", "uuid", "omit"] = "prefixed"
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ class _Reader:
                 "headers",
                 "timeouts",
                 "health_path",
+                "child_request_id",
             },
         )
         name = m.get("name")
@@ -219,6 +223,9 @@ class _Reader:
         placement = m.get("placement", "spread")
         if placement not in ("spread", "pack"):
             raise ConfigError(f"{key}.placement: must be spread or pack")
+        child_request_id = m.get("child_request_id", "prefixed")
+        if child_request_id not in ("prefixed", "uuid", "omit"):
+            raise ConfigError(f"{key}.child_request_id: must be prefixed, uuid or omit")
         native_n = m.get("native_n", False)
         if not isinstance(native_n, bool):
             raise ConfigError(f"{key}.native_n: must be true or false")
@@ -253,6 +260,7 @@ class _Reader:
             headers=headers,
             timeouts=timeouts,
             health_path=self._path(m.get("health_path", "/health"), f"{key}.health_path"),
+            child_request_id=child_request_id,
         )
 
     def _route(self, raw: object, key: str, names: list[str]) -> Route:

@@ -7,6 +7,7 @@ cancelled (its connection closed) in a ``finally``, so nothing generates for a c
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,13 @@ class Fanout:
 
     def child_headers(self, pos: int) -> CIMultiDict[str]:
         headers = self.headers.copy()
-        headers["X-Request-Id"] = self.plan.children[pos].request_id
+        mode = self.upstream.child_request_id
+        if mode == "prefixed":
+            headers["X-Request-Id"] = self.plan.children[pos].request_id
+        elif mode == "uuid":
+            headers["X-Request-Id"] = str(uuid.uuid4())
+        else:
+            headers.popall("X-Request-Id", None)
         headers["Content-Type"] = "application/json"
         return headers
 

@@ -428,3 +428,57 @@ async def test_native_n_upstream_passes_n_through(
     assert status == 200
     assert len(orjson.loads(raw)["choices"]) == 3
     assert [rid for rid, _, _ in native.state.seen] == ["nat"]
+
+
+@pytest.mark.parametrize("mode", ["uuid", "omit"])
+async def test_child_request_id_mode_for_servers_that_reject_prefixed_ids(
+    http: aiohttp.ClientSession, make_proxy: Any, backend: Backend, mode: str
+) -> None:
+    import dataclasses
+    import uuid
+
+    from tests.conftest import proxy_config
+
+    config = proxy_config(backend)
+    upstream = dataclasses.replace(config.upstreams[0], child_request_id=mode)
+    proxy = await make_proxy(dataclasses.replace(config, upstreams=(upstream,)))
+    body = {"model": "m", "messages": MESSAGES, "n": 2}
+    status, _, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "mine"})
+    assert status == 200
+    assert headers["X-Request-Id"] == "mine"
+    sent = [h.get("x-request-id") for _, _, h in backend.state.seen]
+    if mode == "uuid":
+        assert len({str(uuid.UUID(rid)) for rid in sent if rid}) == 2
+    else:
+        assert sent == [None, None]
+
+
+async def test_child_error_with_empty_body_becomes_an_openai_error(
+    http: aiohttp.ClientSession, make_proxy: Any
+) -> None:
+    from aiohttp import web
+
+    from proxy.config import single_upstream_config
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.Response(status=400)  # llama-cpp-python's answer to a request id it dislikes
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        proxy = await make_proxy(
+            single_upstream_config(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        )
+        status, raw, _ = await post(
+            http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, "n": 2}
+        )
+        assert status == 400
+        error = orjson.loads(raw)["error"]
+        assert error["message"] == "upstream answered 400 with an empty body"
+        assert error["type"] == "invalid_request_error"
+    finally:
+        await runner.cleanup()
