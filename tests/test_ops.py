@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config import Config, Listen, parse_config
+from proxy.config import Config, parse_config
 from proxy.server import Server
 from tests.conftest import Backend, Proxy
 
@@ -147,13 +147,14 @@ async def test_configured_headers_are_injected_with_env_expanded(
     assert [h["authorization"] for _, _, h in backend.state.seen] == ["Bearer s3cret"] * 2
 
 
-@pytest.fixture
-async def server(backend: Backend) -> AsyncIterator[Server]:
+@contextlib.asynccontextmanager
+async def running_server(backend: Backend, drain_seconds: float = 30) -> AsyncIterator[Server]:
+    """A whole server (proxy and admin listeners, drain) on free loopback ports."""
     config = parse_config(
         f"""
 listen: {{host: 127.0.0.1, port: 0}}
 admin: {{host: 127.0.0.1, port: 0}}
-drain_seconds: 30
+drain_seconds: {drain_seconds}
 drain_grace_seconds: 0.05
 upstreams: [{{name: u, url: "{backend.url}"}}]
 """,
@@ -161,8 +162,16 @@ upstreams: [{{name: u, url: "{backend.url}"}}]
     )
     server = Server(config)
     await server.start()
-    yield server
-    await server.close()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+@pytest.fixture
+async def server(backend: Backend) -> AsyncIterator[Server]:
+    async with running_server(backend) as server:
+        yield server
 
 
 def url(server: Server, path: str, admin: bool = False) -> str:
@@ -217,18 +226,7 @@ async def test_readyz_fails_during_drain_while_a_stream_completes(
 async def test_drain_out_of_time_cuts_streams_with_one_error_and_done(
     http: aiohttp.ClientSession, backend: Backend
 ) -> None:
-    config = parse_config(
-        f"""
-listen: {{host: 127.0.0.1, port: 0}}
-drain_seconds: 0.2
-drain_grace_seconds: 0.05
-upstreams: [{{name: u, url: "{backend.url}"}}]
-""",
-        env={},
-    )
-    server = Server(config)
-    await server.start()
-    try:
+    async with running_server(backend, drain_seconds=0.2) as server:
         body = {
             "model": "m",
             "messages": MESSAGES,
@@ -247,8 +245,6 @@ upstreams: [{{name: u, url: "{backend.url}"}}]
         assert raw.count(b"[DONE]") == 1
         assert b"shutting down" in raw
         await backend.state.wait_for(lambda s: not s.active)
-    finally:
-        await server.close()
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -306,13 +302,7 @@ async def test_aborted_children_are_counted(
     http: aiohttp.ClientSession, make_backend: MakeBackend
 ) -> None:
     slow = await make_backend(token_delay=0.01)
-    config = parse_config(
-        f'admin: {{host: 127.0.0.1, port: 0}}\nupstreams: [{{name: u, url: "{slow.url}"}}]',
-        env={},
-    )
-    server = Server(dataclasses.replace(config, listen=Listen(port=0)))
-    await server.start()
-    try:
+    async with running_server(slow) as server:
         body = {
             "model": "m",
             "messages": MESSAGES,
@@ -328,5 +318,3 @@ async def test_aborted_children_are_counted(
             values = samples(await r.text())
         assert values[("n_proxy_children_aborted_total", (("upstream", "u"),))] == 2
         await slow.state.wait_for(lambda s: not s.active)
-    finally:
-        await server.close()
