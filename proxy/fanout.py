@@ -19,7 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.config import Upstream
-from proxy.errors import ChildFailed, ProxyError, UpstreamUnavailable
+from proxy.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
 from proxy.plan import Plan
 from proxy.runtime import Runtime
 from proxy.sse import Event, SSEDecoder
@@ -73,8 +73,12 @@ async def respond_json(fanout: Fanout) -> web.Response:
     plan = fanout.plan
     urls = fanout.pool.place(fanout.upstream, len(plan.children))
 
+    # A batch of prompts may need more children than the upstream takes at once; a JSON answer
+    # can wait for them in turns, within the slots this request holds.
+    turns = asyncio.Semaphore(min(len(urls), fanout.upstream.max_concurrency))
+
     async def fetch(pos: int) -> dict[str, Any]:
-        async with fanout.send(pos, urls[pos]) as response:
+        async with turns, fanout.send(pos, urls[pos]) as response:
             try:
                 raw = await response.read()
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -108,6 +112,13 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
     """Streaming (SPEC §5): every child's headers first, then chunks interleaved as they arrive."""
     plan = fanout.plan
     count = len(plan.children)
+    if count > fanout.upstream.max_concurrency:
+        # Every child of a stream must run at once (its headers come before any chunk).
+        raise InvalidRequest(
+            f"this stream needs {count} concurrent upstream requests; the upstream takes "
+            f"{fanout.upstream.max_concurrency}: send fewer prompts or a smaller n",
+            param="prompt" if plan.prompts > 1 else "n",
+        )
     urls = fanout.pool.place(fanout.upstream, count)
     mailbox = Mailbox(count)
     headers_in = [asyncio.get_running_loop().create_future() for _ in range(count)]

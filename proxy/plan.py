@@ -6,6 +6,8 @@ otherwise a ``Plan`` with one ``Child`` per (prompt, choice).
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -42,11 +44,16 @@ class Plan:
         return len(self.children) // (self.best_of or self.n)
 
 
+_HUGE_INT = re.compile(rb"\d{19}")  # may not fit in 64 bits
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """A fan-out path's body must be a JSON object, whatever its n (SPEC §2)."""
+    # orjson reads integers past 64 bits as floats; children must get them unchanged.
+    loads = json.loads if _HUGE_INT.search(raw) else orjson.loads
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        body = loads(raw)
+    except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
@@ -164,9 +171,20 @@ def _child(shape: _Shape, p: int, i: int, prompt: object) -> Child:
     return Child(
         index=p * shape.per_prompt + i,
         prompt=p,
-        body=orjson.dumps(child),
+        body=_dumps(child),
         request_id=f"{i}_{shape.parent_id}{suffix}",
     )
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        pass  # integers past 64 bits, or nesting deeper than orjson writes
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    except (ValueError, RecursionError):
+        raise InvalidRequest("request body is nested too deeply") from None
 
 
 def _is_int(value: object) -> TypeGuard[int]:

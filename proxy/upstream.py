@@ -219,3 +219,4 @@ def _set_idle_timeout(response: aiohttp.ClientResponse, idle: float) -> None:
     connection = response.connection
     if connection is not None and connection.protocol is not None:
         connection.protocol.read_timeout = idle
+        connection.protocol.start_timeout()  # the running timer still has the first-byte value

@@ -482,3 +482,23 @@ async def test_child_error_with_empty_body_becomes_an_openai_error(
         assert error["type"] == "invalid_request_error"
     finally:
         await runner.cleanup()
+
+
+async def test_stream_needing_more_children_than_max_concurrency_is_400(
+    http: aiohttp.ClientSession, make_proxy: Any, backend: Backend
+) -> None:
+    from proxy.config import parse_config
+
+    config = parse_config(
+        f'upstreams: [{{name: u, url: "{backend.url}", max_concurrency: 4}}]', env={}
+    )
+    proxy = await make_proxy(config)
+    body = {"model": "m", "prompt": ["a", "b", "c"], "n": 2, "stream": True}
+    status, raw, _ = await post(http, proxy.url + COMPLETIONS, body)
+    assert status == 400
+    assert orjson.loads(raw)["error"]["param"] == "prompt"
+    assert backend.state.seen == []
+    # without streaming the same batch is answered: its children take turns in 4 slots
+    status, raw, _ = await post(http, proxy.url + COMPLETIONS, {**body, "stream": False})
+    assert status == 200
+    assert [c["index"] for c in orjson.loads(raw)["choices"]] == [0, 1, 2, 3, 4, 5]
