@@ -24,11 +24,12 @@ from proxy.headers import request_headers, response_headers
 from proxy.log import log_request
 from proxy.plan import parse_body, plan_request
 from proxy.runtime import Runtime
-from proxy.upstream import Trace, UpstreamPool
+from proxy.upstream import Trace, UpstreamPool, upstream_error
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
 HEALTH_INTERVAL = 5.0
+_WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")  # visible ASCII: safe to echo and to prefix
 
@@ -206,13 +207,27 @@ async def pass_through(
             trace=trace,
         ) as upstream_response,
     ):
+        length = upstream_response.content_length
+        if length is not None and length <= _WHOLE_BODY and request.method != "HEAD":
+            # A small body of known length leaves with its headers in one write: one syscall
+            # and one packet fewer on the most common pass-through answer.
+            try:
+                data = await upstream_response.read()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise upstream_error(exc, upstream) from None
+            return web.Response(
+                status=upstream_response.status,
+                reason=upstream_response.reason,
+                headers=response_headers(upstream_response.headers),
+                body=data,
+            )
         response = web.StreamResponse(
             status=upstream_response.status,
             reason=upstream_response.reason,
             headers=response_headers(upstream_response.headers),
         )
-        if upstream_response.content_length is not None:
-            response.content_length = upstream_response.content_length
+        if length is not None:
+            response.content_length = length
         await response.prepare(request)
         try:
             async for chunk in upstream_response.content.iter_any():

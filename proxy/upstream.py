@@ -82,7 +82,15 @@ class Trace:
 class _UpstreamState:
     upstream: Upstream
     slots: Slots
+    metrics: Metrics
     turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        # Labelled children looked up once, not on every request.
+        name = self.upstream.name
+        self.in_flight = self.metrics.children_in_flight.labels(name)
+        self.ttfb = self.metrics.upstream_ttfb.labels(name)
+        self.duration = self.metrics.upstream_duration.labels(name)
 
 
 class UpstreamPool:
@@ -90,7 +98,7 @@ class UpstreamPool:
         self.config = config
         self.metrics = metrics
         self._states = {
-            u.name: _UpstreamState(u, Slots(u.max_concurrency, u.max_queue))
+            u.name: _UpstreamState(u, Slots(u.max_concurrency, u.max_queue), metrics)
             for u in config.upstreams
         }
         self._session: aiohttp.ClientSession | None = None
@@ -155,7 +163,8 @@ class UpstreamPool:
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
         )
-        in_flight = self.metrics.children_in_flight.labels(upstream.name)
+        state = self.state(upstream)
+        in_flight = state.in_flight
         loop = asyncio.get_running_loop()
         started = loop.time()
         if trace is not None and trace.sent_at is None:
@@ -174,7 +183,7 @@ class UpstreamPool:
                 )
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise upstream_error(exc, upstream) from None
-            self.metrics.upstream_ttfb.labels(upstream.name).observe(loop.time() - started)
+            state.ttfb.observe(loop.time() - started)
             try:
                 _set_idle_timeout(response, timeouts.idle)
                 yield response
@@ -186,7 +195,7 @@ class UpstreamPool:
         finally:
             in_flight.dec()
             ended = loop.time()
-            self.metrics.upstream_duration.labels(upstream.name).observe(ended - started)
+            state.duration.observe(ended - started)
             if trace is not None:
                 trace.done_at = ended if trace.done_at is None else max(trace.done_at, ended)
 
