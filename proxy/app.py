@@ -205,14 +205,15 @@ async def pass_through(
             body if request.body_exists else None,
             decompress=False,
             trace=trace,
-        ) as upstream_response,
+        ) as reply,
     ):
+        upstream_response = reply.response
         length = upstream_response.content_length
         if length is not None and length <= _WHOLE_BODY and request.method != "HEAD":
             # A small body of known length leaves with its headers in one write: one syscall
             # and one packet fewer on the most common pass-through answer.
             try:
-                data = await upstream_response.read()
+                data = await reply.body.read()
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise upstream_error(exc, upstream) from None
             return web.Response(
@@ -230,7 +231,7 @@ async def pass_through(
             response.content_length = length
         await response.prepare(request)
         try:
-            async for chunk in upstream_response.content.iter_any():
+            async for chunk in reply.body:
                 await response.write(chunk)
         except (TimeoutError, aiohttp.ClientError):
             # The status is sent already: cut the client's connection so it sees a truncated body.

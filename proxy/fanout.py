@@ -27,6 +27,9 @@ from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.upstream import Trace, UpstreamPool, upstream_error
 
 T = TypeVar("T")
+# aiohttp stops reading a child's socket past twice this: with one read waiting in the mailbox,
+# a child behind a slow client holds about 64 KiB in the proxy.
+CHILD_READ_BUFFER = 16 * 1024
 Item = list[Event] | BaseException | None  # events, a failure, or None: the child ended cleanly
 
 
@@ -59,6 +62,7 @@ class Fanout:
         return self.pool.send(
             self.upstream, url, "POST", self.path_qs, self.child_headers(pos),
             self.plan.children[pos].body, decompress=True, trace=self.trace,
+            read_bufsize=CHILD_READ_BUFFER,
         )  # fmt: skip
 
     async def cancel(self, tasks: Sequence[asyncio.Future[Any]]) -> None:
@@ -78,13 +82,13 @@ async def respond_json(fanout: Fanout) -> web.Response:
     turns = asyncio.Semaphore(min(len(urls), fanout.upstream.max_concurrency))
 
     async def fetch(pos: int) -> dict[str, Any]:
-        async with turns, fanout.send(pos, urls[pos]) as response:
+        async with turns, fanout.send(pos, urls[pos]) as reply:
             try:
-                raw = await response.read()
+                raw = await reply.body.read()
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise upstream_error(exc, fanout.upstream) from None
-            if response.status >= 300:
-                raise ChildFailed(response.status, raw, response.content_type)
+            if reply.response.status >= 300:
+                raise ChildFailed(reply.response.status, raw, reply.response.content_type)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -131,13 +135,15 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
 
     async def run_child(pos: int) -> None:
         try:
-            async with fanout.send(pos, urls[pos]) as response:
+            async with fanout.send(pos, urls[pos]) as reply:
+                response = reply.response
                 if response.status >= 300:
-                    raise ChildFailed(response.status, await response.read(), response.content_type)
+                    body = await reply.body.read()
+                    raise ChildFailed(response.status, body, response.content_type)
                 if not headers_in[pos].done():  # done already if a sibling failed first
                     headers_in[pos].set_result(None)
                 decoder = SSEDecoder()
-                async for data in response.content.iter_any():
+                async for data in reply.body:
                     events = decoder.feed(data)
                     if events:
                         await mailbox.put((pos, events))

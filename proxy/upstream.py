@@ -157,7 +157,8 @@ class UpstreamPool:
         *,
         decompress: bool,
         trace: Trace | None = None,
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        read_bufsize: int | None = None,
+    ) -> AsyncIterator[Reply]:
         """Open one upstream request; the response is closed (never reused) if left unread."""
         timeouts = upstream.timeouts
         timeout = aiohttp.ClientTimeout(
@@ -180,14 +181,17 @@ class UpstreamPool:
                     timeout=timeout,
                     allow_redirects=False,
                     auto_decompress=decompress,
+                    read_bufsize=read_bufsize,
                 )
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise upstream_error(exc, upstream) from None
             state.ttfb.observe(loop.time() - started)
+            _stop_read_timer(response)
+            guard = IdleGuard(response, timeouts.idle)
             try:
-                _set_idle_timeout(response, timeouts.idle)
-                yield response
+                yield Reply(response, guard)
             finally:
+                guard.close()
                 if response.content.at_eof():
                     response.release()
                 else:
@@ -223,9 +227,66 @@ def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | 
     return UpstreamUnavailable(f"upstream {upstream.name} failed: {type(exc).__name__}")
 
 
-def _set_idle_timeout(response: aiohttp.ClientResponse, idle: float) -> None:
-    """After the headers, the read timeout is the idle gap between bytes, not the first byte."""
+def _stop_read_timer(response: aiohttp.ClientResponse) -> None:
+    """Hand the body's clock to ``IdleGuard``.
+
+    aiohttp's own sock_read timer only knew the first-byte value, and it can run on while
+    reading is paused for backpressure (a slow client is not a silent upstream).
+    """
     connection = response.connection
-    if connection is not None and connection.protocol is not None:
-        connection.protocol.read_timeout = idle
-        connection.protocol.start_timeout()  # the running timer still has the first-byte value
+    protocol = connection.protocol if connection is not None else None
+    if protocol is not None:
+        protocol.read_timeout = None
+        protocol.start_timeout()  # with no timeout set, this cancels the running timer
+
+
+class IdleGuard:
+    """The body's bytes as they arrive; a timeout after ``idle`` seconds of waiting for any.
+
+    Only time spent waiting on the upstream counts: while the consumer is busy elsewhere
+    (blocked on a slow client), the clock is stopped.
+    """
+
+    def __init__(self, response: aiohttp.ClientResponse, idle: float) -> None:
+        self._content = response.content
+        self._idle = idle
+        self._loop = asyncio.get_running_loop()
+        self._waiting_since: float | None = None
+        self._timer = self._loop.call_later(idle, self._check)
+
+    def __aiter__(self) -> IdleGuard:
+        return self
+
+    async def __anext__(self) -> bytes:
+        self._waiting_since = self._loop.time()
+        try:
+            chunk = await self._content.readany()
+        finally:
+            self._waiting_since = None
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self])
+
+    def _check(self) -> None:
+        since = self._waiting_since
+        now = self._loop.time()
+        if since is not None and now - since >= self._idle:
+            self._content.set_exception(
+                aiohttp.ServerTimeoutError(f"no data from upstream for {self._idle} s")
+            )
+            return
+        self._timer = self._loop.call_at((since or now) + self._idle, self._check)
+
+    def close(self) -> None:
+        self._timer.cancel()
+
+
+@dataclass
+class Reply:
+    """An upstream response whose body is read through its idle guard."""
+
+    response: aiohttp.ClientResponse
+    body: IdleGuard
