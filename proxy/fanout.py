@@ -10,6 +10,7 @@ import asyncio
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -24,7 +25,7 @@ from proxy.plan import Plan
 from proxy.runtime import Runtime
 from proxy.sse import Event, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
-from proxy.upstream import Trace, UpstreamPool, upstream_error
+from proxy.upstream import Reply, Trace, UpstreamPool, upstream_error
 
 T = TypeVar("T")
 # aiohttp stops reading a child's socket past twice this: with one read waiting in the mailbox,
@@ -58,7 +59,7 @@ class Fanout:
         headers["Content-Type"] = "application/json"
         return headers
 
-    def send(self, pos: int, url: str) -> Any:
+    def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Reply]:
         return self.pool.send(
             self.upstream, url, "POST", self.path_qs, self.child_headers(pos),
             self.plan.children[pos].body, decompress=True, trace=self.trace,
@@ -168,12 +169,13 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 }
             )
             await response.prepare(request)
+            stitcher = StreamStitcher(plan)
             fanout.runtime.streams.add(mailbox)
             try:
-                chunks = await _merge(plan, mailbox, response)
+                await _merge(stitcher, mailbox, response)
             finally:
                 fanout.runtime.streams.discard(mailbox)
-                fanout.runtime.metrics.stitched_chunks.inc(chunks)
+                fanout.runtime.metrics.stitched_chunks.inc(stitcher.chunks)
             await response.write_eof()
             return response
         finally:
@@ -232,9 +234,9 @@ def _wake(future: asyncio.Future[None] | None) -> None:
         future.set_result(None)
 
 
-async def _merge(plan: Plan, mailbox: Mailbox, response: web.StreamResponse) -> int:
-    """Write chunks as they arrive; returns how many were stitched."""
-    stitcher = StreamStitcher(plan)
+async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, response: web.StreamResponse) -> None:
+    """Write chunks as they arrive, then the merged tail or one error event."""
+    plan = stitcher.plan
     running = len(plan.children)
     while running:
         out: list[bytes] = []
@@ -257,11 +259,10 @@ async def _merge(plan: Plan, mailbox: Mailbox, response: web.StreamResponse) -> 
         except StreamError as error:
             out.append(error_event(error))
             await response.write(b"".join(out))
-            return stitcher.chunks
+            return
         if out:
             await response.write(b"".join(out))
     await response.write(stitcher.tail())
-    return stitcher.chunks
 
 
 def _reason(exc: BaseException) -> str:

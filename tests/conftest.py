@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from proxy.app import build_app
 from proxy.config import Config, single_upstream_config
@@ -87,7 +89,6 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 # llama.cpp's own server (via xllamacpp) on a tiny self-built model, one per test session. The
 # heavy imports stay inside the fixtures so tests that never ask for them do not pay for them.
-from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 
@@ -106,3 +107,18 @@ def llama_url(llama_model: Path) -> Iterator[str]:
 
     with llama_server(llama_model, n_parallel=1) as server:
         yield server.base_url
+
+
+@pytest.fixture(autouse=True)
+def no_unhandled_server_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """A handler that raises is a bug even when the client saw the right bytes."""
+    yield
+    errors = [
+        r
+        for r in caplog.get_records("call")
+        if r.name.startswith("aiohttp")
+        and r.levelno >= logging.ERROR
+        # aiohttp's own 400 for a malformed request line or header is not a handler failure
+        and not (r.exc_info and isinstance(r.exc_info[1], HttpProcessingError))
+    ]
+    assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]
