@@ -1,0 +1,129 @@
+"""Scenario 1: n=1 pass-through, non-streaming, at fixed concurrency, every contender per round.
+
+Direct to the backend is the limit; nginx, n-proxy and LiteLLM's proxy are measured against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import orjson
+
+from bench.load import Loader, Request, post
+from bench.procs import CpuWatch, Server, settle
+from bench.stats import Row, median, paired, rotated
+from bench.workload import chat_request
+
+DIRECT = "direct"
+
+
+def check(targets: Mapping[str, Server]) -> None:
+    """Each contender must answer the benchmark request correctly before it is timed."""
+    for name, server in targets.items():
+        status, raw = post(server.url, chat_request())
+        body = orjson.loads(raw) if status == 200 else None
+        if not isinstance(body, dict) or len(body.get("choices", [])) != 1:
+            raise RuntimeError(f"{name}: bad answer to the n=1 request ({status}): {raw[:300]!r}")
+
+
+def run(
+    targets: Mapping[str, Server],
+    loader: Loader,
+    concurrencies: Sequence[int],
+    rounds: int,
+    servers: Sequence[Server],
+    warm_up: bool = True,
+) -> dict[str, Any]:
+    check(targets)
+    request = chat_request()
+    names = list(targets)
+    for name in names if warm_up else ():  # connection pools, lazy imports, caches
+        loader.run(targets[name].url, request, max(concurrencies))
+    rows: list[Row] = []
+    for turn in range(rounds):
+        for concurrency in concurrencies:
+            for name in rotated(names, turn):
+                rows.append(_measure(targets, name, loader, request, concurrency, servers, turn))
+    return {"runs": rows, "summary": summarize(rows, names, concurrencies)}
+
+
+def _measure(
+    targets: Mapping[str, Server],
+    name: str,
+    loader: Loader,
+    request: Request,
+    concurrency: int,
+    servers: Sequence[Server],
+    turn: int,
+) -> Row:
+    settle(servers)
+    watch = CpuWatch(servers)
+    result = loader.run(targets[name].url, request, concurrency)
+    cpu = watch.stop()
+    own = cpu.by_server.get(targets[name].name, 0.0)
+    backend = cpu.by_server.get(targets[DIRECT].name, 0.0)
+    print(
+        f"  s1 round {turn} c={concurrency:<3} {name:<10} {result.rps:8.0f} req/s"
+        f"  p50 {result.p50_ms:7.3f} ms  p99 {result.p99_ms:7.3f} ms"
+        f"  errors {result.errors}  other load {cpu.foreign:.2f}, steal {cpu.steal:.2f} cores",
+        flush=True,
+    )
+    per_request = 1e6 / result.rps if result.rps else 0.0
+    return {
+        "round": turn,
+        "target": name,
+        "concurrency": concurrency,
+        **result.to_json(),
+        "cpu": asdict(cpu),
+        # CPU per request of the contender itself, and of the backend behind it.
+        "own_cpu_us": round(own * per_request, 1),
+        "backend_cpu_us": round(backend * per_request, 1),
+    }
+
+
+def summarize(rows: Sequence[Row], names: Sequence[str], concurrencies: Sequence[int]) -> list[Row]:
+    summary: list[Row] = []
+    for c in concurrencies:
+        at_c = [r for r in rows if r["concurrency"] == c]
+        for name in names:
+            mine = [r for r in at_c if r["target"] == name]
+
+            def is_mine(r: Row, name: str = name) -> bool:
+                return bool(r["target"] == name)
+
+            def is_direct(r: Row) -> bool:
+                return bool(r["target"] == DIRECT)
+
+            summary.append(
+                {
+                    "target": name,
+                    "concurrency": c,
+                    "rps": round(median(r["rps"] for r in mine), 1),
+                    "p50_ms": round(median(r["p50_ms"] for r in mine), 3),
+                    "p99_ms": round(median(r["p99_ms"] for r in mine), 3),
+                    "errors": sum(r["errors"] for r in mine),
+                    "rps_vs_direct": round(
+                        median(paired(at_c, is_mine, is_direct, lambda r, d: r["rps"] / d["rps"])),
+                        3,
+                    ),
+                    "added_p50_ms": round(
+                        median(
+                            paired(at_c, is_mine, is_direct, lambda r, d: r["p50_ms"] - d["p50_ms"])
+                        ),
+                        3,
+                    ),
+                    "added_p99_ms": round(
+                        median(
+                            paired(at_c, is_mine, is_direct, lambda r, d: r["p99_ms"] - d["p99_ms"])
+                        ),
+                        3,
+                    ),
+                    "cpu_us_per_req": round(median(r["own_cpu_us"] for r in mine), 1),
+                    "backend_cpu_us_per_req": round(median(r["backend_cpu_us"] for r in mine), 1),
+                    "other_load_cores": round(median(r["cpu"]["foreign"] for r in mine), 2),
+                    "steal_cores": round(median(r["cpu"].get("steal", 0) for r in mine), 2),
+                }
+            )
+    return summary

@@ -1,0 +1,334 @@
+"""The servers under test as child processes: start, wait until ready, sample, stop.
+
+Counters come straight from /proc (Linux only), so the bench needs no psutil.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import os
+import platform
+import resource
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+READY_TIMEOUT = 60.0  # LiteLLM's proxy takes a while to import
+STOP_TIMEOUT = 5.0
+LOG_TAIL_BYTES = 256 * 1024
+SETTLE_WINDOW = 0.2  # seconds
+SETTLE_BUSY = 0.1  # cores: below this, the servers count as idle
+SETTLE_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class ProcSample:
+    """One look at a process: CPU seconds so far, memory, open fds and socket byte counts."""
+
+    at: float  # time.monotonic()
+    cpu_seconds: float
+    rss_bytes: int
+    fds: int
+    read_bytes: int  # /proc/PID/io rchar: uvloop reads sockets with read(2), so this counts them
+    written_bytes: int
+
+
+def _one(pid: int) -> tuple[float, int, int, int, int]:
+    proc = Path(f"/proc/{pid}")
+    # Fields after the parenthesised command name; utime and stime are 14th and 15th overall.
+    stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(stat[11]) + int(stat[12])) / _CLOCK_TICKS
+    rss_pages = int((proc / "statm").read_text().split()[1])
+    io = dict(
+        line.split(": ", 1) for line in (proc / "io").read_text().splitlines() if ": " in line
+    )
+    fds = len(os.listdir(proc / "fd"))
+    return cpu, rss_pages * _PAGE_SIZE, fds, int(io.get("rchar", "0")), int(io.get("wchar", "0"))
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it (``--workers`` spawns its workers as children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = [pid]
+    while todo and len(found) < 1000:
+        current = todo.pop()
+        found.append(current)
+        todo += children.get(current, [])
+    return found
+
+
+def sample(pid: int, tree: bool = False) -> ProcSample:
+    """Counters of ``pid``, or summed over it and its descendants when ``tree``."""
+    parts = []
+    for each in _descendants(pid) if tree else [pid]:
+        with contextlib.suppress(OSError):
+            parts.append(_one(each))
+    if not parts:
+        raise ProcessLookupError(pid)
+    return ProcSample(
+        at=time.monotonic(),
+        cpu_seconds=sum(p[0] for p in parts),
+        rss_bytes=sum(p[1] for p in parts),
+        fds=sum(p[2] for p in parts),
+        read_bytes=sum(p[3] for p in parts),
+        written_bytes=sum(p[4] for p in parts),
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: a crashed harness must not leave servers behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+    ready_path: str
+    tree: bool = False  # it forks workers: count them in
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def sample(self) -> ProcSample:
+        return sample(self.pid, self.tree)
+
+
+def wait_ready(server: Server, timeout: float = READY_TIMEOUT) -> None:
+    """Poll its ready path until any HTTP answer; fail if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            tail = server.log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{server.name} exited with {server.process.returncode}:\n{tail}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2)
+            conn.request("GET", server.ready_path)
+            conn.getresponse().read()
+            conn.close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{server.name} not ready on port {server.port} after {timeout:.0f} s")
+
+
+class Fleet:
+    """Owns every server it starts and stops them all on exit, in reverse order."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.servers: list[Server] = []
+
+    def launch(
+        self,
+        name: str,
+        argv: Sequence[str],
+        port: int,
+        ready_path: str,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        tree: bool = False,
+    ) -> Server:
+        """Start without waiting (``wait_ready`` does), so servers boot side by side."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(
+                list(argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                cwd=cwd,
+                preexec_fn=_die_with_parent,
+            )
+        server = Server(name, port, process, log, ready_path, tree)
+        self.servers.append(server)
+        return server
+
+    def stop(self, server: Server) -> None:
+        self._stop([server])
+
+    def close(self) -> None:
+        self._stop(list(self.servers))
+
+    def _stop(self, servers: list[Server]) -> None:
+        """SIGTERM all at once (each drains for a moment), then wait; SIGKILL stragglers."""
+        for server in servers:
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for server in servers:
+            try:
+                server.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait(STOP_TIMEOUT)
+            _keep_tail(server.log)
+            if server in self.servers:
+                self.servers.remove(server)
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _keep_tail(log: Path, size: int = LOG_TAIL_BYTES) -> None:
+    """The proxy logs a line per request: keep only the end, where a crash would show."""
+    with contextlib.suppress(OSError):
+        if log.stat().st_size > size:
+            with log.open("rb") as f:
+                f.seek(-size, os.SEEK_END)
+                tail = f.read()
+            log.write_bytes(tail)
+
+
+def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:
+    """Wait until the servers are idle; the seconds it took.
+
+    A server can go on working after the load generator has hung up (LiteLLM's proxy finishes
+    the requests queued in it): that work must land in its own turn, not in the next one's.
+    """
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        before = sum(_cpu_or_zero(s) for s in servers)
+        time.sleep(SETTLE_WINDOW)
+        if sum(_cpu_or_zero(s) for s in servers) - before <= SETTLE_BUSY * SETTLE_WINDOW:
+            break
+    return time.monotonic() - started
+
+
+def _cpu_or_zero(server: Server) -> float:
+    try:
+        return server.sample().cpu_seconds
+    except OSError:
+        return 0.0
+
+
+def _machine_seconds() -> tuple[float, float, float]:
+    """CPU seconds since boot over all cores: in processes, in interrupts, stolen by the host.
+
+    Interrupt time is mostly the kernel moving our own loopback packets; steal is the hypervisor
+    running other machines on our cores.
+    """
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    ticks = [int(v) for v in fields]
+    processes = ticks[0] + ticks[1] + ticks[2]
+    return processes / _CLOCK_TICKS, (ticks[5] + ticks[6]) / _CLOCK_TICKS, ticks[7] / _CLOCK_TICKS
+
+
+def _own_and_children_seconds() -> float:
+    """CPU of this process plus its finished children (wrk, the Python load generator)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """CPU used during one measurement, in cores (CPU seconds per wall second)."""
+
+    wall_seconds: float
+    machine: float  # every process on the machine
+    servers: float  # the servers under test
+    harness: float  # this process and the load generator it ran
+    foreign: float  # every other process: other work on a shared machine skews the numbers
+    interrupts: float  # irq and softirq, mostly loopback networking
+    steal: float  # taken by the hypervisor for other virtual machines
+    by_server: dict[str, float]
+
+
+class CpuWatch:
+    """Brackets a measurement to tell how much of the machine the bench itself used."""
+
+    def __init__(self, servers: Sequence[Server]) -> None:
+        self._servers = list(servers)
+        self._by_server = self._servers_cpu()
+        self._start = (time.monotonic(), _machine_seconds(), _own_and_children_seconds())
+
+    def _servers_cpu(self) -> dict[str, float]:
+        cpu: dict[str, float] = {}
+        for server in self._servers:
+            with contextlib.suppress(OSError):
+                cpu[server.name] = server.sample().cpu_seconds
+        return cpu
+
+    def stop(self) -> CpuUse:
+        wall = max(time.monotonic() - self._start[0], 1e-9)
+        machine_now = _machine_seconds()
+        machine, interrupts, steal = (
+            (now - then) / wall for now, then in zip(machine_now, self._start[1], strict=True)
+        )
+        harness = (_own_and_children_seconds() - self._start[2]) / wall
+        now = self._servers_cpu()
+        by_server = {
+            name: round((now[name] - self._by_server[name]) / wall, 3)
+            for name in now
+            if name in self._by_server
+        }
+        servers = sum(by_server.values())
+        return CpuUse(
+            wall_seconds=round(wall, 3),
+            machine=round(machine, 3),
+            servers=round(servers, 3),
+            harness=round(harness, 3),
+            foreign=round(max(0.0, machine - servers - harness), 3),
+            interrupts=round(interrupts, 3),
+            steal=round(steal, 3),
+            by_server=by_server,
+        )
+
+
+def machine() -> dict[str, Any]:
+    """What the results were measured on."""
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }

@@ -1,0 +1,123 @@
+"""How each contender is started on loopback: demo backends, n-proxy, nginx and LiteLLM's proxy."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from bench.load import BENCH_KEY
+from bench.procs import Fleet, Server, free_port
+from bench.workload import MODEL
+
+# Admission control is a deployment choice, not a cost: lift it so only the proxy's work shows.
+_PROXY_CONFIG = """\
+upstreams:
+  - name: demo
+    url: {url}
+    max_concurrency: 100000
+    max_queue: 0
+drain_seconds: 1
+"""
+
+_NGINX_CONFIG = """\
+worker_processes 1;
+user root root;
+pid {work}/nginx.pid;
+error_log {work}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {work}/body;
+    proxy_temp_path {work}/proxy;
+    fastcgi_temp_path {work}/fastcgi;
+    uwsgi_temp_path {work}/uwsgi;
+    scgi_temp_path {work}/scgi;
+    upstream backend {{
+        server 127.0.0.1:{upstream_port};
+        keepalive 256;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+_LITELLM_CONFIG = """\
+model_list:
+  - model_name: {model}
+    litellm_params:
+      model: openai/{model}
+      api_base: {url}/v1
+      api_key: bench-not-a-secret
+general_settings:
+  master_key: {key}
+litellm_settings:
+  telemetry: false
+  drop_params: true
+  request_timeout: 60
+"""
+
+# Keep LiteLLM off the network: the cost map ships with the package, no usage is reported.
+LITELLM_ENV = {
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+    "LITELLM_TELEMETRY": "False",
+    "LITELLM_LOG": "ERROR",
+    "NO_PROXY": "127.0.0.1,localhost",
+}
+
+
+def start_backend(
+    fleet: Fleet, *, native_n: bool = False, name: str = "backend", token_delay: float = 0.0
+) -> Server:
+    """Launched only: the caller waits (``wait_ready``), so the servers boot side by side."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.backend", "--port", str(port)]
+    argv += ["--token-delay", str(token_delay)]
+    if native_n:
+        argv.append("--native-n")
+    return fleet.launch(name, argv, port, "/health")
+
+
+def start_proxy(
+    fleet: Fleet, work: Path, upstream: Server, name: str = "n-proxy", workers: int = 1
+) -> Server:
+    """Launched only, like the backend; ``workers`` > 1 uses the proxy's ``--workers``."""
+    port = free_port()
+    config = work / f"{name}.yaml"
+    config.write_text(_PROXY_CONFIG.format(url=upstream.url))
+    argv = [sys.executable, "-m", "proxy", "--config", str(config)]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
+    return fleet.launch(name, argv, port, "/health", tree=workers > 1)
+
+
+def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server) -> Server:
+    """One worker process, as n-proxy has one by default; launched only."""
+    port = free_port()
+    home = work / "nginx"
+    for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+    config = home / "nginx.conf"
+    config.write_text(_NGINX_CONFIG.format(work=home, upstream_port=upstream.port, port=port))
+    argv = [nginx, "-p", str(home), "-c", str(config), "-g", "daemon off;"]
+    return fleet.launch("nginx", argv, port, "/health", tree=True)  # its worker is a child
+
+
+def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> Server:
+    """One uvicorn worker; launched only (it takes seconds to import)."""
+    port = free_port()
+    config = work / "litellm.yaml"
+    config.write_text(_LITELLM_CONFIG.format(model=MODEL, url=upstream.url, key=BENCH_KEY))
+    argv = [litellm, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--num_workers", "1"]
+    return fleet.launch(
+        "litellm", argv, port, "/health/liveliness", env=LITELLM_ENV, cwd=work, tree=True
+    )
