@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from typing import Any
@@ -28,8 +29,40 @@ class _TextFormatter(logging.Formatter):
         return f"{self.formatTime(record)} {record.levelname.lower()} {record.getMessage()} {extra}"
 
 
+class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes lines in batches: one write per event-loop tick, not one syscall per request.
+
+    A line waits at most one tick of the loop (``call_soon``); outside a loop it is written at
+    once, so nothing is held back at start-up or shutdown.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self._lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._lines.append(self.format(record))
+        except Exception:
+            self.handleError(record)
+            return
+        if len(self._lines) > 1:
+            return  # a flush is already scheduled
+        try:
+            asyncio.get_running_loop().call_soon(self.flush)
+        except RuntimeError:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._lines:
+            text = "\n".join(self._lines) + "\n"
+            self._lines.clear()
+            self.stream.write(text)
+        super().flush()
+
+
 def setup_logging(fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _BatchingHandler()
     handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)

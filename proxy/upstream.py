@@ -91,6 +91,10 @@ class _UpstreamState:
         self.in_flight = self.metrics.children_in_flight.labels(name)
         self.ttfb = self.metrics.upstream_ttfb.labels(name)
         self.duration = self.metrics.upstream_duration.labels(name)
+        timeouts = self.upstream.timeouts
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
+        )
 
 
 class UpstreamPool:
@@ -161,9 +165,6 @@ class UpstreamPool:
     ) -> AsyncIterator[Reply]:
         """Open one upstream request; the response is closed (never reused) if left unread."""
         timeouts = upstream.timeouts
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
-        )
         state = self.state(upstream)
         in_flight = state.in_flight
         loop = asyncio.get_running_loop()
@@ -178,7 +179,7 @@ class UpstreamPool:
                     base_url + path_qs,
                     headers=headers,
                     data=body,
-                    timeout=timeout,
+                    timeout=state.timeout,
                     allow_redirects=False,
                     auto_decompress=decompress,
                     read_bufsize=read_bufsize,
