@@ -61,10 +61,14 @@ class DevConfig:
     model: str = "demo-model"
 
 
+HISTORY = 10_000  # past requests kept per list: enough for any test, flat for a long demo
+
+
 class DevState:
     """Live bookkeeping of generation requests, for tests to synchronise on.
 
-    Request ids are assumed unique among requests in flight at the same time.
+    Request ids are assumed unique among requests in flight at the same time. Each history
+    list keeps the last HISTORY entries, so a long-running demo or benchmark stays flat.
     """
 
     def __init__(self) -> None:
@@ -85,6 +89,7 @@ class DevState:
 
     def record(self, rid: str, body: Json, headers: dict[str, str]) -> None:
         self.seen.append((rid, body, headers))
+        _trim(self.seen)
         self._notify()
 
     def begin(self, rid: str, body: Json) -> None:
@@ -96,7 +101,9 @@ class DevState:
         if rid not in self.active:
             return
         del self.active[rid]
-        self._outcomes[outcome].append(rid)
+        history = self._outcomes[outcome]
+        history.append(rid)
+        _trim(history)
         self._notify()
 
     async def wait_for(self, predicate: Callable[[DevState], bool], timeout: float = 5.0) -> None:
@@ -111,6 +118,11 @@ class DevState:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+def _trim(history: list[Any]) -> None:
+    if len(history) > 2 * HISTORY:
+        del history[:-HISTORY]  # amortised: one cut per HISTORY appends
 
 
 DEV_STATE = web.AppKey("dev_state", DevState)

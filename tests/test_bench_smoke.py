@@ -1,0 +1,28 @@
+"""The benchmark's smoke run, so the harness cannot rot unnoticed. It asserts that every
+scenario ran and produced its numbers; it asserts no timing (that is bench/'s job)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = {"passthrough", "fanout", "stitching", "ttft", "memory"}
+
+
+def test_bench_smoke_runs_every_scenario(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        ["bash", str(ROOT / "bench" / "run"), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = tmp_path / "smoke.json"
+    data = json.loads(result.read_text())
+    for name in SCENARIOS:
+        assert data[name], f"{name} produced no measurements"
+    assert data["targets"], "no target rows"
