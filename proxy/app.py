@@ -62,6 +62,7 @@ async def _check_health(pool: UpstreamPool, runtime: Runtime) -> None:
         results = await asyncio.gather(*(pool.healthy(u) for u in runtime.config.upstreams))
         for upstream, ok in zip(runtime.config.upstreams, results, strict=True):
             runtime.healthy[upstream.name] = ok
+        runtime.health_checked.set()
         await asyncio.sleep(HEALTH_INTERVAL)
 
 
@@ -108,7 +109,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         if overhead is not None:
             runtime.metrics.overhead.observe(overhead)
         log_request(
-            request_id=fanout.plan.parent_id if fanout else request.headers.get("X-Request-Id"),
+            request_id=fanout.plan.parent_id if fanout else _logged_id(request),
             method=request.method,
             route=outcome.route,
             upstream=outcome.upstream,
@@ -179,6 +180,11 @@ def _maybe_json(request: web.Request, body: bytes, config: Config) -> dict[str, 
     except orjson.JSONDecodeError:
         return None
     return parsed if isinstance(parsed, dict) else None
+
+
+def _logged_id(request: web.Request) -> str | None:
+    incoming = request.headers.get("X-Request-Id")
+    return incoming[:200] if incoming is not None else None
 
 
 def _parent_id(request: web.Request) -> str:

@@ -28,6 +28,7 @@ class Backend:
 class Proxy:
     url: str
     config: Config
+    app: web.Application
 
 
 async def start_proxy(config: Config) -> tuple[web.AppRunner, str]:
@@ -65,7 +66,7 @@ async def make_proxy() -> AsyncIterator[Callable[[Config], Awaitable[Proxy]]]:
     async def make(config: Config) -> Proxy:
         runner, url = await start_proxy(config)
         runners.append(runner)
-        return Proxy(url, config)
+        return Proxy(url, config, runner.app)
 
     yield make
     for runner in runners:

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.app import POOL
 from proxy.config import Config, parse_config
 from proxy.server import Server
 from tests.conftest import Backend, Proxy
@@ -117,8 +118,12 @@ async def test_max_concurrency_queues_then_answers_429_with_retry_after(
         )
     )
     await backend.state.wait_for(lambda s: len(s.active) == 2)
-    for _ in range(50):  # bounded: until the queued request is parked in the proxy's queue
+    slots = proxy.app[POOL].state(proxy.config.upstreams[0]).slots
+    for _ in range(1000):  # bounded: until the third request is parked in the proxy's queue
+        if slots.queued == 1:
+            break
         await asyncio.sleep(0)
+    assert slots.queued == 1
     async with http.post(proxy.url + "/v1/models") as rejected:
         assert rejected.status == 429
         assert rejected.headers["Retry-After"] == "1"
@@ -179,12 +184,9 @@ def url(server: Server, path: str, admin: bool = False) -> str:
 
 
 async def wait_ready(http: aiohttp.ClientSession, server: Server) -> None:
-    for _ in range(100):  # bounded: the first health check runs as the server starts
-        async with http.get(url(server, "/readyz", admin=True)) as r:
-            if r.status == 200:
-                return
-        await asyncio.sleep(0.01)
-    raise AssertionError("never became ready")
+    await asyncio.wait_for(server.runtime.health_checked.wait(), 5)
+    async with http.get(url(server, "/readyz", admin=True)) as r:
+        assert r.status == 200
 
 
 async def test_livez_and_readyz_on_the_admin_port(
