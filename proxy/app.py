@@ -24,7 +24,7 @@ from proxy.headers import request_headers, response_headers
 from proxy.log import log_request
 from proxy.plan import parse_body, plan_request
 from proxy.runtime import Runtime
-from proxy.upstream import Trace, UpstreamPool, upstream_error
+from proxy.upstream import Trace, UpstreamPool
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
@@ -218,10 +218,7 @@ async def pass_through(
         if length is not None and length <= _WHOLE_BODY and request.method != "HEAD":
             # A small body of known length leaves with its headers in one write: one syscall
             # and one packet fewer on the most common pass-through answer.
-            try:
-                data = await reply.body.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                raise upstream_error(exc, upstream) from None
+            data = await reply.read()
             return web.Response(
                 status=upstream_response.status,
                 reason=upstream_response.reason,

@@ -84,10 +84,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
 
     async def fetch(pos: int) -> dict[str, Any]:
         async with turns, fanout.send(pos, urls[pos]) as reply:
-            try:
-                raw = await reply.body.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                raise upstream_error(exc, fanout.upstream) from None
+            raw = await reply.read()
             if reply.response.status >= 300:
                 raise ChildFailed(reply.response.status, raw, reply.response.content_type)
         try:
@@ -139,8 +136,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             async with fanout.send(pos, urls[pos]) as reply:
                 response = reply.response
                 if response.status >= 300:
-                    body = await reply.body.read()
-                    raise ChildFailed(response.status, body, response.content_type)
+                    raise ChildFailed(response.status, await reply.read(), response.content_type)
                 if not headers_in[pos].done():  # done already if a sibling failed first
                     headers_in[pos].set_result(None)
                 decoder = SSEDecoder()

@@ -190,7 +190,7 @@ class UpstreamPool:
             _stop_read_timer(response)
             guard = IdleGuard(response, timeouts.idle)
             try:
-                yield Reply(response, guard)
+                yield Reply(response, guard, upstream)
             finally:
                 guard.close()
                 if response.content.at_eof():
@@ -279,7 +279,8 @@ class IdleGuard:
                 aiohttp.ServerTimeoutError(f"no data from upstream for {self._idle} s")
             )
             return
-        self._timer = self._loop.call_at((since or now) + self._idle, self._check)
+        start = since if since is not None else now
+        self._timer = self._loop.call_at(start + self._idle, self._check)
 
     def close(self) -> None:
         self._timer.cancel()
@@ -291,3 +292,11 @@ class Reply:
 
     response: aiohttp.ClientResponse
     body: IdleGuard
+    upstream: Upstream
+
+    async def read(self) -> bytes:
+        """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7)."""
+        try:
+            return await self.body.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise upstream_error(exc, self.upstream) from None
