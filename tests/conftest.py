@@ -82,6 +82,12 @@ def proxy_config(backend: Backend, **overrides: Any) -> Config:
     return dataclasses.replace(single_upstream_config(backend.url), **overrides)
 
 
+def with_upstream(config: Config, **changes: Any) -> Config:
+    """The one-upstream ``config`` with that upstream's fields changed."""
+    (upstream,) = config.upstreams
+    return dataclasses.replace(config, upstreams=(dataclasses.replace(upstream, **changes),))
+
+
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:

@@ -409,16 +409,10 @@ async def test_configured_prefix_path_fans_out(
 async def test_native_n_upstream_passes_n_through(
     http: aiohttp.ClientSession, make_proxy: Any, make_backend: Any
 ) -> None:
-    import dataclasses
-
-    from tests.conftest import proxy_config
+    from tests.conftest import proxy_config, with_upstream
 
     native = await make_backend(native_n=True)
-    config = proxy_config(native)
-    config = dataclasses.replace(
-        config, upstreams=(dataclasses.replace(config.upstreams[0], native_n=True),)
-    )
-    proxy = await make_proxy(config)
+    proxy = await make_proxy(with_upstream(proxy_config(native), native_n=True))
     status, raw, _ = await post(
         http,
         proxy.url + CHAT,
@@ -434,14 +428,11 @@ async def test_native_n_upstream_passes_n_through(
 async def test_child_request_id_mode_for_servers_that_reject_prefixed_ids(
     http: aiohttp.ClientSession, make_proxy: Any, backend: Backend, mode: str
 ) -> None:
-    import dataclasses
     import uuid
 
-    from tests.conftest import proxy_config
+    from tests.conftest import proxy_config, with_upstream
 
-    config = proxy_config(backend)
-    upstream = dataclasses.replace(config.upstreams[0], child_request_id=mode)
-    proxy = await make_proxy(dataclasses.replace(config, upstreams=(upstream,)))
+    proxy = await make_proxy(with_upstream(proxy_config(backend), child_request_id=mode))
     body = {"model": "m", "messages": MESSAGES, "n": 2}
     status, _, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "mine"})
     assert status == 200

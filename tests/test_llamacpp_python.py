@@ -6,7 +6,6 @@ cores), then ``pytest -m llamacpp_python tests/test_llamacpp_python.py``; skippe
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import subprocess
@@ -22,7 +21,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from proxy.config import Config, single_upstream_config
-from tests.conftest import Proxy
+from tests.conftest import Proxy, with_upstream
 
 pytest.importorskip("llama_cpp")
 
@@ -99,9 +98,8 @@ async def proxy_url(
     make_proxy: Callable[[Config], Awaitable[Proxy]], python_server_url: str
 ) -> str:
     # llama-cpp-python answers an X-Request-Id that is not a UUID with a bare 400.
-    config = single_upstream_config(python_server_url)
-    upstream = dataclasses.replace(config.upstreams[0], child_request_id="uuid")
-    return (await make_proxy(dataclasses.replace(config, upstreams=(upstream,)))).url
+    config = with_upstream(single_upstream_config(python_server_url), child_request_id="uuid")
+    return (await make_proxy(config)).url
 
 
 @pytest.fixture
