@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from proxy.devserver import (
+    HISTORY,
     HUGE_WORD,
     WORD_TOKENS,
     DevConfig,
@@ -466,3 +467,15 @@ async def test_side_routes_for_pass_through(session: aiohttp.ClientSession, serv
 def test_main_rejects_unknown_arguments() -> None:
     with pytest.raises(SystemExit):
         main(["--bogus"])
+
+
+async def test_history_lists_stay_bounded_for_long_demos() -> None:
+    state = DevState()
+    for k in range(2 * HISTORY + 1):
+        state.record(f"r{k}", {}, {})
+        state.begin(f"r{k}", {})
+        state.end(f"r{k}", "finished")
+    assert len(state.seen) == HISTORY
+    assert len(state.finished) == HISTORY
+    assert state.finished[-1] == f"r{2 * HISTORY}"
+    assert state.seen[0][0] == f"r{HISTORY + 1}"
