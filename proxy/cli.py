@@ -1,26 +1,28 @@
-"""The ``n-proxy`` command: serve (in front of a URL, a YAML config, or the built-in demo backend)
-and ``check-config``."""
+"""The ``n-proxy`` command: serve (in front of a URL, a YAML config, or the built-in demo backend),
+``check-config`` and ``config-schema``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import os
 import sys
 from collections.abc import Sequence
+
+import orjson
 
 from proxy.config import (
     MAX_N_CEILING,
     Config,
     ConfigError,
     Listen,
+    config_schema,
     load_config,
     single_upstream_config,
 )
 from proxy.log import setup_logging
-from proxy.server import Server, run
+from proxy.server import Server, install_uvloop, run
 from proxy.workers import run_workers
 
 
@@ -28,6 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["check-config"]:
         return check_config(args[1:])
+    if args[:1] == ["config-schema"]:
+        sys.stdout.write(orjson.dumps(config_schema(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
     options = _parser().parse_args(args)
     try:
         config = _config(options)
@@ -65,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="n-proxy",
         description="Reverse proxy that gives OpenAI n>1 to servers that serve one choice. "
         "Without --upstream or --config it starts a built-in demo backend. "
-        "`n-proxy check-config FILE` validates a config file.",
+        "`n-proxy check-config FILE` validates a config file; "
+        "`n-proxy config-schema` prints its JSON Schema.",
     )
     parser.add_argument("--upstream", help="base URL of the OpenAI-compatible server")
     parser.add_argument(
@@ -91,12 +97,10 @@ def _config(options: argparse.Namespace) -> Config:
         config = load_config(options.config)
         if options.upstream is not None:
             default = config.upstream(config.default_upstream)
-            replaced = dataclasses.replace(
-                default, urls=single_upstream_config(options.upstream).upstreams[0].urls
-            )
-            config = dataclasses.replace(
-                config, upstreams=tuple(replaced if u is default else u for u in config.upstreams)
-            )
+            urls = single_upstream_config(options.upstream).upstreams[0].urls
+            replaced = default.model_copy(update={"urls": urls})
+            upstreams = tuple(replaced if u is default else u for u in config.upstreams)
+            config = config.model_copy(update={"upstreams": upstreams})
     else:
         config = single_upstream_config(options.upstream or "http://127.0.0.1:0")
     listen = Listen(
@@ -110,8 +114,8 @@ def _config(options: argparse.Namespace) -> Config:
     if options.admin_port is not None:
         admin = Listen(host=admin.host if admin else listen.host, port=options.admin_port)
     log_format = options.log_format or config.log_format
-    return dataclasses.replace(
-        config, listen=listen, max_n=max_n, admin=admin, log_format=log_format
+    return config.model_copy(
+        update={"listen": listen, "max_n": max_n, "admin": admin, "log_format": log_format}
     )
 
 
@@ -122,8 +126,10 @@ async def serve(config: Config, *, demo: bool = False) -> None:
         from proxy.devserver import DevConfig, start_devserver
 
         dev_runner, dev_port, _ = await start_devserver(DevConfig(token_delay=0.02))
-        upstream = dataclasses.replace(config.upstreams[0], urls=(f"http://127.0.0.1:{dev_port}",))
-        config = dataclasses.replace(config, upstreams=(upstream,))
+        upstream = config.upstreams[0].model_copy(
+            update={"urls": (f"http://127.0.0.1:{dev_port}",)}
+        )
+        config = config.model_copy(update={"upstreams": (upstream,)})
         print(f"n-proxy: no --upstream given; demo backend on 127.0.0.1:{dev_port}", flush=True)
     server = Server(config)
     try:
@@ -136,10 +142,3 @@ async def serve(config: Config, *, demo: bool = False) -> None:
     finally:
         if dev_runner is not None:
             await dev_runner.cleanup()
-
-
-def install_uvloop() -> None:
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

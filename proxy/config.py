@@ -1,6 +1,7 @@
-"""The proxy's configuration: frozen dataclasses built from YAML or CLI flags, validated on load.
+"""The proxy's configuration: frozen pydantic models, validated once at load, with a JSON Schema.
 
-Every error names the offending YAML key (``upstreams[1].url: not a URL``).
+Every error is one line naming the YAML key (``upstreams[1].url: not a URL``), however pydantic
+words it inside; ``${ENV}`` placeholders in URLs and header values are expanded at load.
 """
 
 from __future__ import annotations
@@ -9,55 +10,205 @@ import fnmatch
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
 DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")
+MiB = 1024 * 1024
 
 
 class ConfigError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class Listen:
-    host: str = "127.0.0.1"
-    port: int = 8080
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-@dataclass(frozen=True)
-class Timeouts:
-    connect: float = 5.0
-    first_byte: float = 600.0
-    idle: float = 120.0
+def _expand(value: str, info: ValidationInfo) -> str:
+    """``${NAME}`` from the environment given at load; code-built configs are taken as they are."""
+    env = info.context.get("env") if isinstance(info.context, dict) else None
+    if env is None:
+        return value
+
+    def sub(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in env:
+            raise ValueError(f"environment variable {name} is not set")
+        return str(env[name])
+
+    return _ENV.sub(sub, value)
 
 
-@dataclass(frozen=True)
-class Upstream:
-    name: str
-    urls: tuple[str, ...]
-    native_n: bool = False
-    max_concurrency: int = 64
-    max_queue: int = 256
+def _url(value: object, info: ValidationInfo) -> str:
+    if not isinstance(value, str):
+        raise ValueError("not a URL")
+    return check_url(_expand(value, info))
+
+
+def check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("not a URL")
+    if parts.query or parts.fragment:
+        raise ValueError("must not have a query or fragment")
+    return url.rstrip("/")
+
+
+def _header_value(value: object, info: ValidationInfo) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError("must be a string")
+    expanded = _expand(str(value), info)
+    if "\r" in expanded or "\n" in expanded:
+        raise ValueError("contains a line break")
+    return expanded
+
+
+def _path(value: object) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError("must be a path starting with /")
+    return value
+
+
+def _retry_condition(value: object) -> str | int:
+    if value in ("connect", "reset"):
+        return str(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+        return value
+    raise ValueError("must be connect, reset or an HTTP status from 400 to 599")
+
+
+def _ranged(lo: int, hi: int) -> Any:
+    return Field(strict=True, ge=lo, le=hi)
+
+
+Url = Annotated[str, BeforeValidator(_url), WithJsonSchema({"type": "string", "format": "uri"})]
+HeaderValue = Annotated[
+    str, BeforeValidator(_header_value), WithJsonSchema({"type": ["string", "number"]})
+]
+UrlPath = Annotated[
+    str, BeforeValidator(_path), WithJsonSchema({"type": "string", "pattern": "^/"})
+]
+Seconds = Annotated[float, Field(strict=True, gt=0)]
+RetryCondition = Annotated[
+    str | int,
+    PlainValidator(_retry_condition),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"enum": ["connect", "reset"]},
+                {"type": "integer", "minimum": 400, "maximum": 599},
+            ]
+        }
+    ),
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Listen(_Section):
+    host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, _ranged(0, 65535)] = 8080
+
+
+class Timeouts(_Section):
+    """Upstream clocks: to connect, to the response headers, and of silence mid-body."""
+
+    connect: Seconds = 5.0
+    first_byte: Seconds = 600.0  # prefill can be slow
+    idle: Seconds = 120.0  # no total cap: streams may run for long
+
+
+class ClientTimeouts(_Section):
+    """How long a client may take to send its request's headers, and its body (nginx: 60 s)."""
+
+    headers: Seconds = 60.0
+    body: Seconds = 60.0
+
+
+class Eject(_Section):
+    """Passive health: ``failures`` in a row take a replica out for ``seconds`` (0: never)."""
+
+    failures: Annotated[int, _ranged(0, 1000)] = 3
+    seconds: Seconds = 10.0
+
+
+class Discovery(_Section):
+    """With ``dns``, each URL host's every address is a replica, resolved anew each interval."""
+
+    dns: Annotated[bool, Field(strict=True)] = False
+    interval: Seconds = 10.0
+
+
+def _url_or_urls(schema: dict[str, Any]) -> None:
+    """The schema says what the loader takes: ``url: X`` or ``urls: [X, ...]``, exactly one."""
+    properties = schema["properties"]
+    properties["url"] = {"type": "string", "format": "uri", "title": "Url"}
+    schema["required"] = [r for r in schema["required"] if r != "urls"]
+    schema["oneOf"] = [{"required": ["url"]}, {"required": ["urls"]}]
+
+
+class Upstream(_Section):
+    model_config = ConfigDict(json_schema_extra=_url_or_urls)
+
+    name: Annotated[str, Field(min_length=1)]
+    urls: Annotated[tuple[Url, ...], Field(min_length=1)]
+    native_n: Annotated[bool, Field(strict=True)] = False
+    max_concurrency: Annotated[int, _ranged(1, 1_000_000)] = 4096
+    max_queue: Annotated[int, _ranged(0, 1_000_000)] = 4096
     placement: Literal["spread", "pack"] = "spread"
-    headers: Mapping[str, str] = field(default_factory=dict)
+    headers: dict[str, HeaderValue] = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
-    health_path: str = "/health"
+    health_path: UrlPath = "/health"
+    health_interval: Seconds = 5.0
     # X-Request-Id on children: vLLM's "{i}_{parent}", a fresh UUID (servers that insist on
     # one, such as llama-cpp-python), or none at all.
     child_request_id: Literal["prefixed", "uuid", "omit"] = "prefixed"
+    retries: Annotated[int, _ranged(0, 10)] = 2
+    retry_on: tuple[RetryCondition, ...] = ("connect",)
+    eject: Eject = Eject()
+    discovery: Discovery = Discovery()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_url_or_many(cls, data: Any) -> Any:
+        """``url: X`` is short for ``urls: [X]``; exactly one of the two."""
+        if isinstance(data, dict) and ("url" in data or "urls" not in data):
+            if ("url" in data) == ("urls" in data):
+                raise ValueError("give exactly one of url or urls")
+            data = {
+                ("urls" if k == "url" else k): ([v] if k == "url" else v) for k, v in data.items()
+            }
+        return data
 
 
-@dataclass(frozen=True)
-class Route:
+class Route(_Section):
     upstream: str
-    model: str | None = None
-    path_prefix: str | None = None
+    model: str | None = None  # a glob on the body's "model", case-sensitive
+    path_prefix: UrlPath | None = None
+
+    @model_validator(mode="after")
+    def _matches_something(self) -> Route:
+        if self.model is None and self.path_prefix is None:
+            raise ValueError("give model or path_prefix")
+        return self
 
     def matches(self, path: str, model: str | None) -> bool:
         if self.path_prefix is not None and not path.startswith(self.path_prefix):
@@ -67,19 +218,51 @@ class Route:
         return True
 
 
-@dataclass(frozen=True)
-class Config:
-    upstreams: tuple[Upstream, ...]
+class Config(_Section):
+    upstreams: Annotated[tuple[Upstream, ...], Field(min_length=1)]
     listen: Listen = Listen()
     admin: Listen | None = None
-    max_n: int = 10
-    max_body_bytes: int = 16 * 1024 * 1024
-    drain_seconds: float = 25.0
-    drain_grace_seconds: float = 3.0
+    max_n: Annotated[int, _ranged(1, MAX_N_CEILING)] = 10
+    max_body_bytes: Annotated[int, _ranged(1, 1 << 31)] = 16 * MiB
+    max_children: Annotated[int, _ranged(1, 1_000_000)] = 2048  # prompts x n (or best_of)
+    max_response_bytes: Annotated[int, _ranged(1, 1 << 40)] = 64 * MiB
+    max_connections: Annotated[int, _ranged(1, 10_000_000)] = 10_000
+    client_timeouts: ClientTimeouts = ClientTimeouts()
+    stream_start: Literal["first", "all"] = "first"
+    sse_keepalive_seconds: Annotated[float, Field(strict=True, ge=0)] = 15.0
+    drain_seconds: Seconds = 25.0
+    drain_grace_seconds: Seconds = 3.0
     log_format: Literal["json", "text"] = "json"
     routes: tuple[Route, ...] = ()
-    default_upstream: str = ""
-    fanout_paths: tuple[str, ...] = DEFAULT_FANOUT_PATHS
+    default_upstream: str = ""  # "" before validation: the first upstream
+    fanout_paths: tuple[UrlPath, ...] = DEFAULT_FANOUT_PATHS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_upstream_is_the_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("default_upstream"):
+            upstreams = data.get("upstreams")
+            if isinstance(upstreams, list | tuple) and upstreams:
+                first = upstreams[0]
+                name = first.name if isinstance(first, Upstream) else None
+                if isinstance(first, dict):
+                    name = first.get("name")
+                if isinstance(name, str):
+                    data = {**data, "default_upstream": name}
+        return data
+
+    @model_validator(mode="after")
+    def _names_resolve(self) -> Config:
+        names = [u.name for u in self.upstreams]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise _keyed(f"upstreams[{i}].name", f"duplicate name {name!r}")
+        for i, route in enumerate(self.routes):
+            if route.upstream not in names:
+                raise _keyed(f"routes[{i}].upstream", f"no upstream named {route.upstream!r}")
+        if self.default_upstream not in names:
+            raise _keyed("default_upstream", f"no upstream named {self.default_upstream!r}")
+        return self
 
     def upstream(self, name: str) -> Upstream:
         return next(u for u in self.upstreams if u.name == name)
@@ -96,11 +279,18 @@ class Config:
         return any(r.model is not None for r in self.routes)
 
 
+def _keyed(key: str, message: str) -> PydanticCustomError:
+    """An error found across sections, reported at the key it is about."""
+    return PydanticCustomError("keyed", "{key}: {message}", {"key": key, "message": message})
+
+
 def single_upstream_config(url: str, **overrides: Any) -> Config:
     """The local-dev shape: one upstream, everything else default."""
-    _check_url(url, "--upstream")
-    upstream = Upstream(name="default", urls=(url.rstrip("/"),))
-    return replace(Config(upstreams=(upstream,), default_upstream="default"), **overrides)
+    try:
+        upstream = Upstream(name="default", urls=(url,))
+    except ValidationError as exc:
+        raise ConfigError(f"--upstream: {_first_error(exc, {})}") from None
+    return Config(upstreams=(upstream,), default_upstream="default").model_copy(update=overrides)
 
 
 def load_config(source: str | Path, env: Mapping[str, str] | None = None) -> Config:
@@ -117,232 +307,113 @@ def parse_config(text: str, env: Mapping[str, str]) -> Config:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"not valid YAML: {exc}") from exc
-    return _Reader(env).config(raw)
+    if not isinstance(raw, dict):
+        raise ConfigError("config: must be a mapping")
+    try:
+        return Config.model_validate(raw, context={"env": env})
+    except ValidationError as exc:
+        raise ConfigError(_first_error(exc, raw)) from None
 
 
-_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+def config_schema() -> dict[str, Any]:
+    """The JSON Schema of the YAML file, for editors (``n-proxy config-schema``)."""
+    schema = Config.model_json_schema()
+    schema["title"] = "n-proxy configuration"
+    return schema
 
 
-class _Reader:
-    def __init__(self, env: Mapping[str, str]) -> None:
-        self.env = env
-
-    def config(self, raw: object) -> Config:
-        top = self._mapping(raw, "config")
-        self._known(
-            top,
-            "",
-            {
-                "listen",
-                "admin",
-                "max_n",
-                "max_body_bytes",
-                "drain_seconds",
-                "drain_grace_seconds",
-                "log_format",
-                "upstreams",
-                "routes",
-                "default_upstream",
-                "fanout_paths",
-            },
-        )
-        upstreams = tuple(
-            self._upstream(u, f"upstreams[{i}]")
-            for i, u in enumerate(self._list(top.get("upstreams"), "upstreams", min_len=1))
-        )
-        names = [u.name for u in upstreams]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise ConfigError(f"upstreams[{i}].name: duplicate name {name!r}")
-        routes = tuple(
-            self._route(r, f"routes[{i}]", names)
-            for i, r in enumerate(self._list(top.get("routes", []), "routes"))
-        )
-        default = top.get("default_upstream", names[0])
-        if default not in names:
-            raise ConfigError(f"default_upstream: no upstream named {default!r}")
-        fanout = tuple(
-            self._path(p, f"fanout_paths[{i}]")
-            for i, p in enumerate(
-                self._list(top.get("fanout_paths", list(DEFAULT_FANOUT_PATHS)), "fanout_paths")
+def _first_error(exc: ValidationError, raw: object) -> str:
+    error = exc.errors(include_url=False)[0]
+    ctx = error.get("ctx") or {}
+    if error["type"] == "keyed":
+        return f"{ctx['key']}: {ctx['message']}"
+    if error["type"] in ("int_type", "greater_than_equal", "less_than_equal"):
+        bounds = _field_bounds(error["loc"])
+        if bounds is not None:
+            return (
+                f"{_where(error['loc'], raw)}: must be an integer from {bounds[0]} to {bounds[1]}"
             )
-        )
-        log_format = top.get("log_format", "json")
-        if log_format not in ("json", "text"):
-            raise ConfigError("log_format: must be json or text")
-        admin = top.get("admin")
-        return Config(
-            upstreams=upstreams,
-            listen=self._listen(top.get("listen", {}), "listen"),
-            admin=None if admin is None else self._listen(admin, "admin"),
-            max_n=self._int(top.get("max_n", 10), "max_n", 1, MAX_N_CEILING),
-            max_body_bytes=self._int(
-                top.get("max_body_bytes", 16 * 1024 * 1024), "max_body_bytes", 1, 1 << 31
-            ),
-            drain_seconds=self._number(top.get("drain_seconds", 25), "drain_seconds"),
-            drain_grace_seconds=self._number(
-                top.get("drain_grace_seconds", 3), "drain_grace_seconds"
-            ),
-            log_format=log_format,
-            routes=routes,
-            default_upstream=default,
-            fanout_paths=fanout,
-        )
+    return f"{_where(error['loc'], raw)}: {_say(error['type'], error['msg'], ctx)}"
 
-    def _upstream(self, raw: object, key: str) -> Upstream:
-        m = self._mapping(raw, key)
-        self._known(
-            m,
-            key,
-            {
-                "name",
-                "url",
-                "urls",
-                "native_n",
-                "max_concurrency",
-                "max_queue",
-                "placement",
-                "headers",
-                "timeouts",
-                "health_path",
-                "child_request_id",
-            },
-        )
-        name = m.get("name")
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{key}.name: required, a non-empty string")
-        if ("url" in m) == ("urls" in m):
-            raise ConfigError(f"{key}: give exactly one of url or urls")
-        if "url" in m:
-            urls: tuple[str, ...] = (self._url(m["url"], f"{key}.url"),)
+
+def _where(loc: tuple[int | str, ...], raw: object) -> str:
+    """``('upstreams', 1, 'urls', 0)`` -> ``upstreams[1].urls[0]``, or ``.url`` if so written."""
+    out = ""
+    node = raw
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "urls" and isinstance(node, dict) and "url" in node and "urls" not in node:
+            return out + ".url"
         else:
-            urls = tuple(
-                self._url(u, f"{key}.urls[{i}]")
-                for i, u in enumerate(self._list(m["urls"], f"{key}.urls", min_len=1))
-            )
-        placement = m.get("placement", "spread")
-        if placement not in ("spread", "pack"):
-            raise ConfigError(f"{key}.placement: must be spread or pack")
-        child_request_id = m.get("child_request_id", "prefixed")
-        if child_request_id not in ("prefixed", "uuid", "omit"):
-            raise ConfigError(f"{key}.child_request_id: must be prefixed, uuid or omit")
-        native_n = m.get("native_n", False)
-        if not isinstance(native_n, bool):
-            raise ConfigError(f"{key}.native_n: must be true or false")
-        headers_raw = self._mapping(m.get("headers", {}), f"{key}.headers")
-        headers = {}
-        for h, v in headers_raw.items():
-            if not isinstance(h, str) or not isinstance(v, str | int | float):
-                raise ConfigError(f"{key}.headers.{h}: must be a string")
-            value = self._expand(str(v), f"{key}.headers.{h}")
-            if "\r" in value or "\n" in value:
-                raise ConfigError(f"{key}.headers.{h}: contains a line break")
-            headers[h] = value
-        t = self._mapping(m.get("timeouts", {}), f"{key}.timeouts")
-        self._known(t, f"{key}.timeouts", {"connect", "first_byte", "idle"})
-        d = Timeouts()
-        timeouts = Timeouts(
-            connect=self._number(t.get("connect", d.connect), f"{key}.timeouts.connect"),
-            first_byte=self._number(
-                t.get("first_byte", d.first_byte), f"{key}.timeouts.first_byte"
-            ),
-            idle=self._number(t.get("idle", d.idle), f"{key}.timeouts.idle"),
-        )
-        return Upstream(
-            name=name,
-            urls=urls,
-            native_n=native_n,
-            max_concurrency=self._int(
-                m.get("max_concurrency", 64), f"{key}.max_concurrency", 1, 100_000
-            ),
-            max_queue=self._int(m.get("max_queue", 256), f"{key}.max_queue", 0, 1_000_000),
-            placement=placement,
-            headers=headers,
-            timeouts=timeouts,
-            health_path=self._path(m.get("health_path", "/health"), f"{key}.health_path"),
-            child_request_id=child_request_id,
-        )
-
-    def _route(self, raw: object, key: str, names: list[str]) -> Route:
-        m = self._mapping(raw, key)
-        self._known(m, key, {"model", "path_prefix", "upstream"})
-        upstream = m.get("upstream")
-        if upstream not in names:
-            raise ConfigError(f"{key}.upstream: no upstream named {upstream!r}")
-        model = m.get("model")
-        if model is not None and not isinstance(model, str):
-            raise ConfigError(f"{key}.model: must be a string glob")
-        prefix = m.get("path_prefix")
-        if prefix is not None:
-            prefix = self._path(prefix, f"{key}.path_prefix")
-        if model is None and prefix is None:
-            raise ConfigError(f"{key}: give model or path_prefix")
-        return Route(upstream=str(upstream), model=model, path_prefix=prefix)
-
-    def _listen(self, raw: object, key: str) -> Listen:
-        m = self._mapping(raw, key)
-        self._known(m, key, {"host", "port"})
-        host = m.get("host", "127.0.0.1")
-        if not isinstance(host, str) or not host:
-            raise ConfigError(f"{key}.host: must be a host name or address")
-        return Listen(host=host, port=self._int(m.get("port", 8080), f"{key}.port", 0, 65535))
-
-    def _url(self, raw: object, key: str) -> str:
-        if not isinstance(raw, str):
-            raise ConfigError(f"{key}: not a URL")
-        return _check_url(self._expand(raw, key), key)
-
-    def _expand(self, value: str, key: str) -> str:
-        def sub(match: re.Match[str]) -> str:
-            name = match.group(1)
-            if name not in self.env:
-                raise ConfigError(f"{key}: environment variable {name} is not set")
-            return self.env[name]
-
-        return _ENV.sub(sub, value)
-
-    @staticmethod
-    def _path(raw: object, key: str) -> str:
-        if not isinstance(raw, str) or not raw.startswith("/"):
-            raise ConfigError(f"{key}: must be a path starting with /")
-        return raw
-
-    @staticmethod
-    def _mapping(raw: object, key: str) -> dict[str, Any]:
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{key}: must be a mapping")
-        return raw
-
-    @staticmethod
-    def _list(raw: object, key: str, min_len: int = 0) -> list[Any]:
-        if not isinstance(raw, list) or len(raw) < min_len:
-            raise ConfigError(f"{key}: must be a list" + (" (not empty)" if min_len else ""))
-        return raw
-
-    @staticmethod
-    def _known(m: Mapping[str, Any], key: str, allowed: set[str]) -> None:
-        for name in m:
-            if name not in allowed:
-                where = f"{key}.{name}" if key else str(name)
-                raise ConfigError(f"{where}: unknown key")
-
-    @staticmethod
-    def _int(raw: object, key: str, lo: int, hi: int) -> int:
-        if isinstance(raw, bool) or not isinstance(raw, int) or not lo <= raw <= hi:
-            raise ConfigError(f"{key}: must be an integer from {lo} to {hi}")
-        return raw
-
-    @staticmethod
-    def _number(raw: object, key: str) -> float:
-        if isinstance(raw, bool) or not isinstance(raw, int | float) or raw <= 0:
-            raise ConfigError(f"{key}: must be a positive number of seconds")
-        return float(raw)
+            out += f".{part}" if out else str(part)
+        node = _step(node, part)
+    return out or "config"
 
 
-def _check_url(url: str, key: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{key}: not a URL")
-    if parts.query or parts.fragment:
-        raise ConfigError(f"{key}: must not have a query or fragment")
-    return url.rstrip("/")
+def _step(node: object, part: int | str) -> object:
+    if isinstance(node, dict):
+        return node.get(part)
+    if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+        return node[part]
+    return None
+
+
+_SAYS = {
+    "missing": "required",
+    "extra_forbidden": "unknown key",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "dict_type": "must be a mapping",
+    "model_type": "must be a mapping",
+    "model_attributes_type": "must be a mapping",
+    "tuple_type": "must be a list",
+    "list_type": "must be a list",
+}
+
+
+def _say(kind: str, message: str, ctx: Mapping[str, Any]) -> str:
+    if kind in _SAYS:
+        return _SAYS[kind]
+    if kind == "value_error":
+        return str(ctx.get("error", message))
+    if kind == "too_short":
+        return "must be a list (not empty)" if ctx.get("min_length") == 1 else message
+    if kind == "string_too_short":
+        return "must not be empty"
+    if kind == "greater_than_equal":
+        return f"must be at least {ctx['ge']}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}"
+    if kind == "greater_than":
+        return "must be positive" if ctx.get("gt") == 0 else f"must be greater than {ctx['gt']}"
+    return message[:1].lower() + message[1:]
+
+
+def _field_bounds(loc: tuple[int | str, ...]) -> tuple[object, object] | None:
+    """The ``ge``/``le`` of the integer field at ``loc``, to name the whole range in one error."""
+    model: type[BaseModel] | None = Config
+    field = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if model is None or part not in model.model_fields:
+            return None
+        field = model.model_fields[part]
+        model = _model_in(field.annotation)
+    if field is None:
+        return None
+    ge = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
+    le = next((m.le for m in field.metadata if hasattr(m, "le")), None)
+    return (ge, le) if ge is not None and le is not None else None
+
+
+def _model_in(annotation: object) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None

@@ -88,6 +88,14 @@ async def run(
         await server.close()
 
 
+def install_uvloop() -> None:
+    """uvloop when installed (the ``fast`` extra): a quicker event loop, same behaviour."""
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def _port(runner: web.AppRunner) -> int:
     address = runner.addresses[0]
     return int(address[1])

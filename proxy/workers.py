@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import multiprocessing
 import os
 import shutil
@@ -20,6 +19,7 @@ from types import FrameType
 
 from proxy.config import Config
 from proxy.log import setup_logging
+from proxy.server import Server, install_uvloop, run
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -60,11 +60,8 @@ def run_workers(config: Config, count: int) -> int:
 
 
 def _work(config: Config, index: int) -> None:
-    from proxy.cli import install_uvloop
-    from proxy.server import Server, run
-
     if index > 0:
-        config = dataclasses.replace(config, admin=None)
+        config = config.model_copy(update={"admin": None})
     setup_logging(config.log_format)
     install_uvloop()
     # The parent decides when to stop; a terminal's Ctrl-C reaches us through it as SIGTERM.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -79,13 +78,13 @@ async def proxy(make_proxy: Callable[[Config], Awaitable[Proxy]], backend: Backe
 
 
 def proxy_config(backend: Backend, **overrides: Any) -> Config:
-    return dataclasses.replace(single_upstream_config(backend.url), **overrides)
+    return single_upstream_config(backend.url).model_copy(update=overrides)
 
 
 def with_upstream(config: Config, **changes: Any) -> Config:
     """The one-upstream ``config`` with that upstream's fields changed."""
     (upstream,) = config.upstreams
-    return dataclasses.replace(config, upstreams=(dataclasses.replace(upstream, **changes),))
+    return config.model_copy(update={"upstreams": (upstream.model_copy(update=changes),)})
 
 
 @pytest.fixture

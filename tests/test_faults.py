@@ -7,7 +7,6 @@ running, no file descriptor left open, and no child still generating at the back
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import re
 import socket
@@ -166,8 +165,8 @@ async def make_rig(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeRig]:
 
 
 def with_upstream(config: Config, **changes: Any) -> Config:
-    upstream = dataclasses.replace(config.upstreams[0], **changes)
-    return dataclasses.replace(config, upstreams=(upstream,))
+    upstream = config.upstreams[0].model_copy(update=changes)
+    return config.model_copy(update={"upstreams": (upstream,)})
 
 
 @pytest.fixture
@@ -279,7 +278,7 @@ class Before:
     timeouts: Timeouts = RELAXED
 
 
-FIRST_BYTE_SHORT = dataclasses.replace(RELAXED, first_byte=SHORT_WAIT)
+FIRST_BYTE_SHORT = RELAXED.model_copy(update={"first_byte": SHORT_WAIT})
 
 BEFORE_BOTH = [
     Before("status_400", 400, "Injected fault status_400", "faulted"),
@@ -359,7 +358,7 @@ async def test_fanout_child_answering_non_json_is_502(make_rig: MakeRig) -> None
 # --- failures after the 200: one error event, no usage, one [DONE] ----------------------------
 
 
-IDLE_SHORT = dataclasses.replace(RELAXED, idle=SHORT_WAIT)
+IDLE_SHORT = RELAXED.model_copy(update={"idle": SHORT_WAIT})
 
 AFTER_CASES = [
     pytest.param("reset_mid_stream", 2, "faulted", RELAXED, id="reset_mid_stream"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import http.client
 import itertools
 import json
@@ -205,17 +204,18 @@ class Stack:
     async def start_proxy(self, **overrides: Any) -> Server:
         config = single_upstream_config(
             f"http://127.0.0.1:{self.mirror_port}",
-            listen=Listen("127.0.0.1", 0),
-            admin=Listen("127.0.0.1", 0),
+            listen=Listen(host="127.0.0.1", port=0),
+            admin=Listen(host="127.0.0.1", port=0),
             max_body_bytes=MAX_BODY,
         )
-        upstream = dataclasses.replace(
-            config.upstreams[0],
-            headers={"X-Upstream-Key": CONFIG_SECRET},
-            max_concurrency=MAX_CONCURRENCY,
-            max_queue=1000,
+        upstream = config.upstreams[0].model_copy(
+            update={
+                "headers": {"X-Upstream-Key": CONFIG_SECRET},
+                "max_concurrency": MAX_CONCURRENCY,
+                "max_queue": 1000,
+            }
         )
-        server = Server(dataclasses.replace(config, upstreams=(upstream,), **overrides))
+        server = Server(config.model_copy(update={"upstreams": (upstream,), **overrides}))
         await server.start()
         self.servers.append(server)
         return server
