@@ -1,0 +1,157 @@
+"""Request parsing: an OpenAI chat or completions body (with its `x_demo` knobs) into a Job."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.devserver.config import DevConfig
+from proxy.devserver.faults import FAULTS, Knobs
+from proxy.devserver.model import STOP_MIN_MAX_TOKENS
+
+DEFAULT_MAX_TOKENS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Job:
+    rid: str
+    chat: bool
+    model: str
+    prompt: str
+    seeds: tuple[int | None, ...]  # choice i is generated as the n=1 request with seed + i
+    max_tokens: int
+    may_stop: bool
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    top_logprobs: int | None  # None: no logprobs asked for
+    knobs: Knobs
+    token_delay: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt.split()) + 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_int(body: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not _is_int(value) or not low <= value <= high:
+        raise RequestError(f"{key} must be an integer between {low} and {high}", key)
+    return int(value)
+
+
+def _chat_prompt(messages: object) -> str:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", "messages")
+    texts: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return "\n".join(str(text) for text in texts)
+
+
+def token_ids(value: object) -> str | None:
+    """Token ids rendered as text, or None when `value` is not a list of ids."""
+    if isinstance(value, list) and value and all(_is_int(v) for v in value):
+        return " ".join(str(v) for v in value)
+    return None
+
+
+def _completion_prompt(prompt: object) -> str:
+    if isinstance(prompt, list) and token_ids(prompt) is None:
+        if len(prompt) > 1:
+            # Splitting a list of prompts is the proxy's job (SPEC section 3).
+            raise RequestError("only one prompt per request", "prompt")
+        prompt = prompt[0] if prompt else None
+    if isinstance(prompt, str):
+        return prompt
+    if (ids := token_ids(prompt)) is not None:
+        return ids
+    raise RequestError("prompt must be a string, a list of one string or token ids", "prompt")
+
+
+def _parse_n(value: object, native_n: bool) -> int:
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RequestError("n must be a positive integer", "n")
+    if value > 1 and not native_n:
+        raise RequestError("Only n=1 is supported", "n")
+    return value
+
+
+def _parse_knobs(body: Mapping[str, Any]) -> Knobs:
+    demo = body.get("x_demo")
+    if demo is None:
+        return Knobs()
+    if not isinstance(demo, dict):
+        raise RequestError("x_demo must be an object", "x_demo")
+    fault = demo.get("fault")
+    if fault is not None and fault not in FAULTS:
+        raise RequestError(f"unknown x_demo fault {fault!r}", "x_demo")
+    after = _optional_int(demo, "after_tokens", 1, 0, 1 << 30)
+    delay = demo.get("token_delay")
+    if delay is not None and (not isinstance(delay, int | float) or delay < 0):
+        raise RequestError("x_demo.token_delay must be a non-negative number", "x_demo")
+    if "only_seed" in demo and demo["only_seed"] != body.get("seed"):
+        return Knobs()
+    return Knobs(fault, after, None if delay is None else float(delay))
+
+
+def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a valid JSON object")
+    n = _parse_n(body.get("n"), config.native_n)
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise RequestError("seed must be an integer", "seed")
+    prompt = _chat_prompt(body.get("messages")) if chat else _completion_prompt(body.get("prompt"))
+    limit_key = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        limit_key = "max_completion_tokens"
+    max_tokens = _optional_int(body, limit_key, DEFAULT_MAX_TOKENS, 0, 1 << 20)
+    if chat:
+        k = _optional_int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        top_logprobs = k if body.get("logprobs") is True else None
+    else:
+        k = _optional_int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        top_logprobs = None if body.get("logprobs") is None else k
+    stream = body.get("stream") is True
+    options = body.get("stream_options") if stream else None
+    options = options if isinstance(options, dict) else {}
+    knobs = _parse_knobs(body)
+    model = body.get("model")
+    return Job(
+        rid=rid,
+        chat=chat,
+        model=model if isinstance(model, str) else config.model,
+        prompt=prompt,
+        # -1 is the "random" sentinel, sent unchanged to every child (SPEC section 3).
+        seeds=tuple(seed if seed in (None, -1) else seed + i for i in range(n)),
+        max_tokens=max_tokens,
+        may_stop=max_tokens >= STOP_MIN_MAX_TOKENS and body.get("ignore_eos") is not True,
+        stream=stream,
+        include_usage=options.get("include_usage") is True,
+        continuous_usage=options.get("continuous_usage_stats") is True,
+        top_logprobs=top_logprobs,
+        knobs=knobs,
+        token_delay=config.token_delay if knobs.token_delay is None else knobs.token_delay,
+    )
