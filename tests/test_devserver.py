@@ -4,7 +4,10 @@ tracking, side routes and the command line.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -323,3 +326,15 @@ async def test_side_routes_for_pass_through(session: aiohttp.ClientSession, serv
 def test_main_rejects_unknown_arguments() -> None:
     with pytest.raises(SystemExit):
         main(["--bogus"])
+
+
+def test_python_dash_m_runs_the_devserver_command() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.devserver", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert result.stdout.startswith("usage: n-proxy-devserver")
