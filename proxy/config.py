@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -26,7 +26,8 @@ from pydantic import (
     WithJsonSchema,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+
+from proxy.configerrors import first_error, keyed
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
 DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -256,12 +257,12 @@ class Config(_Section):
         names = [u.name for u in self.upstreams]
         for i, name in enumerate(names):
             if name in names[:i]:
-                raise _keyed(f"upstreams[{i}].name", f"duplicate name {name!r}")
+                raise keyed(f"upstreams[{i}].name", f"duplicate name {name!r}")
         for i, route in enumerate(self.routes):
             if route.upstream not in names:
-                raise _keyed(f"routes[{i}].upstream", f"no upstream named {route.upstream!r}")
+                raise keyed(f"routes[{i}].upstream", f"no upstream named {route.upstream!r}")
         if self.default_upstream not in names:
-            raise _keyed("default_upstream", f"no upstream named {self.default_upstream!r}")
+            raise keyed("default_upstream", f"no upstream named {self.default_upstream!r}")
         return self
 
     def upstream(self, name: str) -> Upstream:
@@ -279,17 +280,12 @@ class Config(_Section):
         return any(r.model is not None for r in self.routes)
 
 
-def _keyed(key: str, message: str) -> PydanticCustomError:
-    """An error found across sections, reported at the key it is about."""
-    return PydanticCustomError("keyed", "{key}: {message}", {"key": key, "message": message})
-
-
 def single_upstream_config(url: str, **overrides: Any) -> Config:
     """The local-dev shape: one upstream, everything else default."""
     try:
-        upstream = Upstream(name="default", urls=(url,))
-    except ValidationError as exc:
-        raise ConfigError(f"--upstream: {_first_error(exc, {})}") from None
+        upstream = Upstream(name="default", urls=(check_url(url),))
+    except ValueError as exc:
+        raise ConfigError(f"--upstream: {exc}") from None
     return Config(upstreams=(upstream,), default_upstream="default").model_copy(update=overrides)
 
 
@@ -312,7 +308,7 @@ def parse_config(text: str, env: Mapping[str, str]) -> Config:
     try:
         return Config.model_validate(raw, context={"env": env})
     except ValidationError as exc:
-        raise ConfigError(_first_error(exc, raw)) from None
+        raise ConfigError(first_error(exc, raw, Config)) from None
 
 
 def config_schema() -> dict[str, Any]:
@@ -320,100 +316,3 @@ def config_schema() -> dict[str, Any]:
     schema = Config.model_json_schema()
     schema["title"] = "n-proxy configuration"
     return schema
-
-
-def _first_error(exc: ValidationError, raw: object) -> str:
-    error = exc.errors(include_url=False)[0]
-    ctx = error.get("ctx") or {}
-    if error["type"] == "keyed":
-        return f"{ctx['key']}: {ctx['message']}"
-    if error["type"] in ("int_type", "greater_than_equal", "less_than_equal"):
-        bounds = _field_bounds(error["loc"])
-        if bounds is not None:
-            return (
-                f"{_where(error['loc'], raw)}: must be an integer from {bounds[0]} to {bounds[1]}"
-            )
-    return f"{_where(error['loc'], raw)}: {_say(error['type'], error['msg'], ctx)}"
-
-
-def _where(loc: tuple[int | str, ...], raw: object) -> str:
-    """``('upstreams', 1, 'urls', 0)`` -> ``upstreams[1].urls[0]``, or ``.url`` if so written."""
-    out = ""
-    node = raw
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part == "urls" and isinstance(node, dict) and "url" in node and "urls" not in node:
-            return out + ".url"
-        else:
-            out += f".{part}" if out else str(part)
-        node = _step(node, part)
-    return out or "config"
-
-
-def _step(node: object, part: int | str) -> object:
-    if isinstance(node, dict):
-        return node.get(part)
-    if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-        return node[part]
-    return None
-
-
-_SAYS = {
-    "missing": "required",
-    "extra_forbidden": "unknown key",
-    "int_type": "must be an integer",
-    "float_type": "must be a number",
-    "bool_type": "must be true or false",
-    "string_type": "must be a string",
-    "dict_type": "must be a mapping",
-    "model_type": "must be a mapping",
-    "model_attributes_type": "must be a mapping",
-    "tuple_type": "must be a list",
-    "list_type": "must be a list",
-}
-
-
-def _say(kind: str, message: str, ctx: Mapping[str, Any]) -> str:
-    if kind in _SAYS:
-        return _SAYS[kind]
-    if kind == "value_error":
-        return str(ctx.get("error", message))
-    if kind == "too_short":
-        return "must be a list (not empty)" if ctx.get("min_length") == 1 else message
-    if kind == "string_too_short":
-        return "must not be empty"
-    if kind == "greater_than_equal":
-        return f"must be at least {ctx['ge']}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}"
-    if kind == "greater_than":
-        return "must be positive" if ctx.get("gt") == 0 else f"must be greater than {ctx['gt']}"
-    return message[:1].lower() + message[1:]
-
-
-def _field_bounds(loc: tuple[int | str, ...]) -> tuple[object, object] | None:
-    """The ``ge``/``le`` of the integer field at ``loc``, to name the whole range in one error."""
-    model: type[BaseModel] | None = Config
-    field = None
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        if model is None or part not in model.model_fields:
-            return None
-        field = model.model_fields[part]
-        model = _model_in(field.annotation)
-    if field is None:
-        return None
-    ge = next((m.ge for m in field.metadata if hasattr(m, "ge")), None)
-    le = next((m.le for m in field.metadata if hasattr(m, "le")), None)
-    return (ge, le) if ge is not None and le is not None else None
-
-
-def _model_in(annotation: object) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in get_args(annotation):
-        if (found := _model_in(arg)) is not None:
-            return found
-    return None
