@@ -1,0 +1,172 @@
+"""The replica set of one upstream: which replicas exist, which may take children, and where
+each child and each retry goes (SPEC §10). Pure: the caller passes the time in; no I/O.
+
+A replica is usable when its last health check passed and it is not ejected. Placement and
+retries use usable replicas only; when none is usable, every replica is tried (fail open).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import math
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where a replica is reached: ``url`` to connect to, ``host`` for its Host header.
+
+    ``host`` is set when ``url`` holds a resolved address, so the server still sees the name
+    it was configured under (virtual hosts, TLS names); None keeps the URL's own.
+    """
+
+    url: str
+    host: str | None = None
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    host: str | None = None
+    healthy: bool = True  # optimistic until the first check: a fresh proxy serves at once
+    failures: int = 0  # consecutive, since the last success
+    ejected_until: float = -math.inf
+
+    def usable(self, now: float) -> bool:
+        return self.healthy and now >= self.ejected_until
+
+
+@dataclass(frozen=True)
+class Ejection:
+    failures: int = 3  # consecutive failures that eject a replica; 0 never ejects
+    seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class Change:
+    """Replicas that entered and left the set in one update (for their metric labels)."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+
+@dataclass
+class ReplicaSet:
+    """The replicas of one upstream, in a stable order, with their health and ejection state."""
+
+    sources: Sequence[str]  # the configured URLs, each standing for one or more replicas
+    ejection: Ejection = Ejection()
+    pack: bool = False  # one replica per request instead of children round-robin
+    _by_source: dict[str, tuple[Address, ...]] = field(init=False)
+    _replicas: dict[str, Replica] = field(init=False)
+    _turn: itertools.count[int] = field(init=False, default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self._by_source = {source: (Address(source),) for source in self.sources}
+        self._replicas = {source: Replica(source) for source in self.sources}
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(list(self._replicas.values()))
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._replicas)
+
+    def get(self, url: str) -> Replica | None:
+        return self._replicas.get(url)
+
+    def usable(self, now: float) -> list[Replica]:
+        """The replicas that may take children now; all of them when none may (fail open)."""
+        replicas = list(self._replicas.values())
+        return [r for r in replicas if r.usable(now)] or replicas
+
+    def place(self, count: int, now: float) -> list[str]:
+        """Replica URLs for ``count`` children: round-robin (spread) or all on one (pack).
+
+        Requests rotate over the usable replicas either way.
+        """
+        usable = self.usable(now)
+        start = next(self._turn)
+        if self.pack:
+            return [usable[start % len(usable)].url] * count
+        return [usable[(start + j) % len(usable)].url for j in range(count)]
+
+    def retry_to(self, tried: Collection[str], now: float) -> str:
+        """Where a retry goes: a usable replica not tried yet, else any usable one, else one not
+        tried yet, else the last one tried (the only replica there is)."""
+        replicas = list(self._replicas.values())
+        usable = [r for r in replicas if r.usable(now)]
+        start = next(self._turn)
+        for group in (
+            [r for r in usable if r.url not in tried],
+            usable,
+            [r for r in replicas if r.url not in tried],
+        ):
+            if group:
+                return group[start % len(group)].url
+        return list(tried)[-1] if tried else replicas[start % len(replicas)].url
+
+    def succeeded(self, url: str) -> None:
+        replica = self._replicas.get(url)
+        if replica is not None:
+            replica.failures = 0
+
+    def failed(self, url: str, now: float) -> bool:
+        """Count a connect failure, reset or 5xx; True when it ejects the replica."""
+        replica = self._replicas.get(url)
+        if replica is None or now < replica.ejected_until:
+            return False  # gone, or out already: late failures of its in-flight requests
+        replica.failures += 1
+        limit = self.ejection.failures
+        if limit == 0 or replica.failures < limit:
+            return False
+        replica.failures = 0
+        replica.ejected_until = now + self.ejection.seconds
+        return True
+
+    def checked(self, url: str, ok: bool) -> None:
+        """A health check's result; a passing one ends an ejection at once (SPEC §10)."""
+        replica = self._replicas.get(url)
+        if replica is None:
+            return
+        replica.healthy = ok
+        if ok:
+            replica.failures = 0
+            replica.ejected_until = -math.inf
+
+    def discovered(self, source: str, addresses: Sequence[Address]) -> Change:
+        """The addresses ``source`` resolves to now. An empty answer keeps the last known ones:
+        a DNS hiccup must not take every replica away. Replicas that stay keep their state;
+        requests in flight on a removed one finish, as they hold no reference the set needs."""
+        if source not in self._by_source or not addresses:
+            return Change()
+        self._by_source[source] = tuple(dict.fromkeys(addresses))
+        old = self._replicas
+        new: dict[str, Replica] = {}
+        for address in itertools.chain.from_iterable(self._by_source.values()):
+            if address.url not in new:
+                new[address.url] = old.get(address.url) or Replica(address.url, address.host)
+        self._replicas = new
+        return Change(
+            added=tuple(url for url in new if url not in old),
+            removed=tuple(url for url in old if url not in new),
+        )
+
+
+def resolved_addresses(url: str, ips: Iterable[str]) -> tuple[Address, ...]:
+    """One address per IP behind ``url``'s host: the URL's scheme, port and path, the IP as host.
+
+    The original host name (with its port, when the URL has one) becomes the Host header.
+    """
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port is not None else ""
+    userinfo, at, host_header = parts.netloc.rpartition("@")
+    out = []
+    for ip in dict.fromkeys(ips):
+        literal = f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
+        netloc = userinfo + at + literal + port
+        out.append(Address(urlunsplit((parts.scheme, netloc, parts.path, "", "")), host_header))
+    return tuple(out)

@@ -1,0 +1,155 @@
+"""The replica set's state machine, literal in and out: placement, retries, ejection, discovery."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.replicas import Address, Change, Ejection, ReplicaSet, resolved_addresses
+
+A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"
+
+
+def test_spread_rotates_children_over_every_replica() -> None:
+    replicas = ReplicaSet([A, B, C])
+    assert replicas.place(4, now=0) == [A, B, C, A]
+    assert replicas.place(2, now=0) == [B, C]
+    assert replicas.place(1, now=0) == [C]
+
+
+def test_pack_puts_a_request_on_one_replica_and_rotates_requests() -> None:
+    replicas = ReplicaSet([A, B], pack=True)
+    assert replicas.place(3, now=0) == [A, A, A]
+    assert replicas.place(3, now=0) == [B, B, B]
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_placement_skips_an_unhealthy_replica(pack: bool) -> None:
+    replicas = ReplicaSet([A, B], pack=pack)
+    replicas.checked(B, ok=False)
+    assert [replicas.place(2, now=0) for _ in range(3)] == [[A, A]] * 3
+
+
+def test_no_usable_replica_fails_open_to_all_of_them() -> None:
+    replicas = ReplicaSet([A, B])
+    replicas.checked(A, ok=False)
+    replicas.checked(B, ok=False)
+    assert replicas.place(2, now=0) == [A, B]
+
+
+def test_consecutive_failures_eject_for_the_configured_time() -> None:
+    replicas = ReplicaSet([A, B], Ejection(failures=3, seconds=10))
+    assert [replicas.failed(B, now=1) for _ in range(3)] == [False, False, True]
+    assert replicas.place(2, now=5) == [A, A]
+    assert replicas.failed(B, now=6) is False  # a late failure does not extend the ejection
+    assert sorted(replicas.place(2, now=11)) == [A, B]  # back after eject.seconds
+    assert replicas.failed(B, now=12) is False  # the count started again from zero
+
+
+def test_a_success_resets_the_failure_count() -> None:
+    replicas = ReplicaSet([A, B], Ejection(failures=2, seconds=10))
+    assert replicas.failed(B, now=0) is False
+    replicas.succeeded(B)
+    assert replicas.failed(B, now=0) is False
+    assert replicas.failed(B, now=0) is True
+
+
+def test_zero_failures_never_ejects() -> None:
+    replicas = ReplicaSet([A, B], Ejection(failures=0, seconds=10))
+    assert not any(replicas.failed(B, now=0) for _ in range(100))
+    assert replicas.place(2, now=0) == [A, B]
+
+
+def test_a_passing_health_check_ends_an_ejection_at_once() -> None:
+    replicas = ReplicaSet([A, B], Ejection(failures=1, seconds=10))
+    assert replicas.failed(B, now=0) is True
+    assert replicas.place(2, now=1) == [A, A]
+    replicas.checked(B, ok=True)
+    assert replicas.place(2, now=1) == [B, A]
+
+
+def test_a_failing_check_keeps_the_replica_out_until_one_passes() -> None:
+    replicas = ReplicaSet([A, B])
+    replicas.checked(A, ok=False)
+    assert replicas.place(1, now=100) == [B]
+    replicas.checked(A, ok=True)
+    assert sorted(replicas.place(2, now=100)) == [A, B]
+
+
+def test_a_retry_prefers_a_usable_replica_it_has_not_tried() -> None:
+    replicas = ReplicaSet([A, B, C])
+    replicas.checked(C, ok=False)
+    assert {replicas.retry_to([A], now=0) for _ in range(4)} == {B}
+    assert {replicas.retry_to([A, B], now=0) for _ in range(4)} == {A, B}  # usable, tried
+    replicas.checked(A, ok=False)
+    replicas.checked(B, ok=False)
+    assert replicas.retry_to([A, B], now=0) == C  # none usable: one not tried yet
+    assert replicas.retry_to([A, B, C], now=0) == C  # the last one tried
+
+
+def test_a_single_replica_retries_on_itself() -> None:
+    replicas = ReplicaSet([A], Ejection(failures=1, seconds=10))
+    assert replicas.failed(A, now=0) is True
+    assert replicas.retry_to([A], now=0) == A
+    assert replicas.place(1, now=0) == [A]  # ejected, but fail open
+
+
+def test_discovery_adds_and_removes_replicas_and_keeps_state_of_the_rest() -> None:
+    replicas = ReplicaSet(["http://svc:8000"])
+    x, y, z = (Address(f"http://10.0.0.{i}:8000", "svc:8000") for i in (1, 2, 3))
+    assert replicas.discovered("http://svc:8000", [x, y]) == Change(
+        added=(x.url, y.url), removed=("http://svc:8000",)
+    )
+    replicas.checked(y.url, ok=False)
+    assert replicas.discovered("http://svc:8000", [y, z]) == Change(
+        added=(z.url,), removed=(x.url,)
+    )
+    assert replicas.urls == [y.url, z.url]
+    replica = replicas.get(y.url)
+    assert replica is not None
+    assert (replica.healthy, replica.host) == (False, "svc:8000")
+    assert replicas.place(2, now=0) == [z.url, z.url]
+
+
+def test_an_empty_answer_keeps_the_last_known_replicas() -> None:
+    replicas = ReplicaSet(["http://svc:8000"])
+    x = Address("http://10.0.0.1:8000", "svc:8000")
+    replicas.discovered("http://svc:8000", [x])
+    assert replicas.discovered("http://svc:8000", []) == Change()
+    assert replicas.urls == [x.url]
+
+
+def test_each_source_keeps_its_own_addresses() -> None:
+    replicas = ReplicaSet(["http://a:1", "http://b:2"])
+    replicas.discovered("http://a:1", [Address("http://10.0.0.1:1", "a:1")])
+    assert replicas.urls == ["http://10.0.0.1:1", "http://b:2"]
+    assert replicas.discovered("http://unknown:1", [Address("http://x:1")]) == Change()
+
+
+def test_a_removed_replica_ignores_late_outcomes() -> None:
+    replicas = ReplicaSet(["http://svc:8000"], Ejection(failures=1, seconds=10))
+    replicas.discovered("http://svc:8000", [Address("http://10.0.0.1:8000")])
+    assert replicas.failed("http://svc:8000", now=0) is False
+    replicas.succeeded("http://svc:8000")
+    replicas.checked("http://svc:8000", ok=False)
+    assert replicas.urls == ["http://10.0.0.1:8000"]
+
+
+@pytest.mark.parametrize(
+    ("url", "ips", "expected"),
+    [
+        (
+            "http://svc.ns.svc:8000",
+            ["10.0.0.1", "10.0.0.2", "10.0.0.1"],
+            [
+                Address("http://10.0.0.1:8000", "svc.ns.svc:8000"),
+                Address("http://10.0.0.2:8000", "svc.ns.svc:8000"),
+            ],
+        ),
+        ("https://svc/v1", ["fd00::1"], [Address("https://[fd00::1]/v1", "svc")]),
+        ("http://user@svc:80/base", ["10.1.2.3"], [Address("http://user@10.1.2.3:80/base", "svc:80")]),
+    ],
+)
+def test_resolved_addresses_keep_scheme_port_path_and_the_host_name(
+    url: str, ips: list[str], expected: list[Address]
+) -> None:
+    assert list(resolved_addresses(url, ips)) == expected
