@@ -29,6 +29,7 @@ async def _readyz(request: web.Request) -> web.Response:
         "ready": runtime.ready,
         "draining": runtime.draining,
         "upstreams": runtime.healthy,
+        "replicas": runtime.replicas,
         "in_flight": runtime.in_flight,
     }
     return web.json_response(body, status=200 if runtime.ready else 503)

@@ -7,7 +7,7 @@ through both ways with method, path, query, status, body and end-to-end headers 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -24,46 +24,58 @@ from proxy.headers import request_headers, response_headers
 from proxy.log import log_request
 from proxy.plan import parse_body, plan_request
 from proxy.runtime import Runtime
-from proxy.upstream import Trace, UpstreamPool
+from proxy.upstream import Resolver, Trace, UpstreamPool
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
-HEALTH_INTERVAL = 5.0
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")  # visible ASCII: safe to echo and to prefix
 
 
-def build_app(config: Config, runtime: Runtime | None = None) -> web.Application:
+def build_app(
+    config: Config, runtime: Runtime | None = None, *, resolver: Resolver | None = None
+) -> web.Application:
+    """``resolver`` replaces the system's DNS lookups for ``discovery.dns`` (tests inject one)."""
     app = web.Application(
         client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536}
     )
     app[RUNTIME] = runtime or Runtime(config)
-    app.cleanup_ctx.append(_pool)
+    app.cleanup_ctx.append(functools.partial(_pool, resolver=resolver))
     app.router.add_route("*", "/{tail:.*}", handle)
     return app
 
 
-async def _pool(app: web.Application) -> AsyncIterator[None]:
+async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterator[None]:
     runtime = app[RUNTIME]
-    pool = UpstreamPool(runtime.config, runtime.metrics)
+    pool = UpstreamPool(runtime.config, runtime.metrics, resolver)
     await pool.start()
     app[POOL] = pool
-    checker = asyncio.create_task(_check_health(pool, runtime))
+    watchers = [asyncio.create_task(_check_health(pool, runtime, u)) for u in pool.config.upstreams]
+    watchers += [
+        asyncio.create_task(_discover(pool, u)) for u in pool.config.upstreams if u.discovery.dns
+    ]
     yield
-    checker.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await checker
+    for watcher in watchers:
+        watcher.cancel()
+    await asyncio.gather(*watchers, return_exceptions=True)
     await pool.close()
 
 
-async def _check_health(pool: UpstreamPool, runtime: Runtime) -> None:
+async def _check_health(pool: UpstreamPool, runtime: Runtime, upstream: Upstream) -> None:
+    """Every replica of ``upstream`` each ``health_interval`` (SPEC §10)."""
     while True:
-        results = await asyncio.gather(*(pool.healthy(u) for u in runtime.config.upstreams))
-        for upstream, ok in zip(runtime.config.upstreams, results, strict=True):
-            runtime.healthy[upstream.name] = ok
-        runtime.health_checked.set()
-        await asyncio.sleep(HEALTH_INTERVAL)
+        runtime.healthy[upstream.name] = await pool.healthy(upstream)
+        runtime.replicas[upstream.name] = pool.replica_health(upstream)
+        if len(runtime.healthy) == len(runtime.config.upstreams):
+            runtime.health_checked.set()
+        await asyncio.sleep(upstream.health_interval)
+
+
+async def _discover(pool: UpstreamPool, upstream: Upstream) -> None:
+    while True:
+        await pool.discover(upstream)
+        await asyncio.sleep(upstream.discovery.interval)
 
 
 @dataclass
@@ -116,6 +128,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
             n=outcome.n,
             children=outcome.children,
             children_aborted=fanout.aborted if fanout else 0,
+            retries=outcome.trace.retries,
             status=outcome.status,
             duration_ms=round((ended - started) * 1000, 3),
         )

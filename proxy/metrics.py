@@ -91,6 +91,26 @@ class Metrics:
             registry=r,
         )
 
+        self.replica_up = Gauge(
+            "n_proxy_replica_up",
+            "1 when a replica takes children: its health check passes and it is not ejected.",
+            ["upstream", "replica"],
+            registry=r,
+            multiprocess_mode="livemin",  # up only where every worker sees it up
+        )
+        self.retries = Counter(
+            "n_proxy_retries",
+            "Upstream requests tried again, by cause: connect, reset or an HTTP status.",
+            ["upstream", "reason"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "n_proxy_ejections",
+            "Times a replica was taken out after consecutive failures.",
+            ["upstream", "replica"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         if MULTIPROCESS:
             registry = CollectorRegistry()

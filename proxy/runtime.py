@@ -21,6 +21,7 @@ class Runtime:
     draining: bool = False
     in_flight: int = 0
     healthy: dict[str, bool] = field(default_factory=dict)  # upstream name -> last health check
+    replicas: dict[str, dict[str, bool]] = field(default_factory=dict)  # name -> url -> takes work
     streams: set[Cuttable] = field(default_factory=set)  # fan-out streams a drain can cut
     health_checked: asyncio.Event = field(default_factory=asyncio.Event)  # after the first round
     _idle: asyncio.Event = field(default_factory=asyncio.Event)

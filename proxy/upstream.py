@@ -1,24 +1,36 @@
-"""The one owner of the upstream ``ClientSession``: replicas, placement, concurrency and timeouts.
+"""The one owner of the upstream ``ClientSession``: replicas, placement, retries, health checks,
+DNS discovery, concurrency and timeouts.
 
 Every byte sent upstream goes through ``UpstreamPool.send``; aiohttp client errors are mapped here
-to the proxy's own errors (502 unreachable, 504 timeout).
+to the proxy's own errors (502 unreachable, 504 timeout). The replica state itself lives in
+``proxy.replicas``; this module does its I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
+import socket
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config import Config, Upstream
 from proxy.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
+from proxy.log import log_event
 from proxy.metrics import Metrics
+from proxy.replicas import Ejection, Replica, ReplicaSet, resolved_addresses
+
+# (host, port) -> every address it resolves to now; tests inject their own.
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+_DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 
 
 class Slots:
@@ -72,39 +84,58 @@ class Slots:
 
 @dataclass
 class Trace:
-    """When a request first went upstream and when its last upstream body ended."""
+    """When a request first went upstream, when its last upstream body ended, how many retries."""
 
     sent_at: float | None = None
     done_at: float | None = None
+    retries: int = 0
 
 
-@dataclass
 class _UpstreamState:
-    upstream: Upstream
-    slots: Slots
-    metrics: Metrics
-    turn: itertools.count[int] = field(default_factory=itertools.count)
-
-    def __post_init__(self) -> None:
+    def __init__(self, upstream: Upstream, metrics: Metrics) -> None:
+        self.upstream = upstream
+        self.slots = Slots(upstream.max_concurrency, upstream.max_queue)
+        self.metrics = metrics
+        self.replicas = ReplicaSet(
+            upstream.urls,
+            Ejection(upstream.eject.failures, upstream.eject.seconds),
+            pack=upstream.placement == "pack",
+        )
+        self.retry_on = frozenset(upstream.retry_on)
         # Labelled children looked up once, not on every request.
-        name = self.upstream.name
-        self.in_flight = self.metrics.children_in_flight.labels(name)
-        self.ttfb = self.metrics.upstream_ttfb.labels(name)
-        self.duration = self.metrics.upstream_duration.labels(name)
-        timeouts = self.upstream.timeouts
+        name = upstream.name
+        self.in_flight = metrics.children_in_flight.labels(name)
+        self.ttfb = metrics.upstream_ttfb.labels(name)
+        self.duration = metrics.upstream_duration.labels(name)
+        timeouts = upstream.timeouts
         self.timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
         )
+        self.health_rounds = 0  # completed health checks of every replica
+
+    def failed(self, url: str) -> None:
+        if self.replicas.failed(url, time.monotonic()):
+            self.metrics.ejections.labels(self.upstream.name, url).inc()
+            self.metrics.replica_up.labels(self.upstream.name, url).set(0)
+            log_event("replica ejected", upstream=self.upstream.name, replica=url)
+
+    def publish(self) -> dict[str, bool]:
+        """Each replica's ``n_proxy_replica_up``; the same as a dict for ``/readyz``."""
+        now = time.monotonic()
+        up = {r.url: r.usable(now) for r in self.replicas}
+        for url, usable in up.items():
+            self.metrics.replica_up.labels(self.upstream.name, url).set(1 if usable else 0)
+        return up
 
 
 class UpstreamPool:
-    def __init__(self, config: Config, metrics: Metrics) -> None:
+    def __init__(self, config: Config, metrics: Metrics, resolver: Resolver | None = None) -> None:
         self.config = config
         self.metrics = metrics
-        self._states = {
-            u.name: _UpstreamState(u, Slots(u.max_concurrency, u.max_queue), metrics)
-            for u in config.upstreams
-        }
+        self.resolve = resolver or resolve
+        self._states = {u.name: _UpstreamState(u, metrics) for u in config.upstreams}
+        for state in self._states.values():
+            state.publish()
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -129,12 +160,9 @@ class UpstreamPool:
         return self._states[upstream.name]
 
     def place(self, upstream: Upstream, count: int) -> list[str]:
-        """Replica URLs for ``count`` children: round-robin (spread) or one replica (pack)."""
-        urls = upstream.urls
-        start = next(self.state(upstream).turn)
-        if upstream.placement == "pack":
-            return [urls[start % len(urls)]] * count
-        return [urls[(start + j) % len(urls)] for j in range(count)]
+        """Replica URLs for ``count`` children: round-robin (spread) or one replica (pack), over
+        the healthy replicas that are not ejected (SPEC §10)."""
+        return self.state(upstream).replicas.place(count, time.monotonic())
 
     @asynccontextmanager
     async def slots(self, upstream: Upstream, count: int) -> AsyncIterator[None]:
@@ -153,7 +181,7 @@ class UpstreamPool:
     async def send(
         self,
         upstream: Upstream,
-        base_url: str,
+        url: str,
         method: str,
         path_qs: str,
         headers: Mapping[str, str] | CIMultiDict[str],
@@ -163,7 +191,11 @@ class UpstreamPool:
         trace: Trace | None = None,
         read_bufsize: int | None = None,
     ) -> AsyncIterator[Reply]:
-        """Open one upstream request; the response is closed (never reused) if left unread."""
+        """Open one upstream request; the response is closed (never reused) if left unread.
+
+        Failures listed in ``retry_on`` are retried here, before the reply is yielded: nothing
+        of a retried answer can have reached the client (SPEC §10).
+        """
         timeouts = upstream.timeouts
         state = self.state(upstream)
         in_flight = state.in_flight
@@ -173,19 +205,10 @@ class UpstreamPool:
             trace.sent_at = started
         in_flight.inc()
         try:
-            try:
-                response = await self.session.request(
-                    method,
-                    base_url + path_qs,
-                    headers=headers,
-                    data=body,
-                    timeout=state.timeout,
-                    allow_redirects=False,
-                    auto_decompress=decompress,
-                    read_bufsize=read_bufsize,
-                )
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                raise upstream_error(exc, upstream) from None
+            response = await self._answer(
+                state, url, method, path_qs, headers, body,
+                decompress=decompress, trace=trace, read_bufsize=read_bufsize,
+            )  # fmt: skip
             state.ttfb.observe(loop.time() - started)
             _stop_read_timer(response)
             guard = IdleGuard(response, timeouts.idle)
@@ -204,21 +227,191 @@ class UpstreamPool:
             if trace is not None:
                 trace.done_at = ended if trace.done_at is None else max(trace.done_at, ended)
 
-    async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
-        """An upstream is healthy when any replica answers its health path without a 5xx."""
-        for url in upstream.urls:
+    async def _answer(
+        self,
+        state: _UpstreamState,
+        url: str,
+        method: str,
+        path_qs: str,
+        headers: Mapping[str, str] | CIMultiDict[str],
+        body: bytes | None,
+        *,
+        decompress: bool,
+        trace: Trace | None,
+        read_bufsize: int | None,
+    ) -> aiohttp.ClientResponse:
+        """The response to relay: up to ``retries`` further tries, each on another replica when
+        there is one, with the same body and headers (so the same seed and request id)."""
+        upstream = state.upstream
+        replicas = state.replicas
+        tried: list[str] = []
+        replica = replicas.get(url)
+        while True:
+            if replica is None:  # discovery dropped it since placement: a current one instead
+                replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
+                assert replica is not None
+            tried.append(replica.url)
+            reason: str | None
             try:
-                async with self.session.get(
-                    url + upstream.health_path,
-                    headers=upstream.headers,
-                    timeout=aiohttp.ClientTimeout(total=timeout),
-                    allow_redirects=False,
-                ) as response:
-                    if response.status < 500:
-                        return True
-            except (TimeoutError, aiohttp.ClientError):
+                response = await self._open(
+                    replica, method, path_qs, _with_host(headers, replica), body,
+                    timeout=state.timeout, decompress=decompress, read_bufsize=read_bufsize,
+                )  # fmt: skip
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                reason = failure_kind(exc)
+                if reason is not None:
+                    state.failed(replica.url)
+                if reason not in state.retry_on or len(tried) > upstream.retries:
+                    raise upstream_error(exc, upstream) from None
+            else:
+                status = response.status
+                if status >= 500:
+                    state.failed(replica.url)
+                else:
+                    replicas.succeeded(replica.url)
+                if status not in state.retry_on or len(tried) > upstream.retries:
+                    return response
+                reason = str(status)
+                await _discard(response, upstream.timeouts.idle)
+            self.metrics.retries.labels(upstream.name, reason).inc()
+            if trace is not None:
+                trace.retries += 1
+            replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
+
+    async def _open(
+        self,
+        replica: Replica,
+        method: str,
+        path_qs: str,
+        headers: Mapping[str, str] | CIMultiDict[str],
+        body: bytes | None,
+        *,
+        timeout: aiohttp.ClientTimeout,
+        decompress: bool,
+        read_bufsize: int | None,
+    ) -> aiohttp.ClientResponse:
+        """One HTTP request to one replica, up to its response headers."""
+        return await self.session.request(
+            method,
+            replica.url + path_qs,
+            headers=headers,
+            data=body,
+            timeout=timeout,
+            allow_redirects=False,
+            auto_decompress=decompress,
+            read_bufsize=read_bufsize,
+            server_hostname=_tls_name(replica),
+        )
+
+    async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
+        """Check every replica (SPEC §10); the upstream is healthy when any replica is."""
+        state = self.state(upstream)
+        replicas = list(state.replicas)
+        results = await asyncio.gather(*(self._check(upstream, r, timeout) for r in replicas))
+        for replica, ok in zip(replicas, results, strict=True):
+            state.replicas.checked(replica.url, ok)
+        state.health_rounds += 1
+        state.publish()
+        return any(results)
+
+    async def _check(self, upstream: Upstream, replica: Replica, timeout: float) -> bool:
+        """A replica passes when its health path answers without a 5xx."""
+        try:
+            async with self.session.get(
+                replica.url + upstream.health_path,
+                headers=_with_host(upstream.headers, replica),
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                allow_redirects=False,
+                server_hostname=_tls_name(replica),
+            ) as response:
+                return response.status < 500
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    def replica_health(self, upstream: Upstream) -> dict[str, bool]:
+        """Each replica's URL and whether it takes children now."""
+        now = time.monotonic()
+        return {r.url: r.usable(now) for r in self.state(upstream).replicas}
+
+    async def discover(self, upstream: Upstream) -> None:
+        """Resolve each URL's host; its addresses become the replicas (``discovery.dns``).
+
+        A failed lookup keeps the last known replicas of that URL.
+        """
+        state = self.state(upstream)
+        for source in upstream.urls:
+            parts = urlsplit(source)
+            host = parts.hostname or ""
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                ips = await self.resolve(host, port)
+            except OSError as exc:
+                log_event("dns lookup failed", upstream=upstream.name, host=host, error=str(exc))
                 continue
-        return False
+            change = state.replicas.discovered(source, resolved_addresses(source, ips))
+            for url in change.removed:
+                for family in (self.metrics.replica_up, self.metrics.ejections):
+                    with contextlib.suppress(KeyError):  # never set for this replica
+                        family.remove(upstream.name, url)
+            if change.added or change.removed:
+                log_event(
+                    "replicas changed",
+                    upstream=upstream.name,
+                    added=list(change.added),
+                    removed=list(change.removed),
+                )
+        state.publish()
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """Every A and AAAA address of ``host``, through the system resolver."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
+    """``connect``: the request never reached a server. ``reset``: the connection closed before
+    a status line came back. Anything else (a timeout waiting for the answer) is neither."""
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return "connect"
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return "reset"
+    return None
+
+
+async def _discard(response: aiohttp.ClientResponse, within: float) -> None:
+    """Be done with an answer that is retried: a small body is read so its connection can be
+    reused, anything else is closed."""
+    try:
+        length = response.content_length
+        if length is not None and length <= _DISCARD_LIMIT:
+            async with asyncio.timeout(within):
+                await response.read()
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+    finally:
+        if response.content.at_eof():
+            response.release()
+        else:
+            response.close()
+
+
+def _with_host(
+    headers: Mapping[str, str] | CIMultiDict[str], replica: Replica
+) -> Mapping[str, str] | CIMultiDict[str]:
+    """A replica found by DNS is reached by address and still sees the configured host name."""
+    if replica.host is None:
+        return headers
+    out = CIMultiDict(headers)
+    out["Host"] = replica.host
+    return out
+
+
+def _tls_name(replica: Replica) -> str | None:
+    """An https replica reached by address still checks its certificate for the host name."""
+    if replica.host is None or not replica.url.startswith("https:"):
+        return None
+    return urlsplit("//" + replica.host).hostname
 
 
 def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:

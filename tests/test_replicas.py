@@ -146,7 +146,11 @@ def test_a_removed_replica_ignores_late_outcomes() -> None:
             ],
         ),
         ("https://svc/v1", ["fd00::1"], [Address("https://[fd00::1]/v1", "svc")]),
-        ("http://user@svc:80/base", ["10.1.2.3"], [Address("http://user@10.1.2.3:80/base", "svc:80")]),
+        (
+            "http://user@svc:80/base",
+            ["10.1.2.3"],
+            [Address("http://user@10.1.2.3:80/base", "svc:80")],
+        ),
     ],
 )
 def test_resolved_addresses_keep_scheme_port_path_and_the_host_name(
