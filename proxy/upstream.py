@@ -112,12 +112,25 @@ class _UpstreamState:
             total=None, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
         )
         self.health_rounds = 0  # completed health checks of every replica
+        # A fresh event per change, as the devserver does: waiters re-check their condition.
+        self._changed = asyncio.Event()
 
     def failed(self, url: str) -> None:
         if self.replicas.failed(url, time.monotonic()):
             self.metrics.ejections.labels(self.upstream.name, url).inc()
             self.metrics.replica_up.labels(self.upstream.name, url).set(0)
             log_event("replica ejected", upstream=self.upstream.name, replica=url)
+            self.notify()
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Until ``predicate()`` holds after a health round, a discovery or an ejection."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await self._changed.wait()
 
     def publish(self) -> dict[str, bool]:
         """Each replica's ``n_proxy_replica_up``; the same as a dict for ``/readyz``."""
@@ -312,6 +325,7 @@ class UpstreamPool:
             state.replicas.checked(replica.url, ok)
         state.health_rounds += 1
         state.publish()
+        state.notify()
         return any(results)
 
     async def _check(self, upstream: Upstream, replica: Replica, timeout: float) -> bool:
@@ -361,6 +375,7 @@ class UpstreamPool:
                     removed=list(change.removed),
                 )
         state.publish()
+        state.notify()
 
 
 async def resolve(host: str, port: int) -> list[str]:
@@ -374,7 +389,9 @@ def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
     a status line came back. Anything else (a timeout waiting for the answer) is neither."""
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
         return "connect"
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+    if isinstance(exc, TimeoutError):
+        return None
+    if isinstance(exc, aiohttp.ClientConnectionError):  # disconnected, reset, broken pipe
         return "reset"
     return None
 
