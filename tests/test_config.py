@@ -413,3 +413,61 @@ def test_default_upstream_defaults_to_the_first() -> None:
     )
     assert config.default_upstream == "one"
     assert config.choose_upstream("/v1/chat/completions", "m").name == "one"
+
+
+# --- replicas and failover (SPEC §10) -------------------------------------------------------------
+
+FAILOVER = "upstreams: [{{name: a, urls: [http://x:1, http://y:1], {}}}]"
+
+
+def test_failover_keys_parse_as_written_in_the_issue() -> None:
+    text = FAILOVER.format(
+        "retries: 3, retry_on: [connect, reset, 503, 429], eject: {failures: 5, seconds: 2.5}, "
+        "discovery: {dns: true, interval: 30}, health_interval: 1"
+    )
+    (upstream,) = parse_config(text, {}).upstreams
+    assert (upstream.retries, upstream.retry_on) == (3, ("connect", "reset", 503, 429))
+    assert (upstream.eject.failures, upstream.eject.seconds) == (5, 2.5)
+    assert (upstream.discovery.dns, upstream.discovery.interval) == (True, 30.0)
+    assert upstream.health_interval == 1.0
+
+
+def test_failover_defaults() -> None:
+    (upstream,) = parse_config(MINIMAL, {}).upstreams
+    assert (upstream.retries, upstream.retry_on) == (2, ("connect",))
+    assert (upstream.eject.failures, upstream.eject.seconds) == (3, 10.0)
+    assert (upstream.discovery.dns, upstream.discovery.interval) == (False, 10.0)
+    assert upstream.health_interval == 5.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        pytest.param("retries: -1", "retries", id="retries-negative"),
+        pytest.param("retries: 11", "retries", id="retries-above-10"),
+        pytest.param("retries: 1.5", "retries", id="retries-float"),
+        pytest.param("retries: true", "retries", id="retries-boolean"),
+        pytest.param("retry_on: connect", "retry_on", id="retry-on-not-a-list"),
+        pytest.param("retry_on: [timeout]", "retry_on[0]", id="retry-on-unknown-word"),
+        pytest.param("retry_on: [connect, 200]", "retry_on[1]", id="retry-on-2xx-status"),
+        pytest.param("retry_on: [600]", "retry_on[0]", id="retry-on-status-above-599"),
+        pytest.param("retry_on: ['503']", "retry_on[0]", id="retry-on-status-as-string"),
+        pytest.param("retry_on: [true]", "retry_on[0]", id="retry-on-boolean"),
+        pytest.param("eject: {failures: -1}", "eject.failures", id="eject-failures-negative"),
+        pytest.param("eject: {failures: 2.5}", "eject.failures", id="eject-failures-float"),
+        pytest.param("eject: {seconds: 0}", "eject.seconds", id="eject-seconds-zero"),
+        pytest.param("eject: {seconds: soon}", "eject.seconds", id="eject-seconds-word"),
+        pytest.param("eject: {after: 3}", "eject.after", id="eject-unknown-key"),
+        pytest.param("eject: 3", "eject", id="eject-not-a-mapping"),
+        pytest.param("discovery: {dns: 'yes'}", "discovery.dns", id="discovery-dns-string"),
+        pytest.param("discovery: {interval: -1}", "discovery.interval", id="discovery-interval"),
+        pytest.param("discovery: {srv: true}", "discovery.srv", id="discovery-unknown-key"),
+        pytest.param("health_interval: 0", "health_interval", id="health-interval-zero"),
+        pytest.param("health_interval: fast", "health_interval", id="health-interval-word"),
+    ],
+)
+def test_bad_failover_value_error_names_the_key(fields: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(FAILOVER.format(fields), {})
+    message = str(info.value)
+    assert message.startswith(f"upstreams[0].{key}: "), message
