@@ -164,6 +164,9 @@ def _merge(target: Manifest, patch: Manifest) -> None:
             merged = []
             for item in value:
                 base = by_key.pop(item[_MERGE_KEYS[key]], {})
+                if item.get("$patch") == "delete":  # the one directive used: drop that item
+                    assert set(item) == {_MERGE_KEYS[key], "$patch"}, item
+                    continue
                 _merge(base, item)
                 merged.append(base)
             target[key] = merged + list(by_key.values())
@@ -526,3 +529,136 @@ def test_build_context_holds_and_lets_in_every_copied_path() -> None:
     for source in sources:
         assert (ROOT / source).exists(), f"{source} is missing from the repository"
         assert f"!{source}" in allowed
+
+
+# --- The gateway overlay: n-proxy as its own Deployment in front of a fleet (SPEC §10) ----------
+
+GATEWAY = DEPLOY / "kubernetes" / "overlays" / "gateway"
+
+
+@functools.cache
+def rendered_gateway() -> tuple[Manifest, ...]:
+    return tuple(render(GATEWAY))
+
+
+def _named(kind: str, name: str) -> Manifest:
+    (found,) = [
+        o for o in rendered_gateway() if o["kind"] == kind and o["metadata"]["name"] == name
+    ]
+    return found
+
+
+def _pod_labels(name: str) -> dict[str, str]:
+    labels: dict[str, str] = _named("Deployment", name)["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def _gateway_config() -> Manifest:
+    config: Manifest = yaml.safe_load(_one(rendered_gateway(), "ConfigMap")["data"]["config.yaml"])
+    return config
+
+
+def test_gateway_renders_the_proxy_its_autoscaler_the_budgets_and_the_fleet() -> None:
+    objects = rendered_gateway()
+    assert sorted((o["kind"], o["metadata"]["name"][:14]) for o in objects) == [
+        ("ConfigMap", "n-proxy-config"),
+        ("Deployment", "inference"),
+        ("Deployment", "n-proxy"),
+        ("HorizontalPodAutoscaler", "n-proxy"),
+        ("PodDisruptionBudget", "inference"),
+        ("PodDisruptionBudget", "n-proxy"),
+        ("Service", "inference"),
+        ("Service", "n-proxy"),
+    ]
+    for obj in objects:
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "n-proxy"
+        # strict: unknown fields (a misspelt key, a field of a newer release) are errors.
+        assert kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True) == "1.32"
+
+
+def test_gateway_renderer_agrees_with_real_kustomize() -> None:
+    command = _real_kustomize()
+    if command is None:
+        pytest.skip("no kustomize v5 on PATH (standalone or in kubectl)")
+    out = subprocess.run(
+        [*command, str(GATEWAY)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+
+    def key(o: Manifest) -> tuple[str, str]:
+        return o["kind"], o["metadata"]["name"]
+
+    assert sorted(yaml.safe_load_all(out), key=key) == sorted(rendered_gateway(), key=key)
+
+
+def test_gateway_pod_is_the_base_proxy_alone_sized_for_a_gateway() -> None:
+    pod = copy.deepcopy(_named("Deployment", "n-proxy")["spec"]["template"])
+    (proxy,) = pod["spec"]["containers"]
+    base = copy.deepcopy(_container(rendered("base"), "n-proxy"))
+    assert proxy.pop("resources") == {
+        "requests": {"cpu": "1", "memory": "256Mi"},
+        "limits": {"memory": "1Gi"},
+    }
+    base.pop("resources")
+    assert proxy == base  # probes, ports, user, config mount: as every other tree has them
+    assert "replicas" not in _named("Deployment", "n-proxy")["spec"]  # the autoscaler's call
+
+
+def test_gateway_config_discovers_every_ready_pod_of_the_headless_service(tmp_path: Path) -> None:
+    from proxy.config import load_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(_one(rendered_gateway(), "ConfigMap")["data"]["config.yaml"], "utf-8")
+    config = load_config(path)
+    (upstream,) = config.upstreams
+    assert upstream.discovery.dns
+    assert upstream.placement == "spread"
+    assert "connect" in upstream.retry_on
+    service = _named("Service", "inference")
+    assert service["spec"]["clusterIP"] == "None"  # headless: DNS answers with each pod's IP
+    assert not service["spec"].get("publishNotReadyAddresses", False)
+    (url,) = upstream.urls
+    (port,) = service["spec"]["ports"]
+    assert url == f"http://{service['metadata']['name']}:{port['port']}"
+    # The proxies connect to pod IPs, so the port they use is the container's own.
+    (server,) = _named("Deployment", "inference")["spec"]["template"]["spec"]["containers"]
+    assert _port_number(server, port["targetPort"]) == port["port"]
+    assert _flag(server["args"], "--host") == "0.0.0.0"
+    assert server["readinessProbe"]["httpGet"]["path"] == upstream.health_path
+    assert (config.listen.port, config.admin.port if config.admin else None) == (8080, 8081)
+
+
+def test_gateway_services_and_budgets_each_select_their_own_fleet() -> None:
+    proxies, servers = _pod_labels("n-proxy"), _pod_labels("inference")
+    for name, pods, other in (("n-proxy", proxies, servers), ("inference", servers, proxies)):
+        selector = _named("Service", name)["spec"]["selector"]
+        assert selector.items() <= pods.items()
+        assert not selector.items() <= other.items()
+        budget = _named("PodDisruptionBudget", name)["spec"]
+        assert budget["selector"]["matchLabels"] == selector
+        assert budget["maxUnavailable"] == 1
+
+
+def test_gateway_autoscaler_scales_the_proxy_on_the_cpu_it_requests() -> None:
+    hpa = _named("HorizontalPodAutoscaler", "n-proxy")["spec"]
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "n-proxy",
+    }
+    (metric,) = hpa["metrics"]
+    assert metric["resource"]["name"] == "cpu"
+    assert metric["resource"]["target"]["type"] == "Utilization"
+    assert hpa["minReplicas"] >= 2  # with maxUnavailable 1, a drain never leaves zero proxies
+    (proxy,) = _named("Deployment", "n-proxy")["spec"]["template"]["spec"]["containers"]
+    assert "cpu" in proxy["resources"]["requests"]  # utilization is a share of the request
+
+
+def test_gateway_pods_outlast_the_proxies_next_lookup_and_their_children() -> None:
+    config = _gateway_config()
+    (upstream,) = config["upstreams"]
+    spec = _named("Deployment", "inference")["spec"]["template"]["spec"]
+    (server,) = spec["containers"]
+    sleep = int(server["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert upstream["discovery"]["interval"] < sleep < spec["terminationGracePeriodSeconds"]
+    proxy_pod = _named("Deployment", "n-proxy")["spec"]["template"]["spec"]
+    assert config["drain_seconds"] < proxy_pod["terminationGracePeriodSeconds"]
