@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import math
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
@@ -94,9 +94,12 @@ class ReplicaSet:
             return [usable[start % len(usable)].url] * count
         return [usable[(start + j) % len(usable)].url for j in range(count)]
 
-    def retry_to(self, tried: Collection[str], now: float) -> str:
+    def retry_to(self, tried: Sequence[str], now: float) -> str:
         """Where a retry goes: a usable replica not tried yet, else any usable one, else one not
-        tried yet, else the last one tried (the only replica there is)."""
+        tried yet, else the last one tried that is still in the set (the only one there is).
+
+        Always a replica of the set as it is now: discovery may have dropped those tried.
+        """
         replicas = list(self._replicas.values())
         usable = [r for r in replicas if r.usable(now)]
         start = next(self._turn)
@@ -107,7 +110,7 @@ class ReplicaSet:
         ):
             if group:
                 return group[start % len(group)].url
-        return list(tried)[-1] if tried else replicas[start % len(replicas)].url
+        return next(url for url in reversed(tried) if url in self._replicas)
 
     def succeeded(self, url: str) -> None:
         replica = self._replicas.get(url)

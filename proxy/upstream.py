@@ -358,8 +358,9 @@ class UpstreamPool:
             host = parts.hostname or ""
             port = parts.port or (443 if parts.scheme == "https" else 80)
             try:
-                ips = await self.resolve(host, port)
-            except OSError as exc:
+                async with asyncio.timeout(upstream.discovery.interval):
+                    ips = await self.resolve(host, port)
+            except OSError as exc:  # TimeoutError and socket.gaierror among them
                 log_event("dns lookup failed", upstream=upstream.name, host=host, error=str(exc))
                 continue
             change = state.replicas.discovered(source, resolved_addresses(source, ips))

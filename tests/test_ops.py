@@ -190,11 +190,13 @@ async def wait_ready(http: aiohttp.ClientSession, server: Server) -> None:
 
 
 async def test_livez_and_readyz_on_the_admin_port(
-    http: aiohttp.ClientSession, server: Server
+    http: aiohttp.ClientSession, server: Server, backend: Backend
 ) -> None:
     async with http.get(url(server, "/livez", admin=True)) as r:
         assert r.status == 200
     await wait_ready(http, server)
+    async with http.get(url(server, "/readyz", admin=True)) as r:
+        assert (await r.json())["replicas"] == {"u": {backend.url: True}}  # each one's health
     async with http.get(url(server, "/livez")) as r:  # the proxy port passes /livez upstream
         assert r.status == 404
 

@@ -93,6 +93,17 @@ def test_a_single_replica_retries_on_itself() -> None:
     assert replicas.place(1, now=0) == [A]  # ejected, but fail open
 
 
+def test_a_retry_goes_to_a_current_replica_when_discovery_dropped_the_tried_one() -> None:
+    replicas = ReplicaSet(["http://svc:8000"])
+    x, y = Address("http://10.0.0.1:8000"), Address("http://10.0.0.2:8000")
+    replicas.discovered("http://svc:8000", [x, y])
+    replicas.checked(x.url, ok=False)
+    replicas.checked(y.url, ok=False)
+    replicas.discovered("http://svc:8000", [y])
+    assert replicas.retry_to([x.url, y.url], now=0) == y.url
+    assert replicas.retry_to(["http://svc:8000"], now=0) == y.url
+
+
 def test_discovery_adds_and_removes_replicas_and_keeps_state_of_the_rest() -> None:
     replicas = ReplicaSet(["http://svc:8000"])
     x, y, z = (Address(f"http://10.0.0.{i}:8000", "svc:8000") for i in (1, 2, 3))
