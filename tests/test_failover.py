@@ -25,7 +25,9 @@ from tests.conftest import Backend
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hello"}]
-WITHIN = 10.0  # seconds any one wait may take before the test fails instead of hanging
+# Seconds any one wait may take before the test fails instead of hanging: generous, as 200
+# concurrent fan-outs on a loaded 2-core machine take seconds to even reach the backends.
+WITHIN = 30.0
 MakeBackend = Callable[..., Awaitable[Backend]]
 
 
@@ -278,8 +280,8 @@ async def test_a_replica_that_comes_to_life_gets_children_within_one_health_inte
         assert (await post(client, proxy, chat(2), f"before{i}"))[0] == 200
     assert len(rids(live)) == 4  # spread, but only over the healthy replica
 
-    rounds = state.health_rounds
     runner, _, revived = await start_devserver(port=free_port)
+    rounds = state.health_rounds
     try:
         await proxy.until(lambda: proxy.usable()[later])
         # A round that began before the replica listened may still fail it; the next passes.
@@ -528,7 +530,7 @@ async def test_killing_one_of_three_replicas_under_load(
     await victim.wait_for(lambda s: len(s.seen) >= 40, timeout=WITHIN)
     started_there = {rid.split("_", 1)[1] for rid, _, _ in victim.seen}
     await victim_runner.cleanup()  # its open connections are cut, its port refuses
-    results = await asyncio.wait_for(asyncio.gather(*jobs), 3 * WITHIN)
+    results = await asyncio.wait_for(asyncio.gather(*jobs), WITHIN)  # nothing hangs
     started_there |= {rid.split("_", 1)[1] for rid, _, _ in victim.seen}  # raced the kill
     failed = 0
     for i, (stream, (status, raw)) in enumerate(zip(streams, results, strict=True)):
