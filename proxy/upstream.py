@@ -132,13 +132,12 @@ class _UpstreamState:
             while not predicate():
                 await self._changed.wait()
 
-    def publish(self) -> dict[str, bool]:
-        """Each replica's ``n_proxy_replica_up``; the same as a dict for ``/readyz``."""
+    def publish(self) -> None:
+        """Each replica's ``n_proxy_replica_up``."""
         now = time.monotonic()
-        up = {r.url: r.usable(now) for r in self.replicas}
-        for url, usable in up.items():
-            self.metrics.replica_up.labels(self.upstream.name, url).set(1 if usable else 0)
-        return up
+        for replica in self.replicas:
+            up = 1 if replica.usable(now) else 0
+            self.metrics.replica_up.labels(self.upstream.name, replica.url).set(up)
 
 
 class UpstreamPool:
