@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.replicas import Address, Change, Ejection, ReplicaSet, resolved_addresses
 
@@ -168,3 +170,60 @@ def test_resolved_addresses_keep_scheme_port_path_and_the_host_name(
     url: str, ips: list[str], expected: list[Address]
 ) -> None:
     assert list(resolved_addresses(url, ips)) == expected
+
+
+# --- any sequence of events keeps placement within the rules -----------------------------------
+
+POOL = [f"http://10.0.0.{i}:8000" for i in range(5)]
+_url = st.sampled_from(POOL)
+_event = st.one_of(
+    st.tuples(st.just("failed"), _url),
+    st.tuples(st.just("succeeded"), _url),
+    st.tuples(st.just("checked"), _url, st.booleans()),
+    st.tuples(st.just("discovered"), st.lists(_url, max_size=5)),
+    st.tuples(st.just("tick"), st.floats(0, 20)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(_event, max_size=40),
+    failures=st.integers(0, 3),
+    pack=st.booleans(),
+    tried=st.lists(_url, max_size=4),
+)
+def test_placement_and_retries_keep_the_rules_after_any_events(
+    events: list[tuple[object, ...]], failures: int, pack: bool, tried: list[str]
+) -> None:
+    replicas = ReplicaSet(["http://svc:8000"], Ejection(failures, seconds=5), pack=pack)
+    now = 0.0
+    for event in events:
+        match event:
+            case ("failed", url):
+                replicas.failed(str(url), now)
+            case ("succeeded", url):
+                replicas.succeeded(str(url))
+            case ("checked", url, ok):
+                replicas.checked(str(url), bool(ok))
+            case ("discovered", urls):
+                assert isinstance(urls, list)
+                replicas.discovered("http://svc:8000", [Address(u, "svc:8000") for u in urls])
+            case ("tick", seconds):
+                assert isinstance(seconds, float)
+                now += seconds
+        current = set(replicas.urls)
+        assert current  # never empty: an empty answer keeps the last set
+        usable = {r.url for r in replicas if r.usable(now)}
+        if failures == 0:
+            assert usable == {r.url for r in replicas if r.healthy}  # nothing is ever ejected
+        placed = replicas.place(3, now)
+        assert len(placed) == 3
+        assert set(placed) <= (usable or current)  # only usable ones, or all when none is
+        if pack:
+            assert len(set(placed)) == 1
+        retry = replicas.retry_to(tried, now)
+        assert retry in current
+        if usable - set(tried):
+            assert retry in usable - set(tried)
+        elif usable:
+            assert retry in usable
