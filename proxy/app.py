@@ -214,7 +214,7 @@ async def pass_through(
     (url,) = pool.place(upstream, 1)
     headers = request_headers(request.headers, upstream.headers)
     async with (
-        pool.slots(upstream, 1),
+        pool.slot(upstream),
         pool.send(
             upstream,
             url,

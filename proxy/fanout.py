@@ -1,7 +1,8 @@
 """Running a planned fan-out: k concurrent children upstream, one stitched answer downstream.
 
-The I/O shell around ``plan`` and ``stitch``: children run as tasks, every pending child is
-cancelled (its connection closed) in a ``finally``, so nothing generates for a client that is gone.
+The I/O shell around ``plan`` and ``stitch``: children run as tasks, each taking its own upstream
+slot; every pending child is cancelled (its connection closed, its slot or place in line given
+back) in a ``finally``, so nothing generates for a client that is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from proxy.config import Upstream
 from proxy.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
 from proxy.plan import Plan
 from proxy.runtime import Runtime
+from proxy.slots import Place
 from proxy.sse import Event, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.upstream import Reply, Trace, UpstreamPool, upstream_error
@@ -32,6 +34,7 @@ T = TypeVar("T")
 # a child behind a slow client holds about 64 KiB in the proxy.
 CHILD_READ_BUFFER = 16 * 1024
 Item = list[Event] | BaseException | None  # events, a failure, or None: the child ended cleanly
+KEEPALIVE = b": keep-alive\n\n"
 
 
 @dataclass
@@ -77,13 +80,11 @@ async def respond_json(fanout: Fanout) -> web.Response:
     """Non-streaming (SPEC §4): wait for every child, fail fast on the first failure."""
     plan = fanout.plan
     urls = fanout.pool.place(fanout.upstream, len(plan.children))
-
-    # A batch of prompts may need more children than the upstream takes at once; a JSON answer
-    # can wait for them in turns, within the slots this request holds.
-    turns = asyncio.Semaphore(min(len(urls), fanout.upstream.max_concurrency))
+    # One slot per child, FIFO: a batch larger than max_concurrency runs in turns.
+    places = fanout.pool.join(fanout.upstream, len(plan.children))
 
     async def fetch(pos: int) -> dict[str, Any]:
-        async with turns, fanout.send(pos, urls[pos]) as reply:
+        async with places[pos], fanout.send(pos, urls[pos]) as reply:
             raw = await reply.read()
             if reply.response.status >= 300:
                 raise ChildFailed(reply.response.status, raw, reply.response.content_type)
@@ -97,12 +98,12 @@ async def respond_json(fanout: Fanout) -> web.Response:
             )
         return body
 
-    async with fanout.pool.slots(fanout.upstream, len(plan.children)):
-        tasks = [asyncio.ensure_future(fetch(pos)) for pos in range(len(urls))]
-        try:
-            bodies = await _all_or_first_failure(tasks)
-        finally:
-            await fanout.cancel(tasks)
+    tasks = [asyncio.ensure_future(fetch(pos)) for pos in range(len(urls))]
+    try:
+        bodies = await _all_or_first_failure(tasks)
+    finally:
+        await fanout.cancel(tasks)
+        _release(places)
     return web.Response(
         body=orjson.dumps(stitch_json(plan, bodies)),
         content_type="application/json",
@@ -110,35 +111,61 @@ async def respond_json(fanout: Fanout) -> web.Response:
     )
 
 
+class Start:
+    """When a stream commits (SPEC §5): at the first child's answer, or at every child's ("all").
+
+    Answers are recorded synchronously by the children, so a failure is either the response's
+    (before the commit) or a mid-stream error for the mailbox (after it), never lost between.
+    """
+
+    def __init__(self, count: int, wait_all: bool) -> None:
+        self.decided: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting = count if wait_all else 1
+
+    def answer(self, failure: BaseException | None) -> bool:
+        """Record one child's status line; True when its failure became the response's."""
+        if self.decided.done():
+            return False
+        if failure is not None:
+            self.decided.set_exception(failure)
+            return True
+        self._waiting -= 1
+        if self._waiting == 0:
+            self.decided.set_result(None)
+        return False
+
+    def close(self) -> None:
+        if self.decided.done() and not self.decided.cancelled():
+            self.decided.exception()  # retrieved: a failure nobody awaited is not "never retrieved"
+
+
 async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResponse:
-    """Streaming (SPEC §5): every child's headers first, then chunks interleaved as they arrive."""
+    """Streaming (SPEC §5): 200 at the first child's answer, then chunks as they arrive."""
     plan = fanout.plan
     count = len(plan.children)
-    if count > fanout.upstream.max_concurrency:
-        # Every child of a stream must run at once (its headers come before any chunk).
+    config = fanout.runtime.config
+    wait_all = getattr(config, "stream_start", "first") == "all"  # TODO(config rebase)
+    if wait_all and count > fanout.upstream.max_concurrency:
+        # Rev 1: every child's headers come before any chunk, so every child must run at once.
         raise InvalidRequest(
             f"this stream needs {count} concurrent upstream requests; the upstream takes "
             f"{fanout.upstream.max_concurrency}: send fewer prompts or a smaller n",
             param="prompt" if plan.prompts > 1 else "n",
         )
     urls = fanout.pool.place(fanout.upstream, count)
+    places = fanout.pool.join(fanout.upstream, count)
     mailbox = Mailbox(count)
-    headers_in = [asyncio.get_running_loop().create_future() for _ in range(count)]
-
-    def headers_failed(pos: int, exc: BaseException) -> bool:
-        if headers_in[pos].done():
-            return False
-        headers_in[pos].set_exception(exc)
-        return True
+    start = Start(count, wait_all)
 
     async def run_child(pos: int) -> None:
+        answered = False
         try:
-            async with fanout.send(pos, urls[pos]) as reply:
+            async with places[pos], fanout.send(pos, urls[pos]) as reply:
                 response = reply.response
                 if response.status >= 300:
                     raise ChildFailed(response.status, await reply.read(), response.content_type)
-                if not headers_in[pos].done():  # done already if a sibling failed first
-                    headers_in[pos].set_result(None)
+                answered = True
+                start.answer(None)
                 decoder = SSEDecoder()
                 async for data in reply.body:
                     events = decoder.feed(data)
@@ -147,38 +174,43 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 await mailbox.put((pos, decoder.close()))
             await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:
-            if not headers_failed(pos, exc):
+            if answered or not start.answer(exc):
                 await mailbox.put((pos, exc))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-            if not headers_failed(pos, upstream_error(exc, fanout.upstream)):
+            if answered or not start.answer(upstream_error(exc, fanout.upstream)):
                 await mailbox.put((pos, exc))
 
-    async with fanout.pool.slots(fanout.upstream, count):
-        tasks = [asyncio.ensure_future(run_child(pos)) for pos in range(count)]
+    tasks = [asyncio.ensure_future(run_child(pos)) for pos in range(count)]
+    try:
+        await start.decided
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": plan.parent_id,
+            }
+        )
+        await response.prepare(request)  # the 200 leaves now, not with the first chunk
+        stitcher = StreamStitcher(plan)
+        fanout.runtime.streams.add(mailbox)
         try:
-            await _all_or_first_failure(headers_in)
-            response = web.StreamResponse(
-                headers={
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    "X-Request-Id": plan.parent_id,
-                }
-            )
-            await response.prepare(request)
-            stitcher = StreamStitcher(plan)
-            fanout.runtime.streams.add(mailbox)
-            try:
-                await _merge(stitcher, mailbox, response)
-            finally:
-                fanout.runtime.streams.discard(mailbox)
-                fanout.runtime.metrics.stitched_chunks.inc(stitcher.chunks)
-            await response.write_eof()
-            return response
+            keepalive: float = getattr(config, "sse_keepalive_seconds", 15.0)  # TODO(config rebase)
+            await _merge(stitcher, mailbox, response, keepalive)
         finally:
-            for future in headers_in:
-                if future.done() and not future.cancelled():
-                    future.exception()  # retrieved: a sibling's failure is not "never retrieved"
-            await fanout.cancel(tasks)
+            fanout.runtime.streams.discard(mailbox)
+            fanout.runtime.metrics.stitched_chunks.inc(stitcher.chunks)
+        await response.write_eof()
+        return response
+    finally:
+        start.close()
+        await fanout.cancel(tasks)
+        _release(places)
+
+
+def _release(places: Sequence[Place]) -> None:
+    """Every place back, granted or still queued: a task cancelled before it ran holds one too."""
+    for place in places:
+        place.release()
 
 
 class Mailbox:
@@ -207,11 +239,19 @@ class Mailbox:
         self._items.append(item)
         _wake(self._getter)
 
-    async def take(self) -> list[tuple[int, Item]]:
-        """Everything waiting (at least one item), or [] once cut."""
-        while not self._items and self.cut_reason is None:
-            self._getter = asyncio.get_running_loop().create_future()
-            await self._getter
+    async def take(self, timeout: float | None = None) -> list[tuple[int, Item]] | None:
+        """Everything waiting (at least one item), [] once cut, None after ``timeout`` seconds."""
+        if not self._items and self.cut_reason is None:
+            loop = asyncio.get_running_loop()
+            getter = self._getter = loop.create_future()
+            timer = loop.call_later(timeout, _wake, getter) if timeout is not None else None
+            try:
+                await getter
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            if not self._items and self.cut_reason is None:
+                return None
         if self.cut_reason is not None:
             return []
         items = list(self._items)
@@ -230,14 +270,27 @@ def _wake(future: asyncio.Future[None] | None) -> None:
         future.set_result(None)
 
 
-async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, response: web.StreamResponse) -> None:
-    """Write chunks as they arrive, then the merged tail or one error event."""
+async def _merge(
+    stitcher: StreamStitcher, mailbox: Mailbox, response: web.StreamResponse, keepalive: float
+) -> None:
+    """Write chunks as they arrive, then the merged tail or one error event.
+
+    With nothing written for ``keepalive`` seconds (0: never), an SSE comment keeps load
+    balancers from cutting a stream whose next child is still queued (SPEC §5).
+    """
     plan = stitcher.plan
     running = len(plan.children)
+    loop = asyncio.get_running_loop()
+    written_at = loop.time()
     while running:
         out: list[bytes] = []
         try:
-            items = await mailbox.take()
+            timeout = max(written_at + keepalive - loop.time(), 0.0) if keepalive else None
+            items = await mailbox.take(timeout)
+            if items is None:
+                await response.write(KEEPALIVE)
+                written_at = loop.time()
+                continue
             if not items:
                 raise StreamError(None, mailbox.cut_reason or "cut")
             for pos, item in items:
@@ -258,6 +311,7 @@ async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, response: web.Strea
             return
         if out:
             await response.write(b"".join(out))
+            written_at = loop.time()
     await response.write(stitcher.tail())
 
 

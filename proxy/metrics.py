@@ -110,6 +110,12 @@ class Metrics:
             ["upstream", "replica"],
             registry=r,
         )
+        self.slot_stalls = Counter(
+            "n_proxy_slot_stalls",
+            "Watchdog findings: children queued longer than the queue in front of them explains.",
+            ["upstream"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         if MULTIPROCESS:

@@ -1,7 +1,8 @@
 """Stitching children's answers into the one a native-n server sends (SPEC §4, §5, §8). Pure.
 
-``stitch_json`` merges whole bodies; ``StreamStitcher`` rewrites SSE chunks one at a time, holds
-back each child's usage chunk and ``[DONE]``, and writes the single merged tail.
+``stitch_json`` merges whole bodies; ``StreamStitcher`` opens the stream by announcing every
+choice in index order, rewrites SSE chunks one at a time, holds back each child's usage chunk and
+``[DONE]``, and writes the single merged tail.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class StreamStitcher:
                 payload["id"] = parent_response_id(payload.get("id"), child, self.plan.parent_id)
                 self._usage_chunk = payload
             return None
+        opening = b""
         shared = self._shared
         if shared is None:
             shared = self._shared = {
@@ -131,19 +133,61 @@ class StreamStitcher:
                 "model": payload.get("model"),
                 "object": payload.get("object"),
             }
+            opening = self._opening(payload)
         payload["id"] = shared["id"]
         payload["created"] = shared["created"]
         payload["model"] = shared["model"]
+        announced = False
         for choice in choices:
             if isinstance(choice, dict):
                 choice["index"] = child.index
                 if choice.get("finish_reason") is not None:
                     self._finished[pos] = True
+                delta = choice.get("delta")
+                if isinstance(delta, dict) and "role" in delta:
+                    del delta["role"]  # the opening announced it (SPEC §5)
+                    announced = True
+        if announced and _only_announces(payload):
+            return opening or None
         if usage is not None and not self.plan.continuous_usage:
             # A per-choice usage (llama.cpp puts one on its last chunk) must not pass for the total.
             payload["usage"] = None
         self.chunks += 1
-        return b"data: " + orjson.dumps(payload) + b"\n\n"
+        return opening + b"data: " + orjson.dumps(payload) + b"\n\n"
+
+    def _opening(self, first: dict[str, Any]) -> bytes:
+        """One empty chunk per choice in index order 0..n-1, before any other (SPEC §5).
+
+        The openai SDK's stream helper finds a choice by its list position, so choice i must
+        first appear after choices 0..i-1; vLLM's native n opens chat streams this way. For
+        completions the empty ``text`` does the same at no cost to any client.
+        """
+        choices = first["choices"]
+        sample = choices[0] if isinstance(choices[0], dict) else {}
+        delta = sample.get("delta")
+        if isinstance(delta, dict):
+            role = delta.get("role")
+            body: dict[str, Any] = {
+                "delta": {"role": role if isinstance(role, str) else "assistant", "content": ""}
+            }
+        elif "text" in sample:
+            body = {"text": ""}
+        else:
+            return b""  # an unknown chunk shape: nothing to announce with
+        envelope = {k: first[k] for k in _ENVELOPE if k in first}
+        envelope.update(self._shared or {})
+        usage = first.get("usage")
+        if self.plan.continuous_usage and isinstance(usage, dict):
+            # vLLM's continuous usage on a role chunk: the prompt, nothing generated yet.
+            prompt = usage.get("prompt_tokens")
+            envelope["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt,
+                                 "completion_tokens": 0}  # fmt: skip
+        out = []
+        for index in sorted(c.index for c in self.plan.children):
+            choice = {"index": index, **body, "logprobs": None, "finish_reason": None}
+            out.append(b"data: " + orjson.dumps({**envelope, "choices": [choice]}) + b"\n\n")
+        self.chunks += len(out)
+        return b"".join(out)
 
     def finished(self, pos: int) -> bool:
         return self._finished[pos]
@@ -166,6 +210,25 @@ class StreamStitcher:
             }
         )
         return b"data: " + orjson.dumps(chunk) + b"\n\n" + DONE
+
+
+_ENVELOPE = ("id", "object", "created", "model", "system_fingerprint")
+
+
+def _only_announces(payload: dict[str, Any]) -> bool:
+    """A chunk that, once its role is gone, says nothing: a child's own role announcement."""
+    if any(key not in _ENVELOPE and key not in ("choices", "usage") for key in payload):
+        return False  # vendor fields ride on it: keep the chunk
+    for choice in payload["choices"]:
+        if not isinstance(choice, dict):
+            return False
+        for key, value in choice.items():
+            if key == "delta":
+                if not isinstance(value, dict) or any(v not in (None, "") for v in value.values()):
+                    return False
+            elif key != "index" and value is not None:
+                return False
+    return True
 
 
 def error_event(error: StreamError) -> bytes:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,59 +27,15 @@ from proxy.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
 from proxy.log import log_event
 from proxy.metrics import Metrics
 from proxy.replicas import Ejection, Replica, ReplicaSet, resolved_addresses
+from proxy.slots import Place, Slots
 
 # (host, port) -> every address it resolves to now; tests inject their own.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 
-
-class Slots:
-    """A FIFO weighted semaphore: a request takes a slot per child, all at once.
-
-    Taking them all at once matters: children that hold slots while waiting for siblings that
-    cannot get one would deadlock two large streaming requests against each other.
-    """
-
-    def __init__(self, capacity: int, max_queue: int) -> None:
-        self.capacity = capacity
-        self.max_queue = max_queue
-        self.in_use = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-
-    @property
-    def queued(self) -> int:
-        return len(self._waiters)
-
-    async def acquire(self, weight: int) -> int:
-        weight = min(weight, self.capacity)
-        if not self._waiters and self.in_use + weight <= self.capacity:
-            self.in_use += weight
-            return weight
-        if len(self._waiters) >= self.max_queue:
-            raise Overloaded("upstream is at its concurrency limit; retry shortly", retry_after=1)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (weight, future)
-        self._waiters.append(entry)
-        try:
-            await future
-        except BaseException:
-            if future.done() and not future.cancelled():
-                self.release(weight)  # granted just as we were cancelled: hand it back
-            else:
-                self._waiters.remove(entry)
-                self._wake()
-            raise
-        return weight
-
-    def release(self, weight: int) -> None:
-        self.in_use -= weight
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self.in_use + self._waiters[0][0] <= self.capacity:
-            weight, future = self._waiters.popleft()
-            self.in_use += weight
-            future.set_result(None)
+log = logging.getLogger("proxy.upstream")
+WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
+WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
 
 
 @dataclass
@@ -149,6 +105,7 @@ class UpstreamPool:
         for state in self._states.values():
             state.publish()
         self._session: aiohttp.ClientSession | None = None
+        self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
@@ -158,8 +115,13 @@ class UpstreamPool:
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None),
         )
+        self._watchdog = asyncio.create_task(self._watch())
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
         if self._session is not None:
             await self._session.close()
 
@@ -176,18 +138,40 @@ class UpstreamPool:
         the healthy replicas that are not ejected (SPEC §10)."""
         return self.state(upstream).replicas.place(count, time.monotonic())
 
-    @asynccontextmanager
-    async def slots(self, upstream: Upstream, count: int) -> AsyncIterator[None]:
-        slots = self.state(upstream).slots
+    def join(self, upstream: Upstream, count: int) -> list[Place]:
+        """Places in the upstream's FIFO line for ``count`` children; 429 on arrival when full."""
         try:
-            taken = await slots.acquire(count)
+            return self.state(upstream).slots.join(count)
         except Overloaded:
             self.metrics.rejected.labels(upstream.name).inc()
             raise
-        try:
+
+    @asynccontextmanager
+    async def slot(self, upstream: Upstream) -> AsyncIterator[None]:
+        """One slot for one upstream request (pass-through)."""
+        (place,) = self.join(upstream, 1)
+        async with place:
             yield
-        finally:
-            slots.release(taken)
+
+    async def _watch(self) -> None:
+        """Report queued children that the queue in front of them does not explain (#10)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL)
+            for state in self._states.values():
+                self.audit(state, loop.time())
+
+    def audit(self, state: _UpstreamState, now: float) -> None:
+        stall = state.slots.audit(now, WATCHDOG_PATIENCE)
+        if stall is None:
+            return
+        self.metrics.slot_stalls.labels(state.upstream.name).inc()
+        log.warning(
+            "slot watchdog: upstream %s: %s (oldest waiter %.1f s, %d in use of %d, %d queued)",
+            state.upstream.name, stall.reason, stall.waited, stall.in_use,
+            state.slots.capacity, stall.queued,
+        )  # fmt: skip
+        state.slots.repair()
 
     @asynccontextmanager
     async def send(

@@ -223,6 +223,8 @@ async def test_slow_reader_holds_the_upstream_back_and_then_gets_every_chunk(
         if choice["finish_reason"] is not None:
             finished += 1
             continue
+        if choice["delta"] == {"role": "assistant", "content": ""}:
+            continue  # the stitched stream's opening announcement (SPEC §5)
         rid, seq = choice["delta"]["content"].split("|")[0].split(":")
         assert rid == (f"{choice['index']}_slow" if n > 1 else "slow")
         seqs.setdefault(rid, []).append(int(seq))

@@ -48,6 +48,23 @@ def one_event(raw: bytes | None) -> dict[str, Any]:
     return event
 
 
+def after_opening(raw: bytes | None, count: int) -> dict[str, Any]:
+    """The first chunk's own event, after the ``count`` choices it opened with (SPEC §5)."""
+    assert raw is not None
+    *opening, event = sse(raw)
+    assert len(opening) == count
+    for index, announced in enumerate(opening):
+        (choice,) = announced["choices"]
+        assert choice["index"] == index
+        assert choice.get("delta", {"role": "assistant", "content": ""}) == {
+            "role": "assistant",
+            "content": "",
+        }
+        assert (announced["id"], announced["created"]) == (event["id"], event["created"])
+    assert isinstance(event, dict)
+    return event
+
+
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt,
@@ -319,7 +336,7 @@ STREAM_WITH_USAGE = {"n": 2, "stream": True, "stream_options": {"include_usage":
 
 def test_stream_rewrites_index_and_gives_every_chunk_the_first_chunks_id_created_model() -> None:
     s = StreamStitcher(plan({"n": 3, "stream": True}))
-    first = one_event(s.chunk(2, chunk("chatcmpl-2_abc", 100, "", model="m-2")))
+    first = after_opening(s.chunk(2, chunk("chatcmpl-2_abc", 100, "", model="m-2")), 3)
     assert first == {
         "id": "chatcmpl-abc",
         "object": "chat.completion.chunk",
@@ -346,7 +363,7 @@ def test_stream_rewrites_index_and_gives_every_chunk_the_first_chunks_id_created
 
 def test_stream_shares_first_id_when_backend_does_not_echo_request_id() -> None:
     s = StreamStitcher(plan({"n": 2, "stream": True}))
-    a = one_event(s.chunk(1, chunk("chatcmpl-r1", 7, "a")))
+    a = after_opening(s.chunk(1, chunk("chatcmpl-r1", 7, "a")), 2)
     b = one_event(s.chunk(0, chunk("chatcmpl-r0", 8, "b")))
     assert [a["id"], b["id"]] == ["chatcmpl-r1", "chatcmpl-r1"]
     assert [a["created"], b["created"]] == [7, 7]
@@ -358,7 +375,8 @@ def test_stream_list_of_prompts_uses_choice_index_p_times_n_plus_i() -> None:
     text = '{"id":"cmpl-%s","object":"text_completion","created":3,"model":"m",' + (
         '"choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}]}'
     )
-    indices = [one_event(s.chunk(pos, text % p.children[pos].request_id)) for pos in (3, 0, 2, 1)]
+    indices = [after_opening(s.chunk(3, text % p.children[3].request_id), 4)]
+    indices += [one_event(s.chunk(pos, text % p.children[pos].request_id)) for pos in (0, 2, 1)]
     assert [e["choices"][0]["index"] for e in indices] == [3, 0, 2, 1]
     assert {e["id"] for e in indices} == {"cmpl-abc"}
 
@@ -418,7 +436,7 @@ def test_stream_tail_with_include_usage_but_no_usage_from_any_child_is_one_done(
 def test_stream_nulls_usage_on_a_choice_chunk_and_still_counts_it() -> None:
     # llama.cpp puts the child's usage on its final choice chunk; it must not pass for the total.
     s = StreamStitcher(plan(STREAM_WITH_USAGE))
-    a = one_event(s.chunk(0, chunk("chatcmpl-x", 1, "a", "stop", usage=usage(6, 2))))
+    a = after_opening(s.chunk(0, chunk("chatcmpl-x", 1, "a", "stop", usage=usage(6, 2))), 2)
     b = one_event(s.chunk(1, chunk("chatcmpl-y", 1, "b", "stop", usage=usage(6, 4))))
     assert [a.get("usage"), b.get("usage")] == [None, None]
     assert [a["choices"][0]["finish_reason"], b["choices"][0]["finish_reason"]] == ["stop", "stop"]
@@ -442,7 +460,7 @@ def test_stream_continuous_usage_keeps_each_chunks_own_usage_and_merges_the_fina
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     s = StreamStitcher(plan(body))
-    a = one_event(s.chunk(0, chunk("chatcmpl-0_abc", 1, "a", usage=usage(5, 1))))
+    a = after_opening(s.chunk(0, chunk("chatcmpl-0_abc", 1, "a", usage=usage(5, 1))), 2)
     b = one_event(s.chunk(1, chunk("chatcmpl-1_abc", 1, "b", usage=usage(5, 1))))
     c = one_event(s.chunk(1, chunk("chatcmpl-1_abc", 1, "c", "stop", usage=usage(5, 2))))
     assert [a["usage"], b["usage"], c["usage"]] == [usage(5, 1), usage(5, 1), usage(5, 2)]
@@ -537,3 +555,100 @@ def test_error_event_is_one_server_error_event_then_done() -> None:
     assert set(event["error"]) >= {"message", "type", "param", "code"}
     assert "2" in event["error"]["message"]
     assert "upstream closed the connection" in event["error"]["message"]
+
+
+# --- the opening: every choice announced in index order (SPEC §5) ---
+
+
+def role_chunk(cid: str, content: str | None = "", **extra: Any) -> str:
+    """A child's own first chunk: vLLM sends content "", llama.cpp content null."""
+    choice = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": content},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    return orjson.dumps(
+        {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": 9,
+            "model": "m",
+            "choices": [choice],
+            **extra,
+        }
+    ).decode()
+
+
+@pytest.mark.parametrize("first", [0, 1, 2])
+def test_stream_opens_with_one_role_chunk_per_choice_in_index_order(first: int) -> None:
+    s = StreamStitcher(plan({"n": 3, "stream": True}))
+    raw = s.chunk(first, role_chunk(f"chatcmpl-{first}_abc", system_fingerprint="fp"))
+    assert raw is not None
+    assert sse(raw) == [
+        {
+            "id": "chatcmpl-abc",
+            "object": "chat.completion.chunk",
+            "created": 9,
+            "model": "m",
+            "system_fingerprint": "fp",
+            "choices": [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+        for i in range(3)
+    ]
+    assert s.chunks == 3
+
+
+@pytest.mark.parametrize("content", ["", None])
+def test_stream_drops_each_later_childs_own_role_announcement(content: str | None) -> None:
+    s = StreamStitcher(plan({"n": 3, "stream": True}))
+    assert s.chunk(1, role_chunk("chatcmpl-1_abc", content)) is not None
+    assert s.chunk(0, role_chunk("chatcmpl-0_abc", content)) is None
+    assert s.chunk(2, role_chunk("chatcmpl-2_abc", content)) is None
+    later = one_event(s.chunk(2, chunk("chatcmpl-2_abc", 9, "x")))
+    assert later["choices"][0]["delta"] == {"content": "x"}
+
+
+def test_stream_role_announcement_with_content_keeps_the_content_without_the_role() -> None:
+    s = StreamStitcher(plan({"n": 2, "stream": True}))
+    first = after_opening(s.chunk(1, role_chunk("chatcmpl-1_abc", "Hel")), 2)
+    assert first["choices"] == [
+        {"index": 1, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}
+    ]
+    second = one_event(s.chunk(0, role_chunk("chatcmpl-0_abc", "Yo")))
+    assert second["choices"][0]["delta"] == {"content": "Yo"}
+
+
+def test_stream_role_chunk_carrying_vendor_fields_is_kept_without_its_role() -> None:
+    s = StreamStitcher(plan({"n": 2, "stream": True}))
+    s.chunk(0, role_chunk("chatcmpl-0_abc"))
+    kept = one_event(s.chunk(1, role_chunk("chatcmpl-1_abc", prompt_token_ids=[1, 2])))
+    assert kept["prompt_token_ids"] == [1, 2]
+    assert kept["choices"][0]["delta"] == {"content": ""}
+
+
+def test_stream_completions_open_with_an_empty_text_per_choice_in_index_order() -> None:
+    p = plan({"prompt": ["a", "b"], "n": 2, "stream": True}, completions=True)
+    s = StreamStitcher(p)
+    text = '{"id":"cmpl-1","object":"text_completion","created":3,"model":"m",' + (
+        '"choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}]}'
+    )
+    *opening, own = sse(s.chunk(2, text) or b"")
+    assert [c["choices"] for c in opening] == [
+        [{"index": i, "text": "", "logprobs": None, "finish_reason": None}] for i in range(4)
+    ]
+    assert {c["object"] for c in opening} == {"text_completion"}
+    assert own["choices"][0] == {"index": 2, "text": "t", "logprobs": None, "finish_reason": None}
+
+
+def test_stream_usage_only_chunk_first_does_not_open_the_stream() -> None:
+    s = StreamStitcher(plan(STREAM_WITH_USAGE))
+    assert s.chunk(0, usage_chunk("chatcmpl-0_abc", 3, 1)) is None
+    after_opening(s.chunk(1, chunk("chatcmpl-1_abc", 5, "b")), 2)
