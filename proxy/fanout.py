@@ -144,7 +144,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
     plan = fanout.plan
     count = len(plan.children)
     config = fanout.runtime.config
-    wait_all = getattr(config, "stream_start", "first") == "all"  # TODO(config rebase)
+    wait_all = config.stream_start == "all"
     if wait_all and count > fanout.upstream.max_concurrency:
         # Rev 1: every child's headers come before any chunk, so every child must run at once.
         raise InvalidRequest(
@@ -194,8 +194,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
         stitcher = StreamStitcher(plan)
         fanout.runtime.streams.add(mailbox)
         try:
-            keepalive: float = getattr(config, "sse_keepalive_seconds", 15.0)  # TODO(config rebase)
-            await _merge(stitcher, mailbox, response, keepalive)
+            await _merge(stitcher, mailbox, response, config.sse_keepalive_seconds)
         finally:
             fanout.runtime.streams.discard(mailbox)
             fanout.runtime.metrics.stitched_chunks.inc(stitcher.chunks)

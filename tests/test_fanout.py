@@ -230,9 +230,12 @@ async def test_fanout_path_with_bad_json_is_400(
     assert backend.state.seen == []
 
 
-async def test_child_500_before_headers_returns_that_status_and_aborts_siblings(
-    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+async def test_child_500_before_headers_returns_that_status_and_aborts_siblings_when_all(
+    http: aiohttp.ClientSession, make_proxy: Any, backend: Backend
 ) -> None:
+    from tests.conftest import proxy_config
+
+    proxy = await make_proxy(proxy_config(backend, stream_start="all"))
     body = {
         "model": "m",
         "messages": MESSAGES,
@@ -475,13 +478,14 @@ async def test_child_error_with_empty_body_becomes_an_openai_error(
         await runner.cleanup()
 
 
-async def test_stream_needing_more_children_than_max_concurrency_is_400(
+async def test_stream_needing_more_children_than_max_concurrency_is_400_when_all(
     http: aiohttp.ClientSession, make_proxy: Any, backend: Backend
 ) -> None:
     from proxy.config import parse_config
 
     config = parse_config(
-        f'upstreams: [{{name: u, url: "{backend.url}", max_concurrency: 4}}]', env={}
+        f'stream_start: all\nupstreams: [{{name: u, url: "{backend.url}", max_concurrency: 4}}]',
+        env={},
     )
     proxy = await make_proxy(config)
     body = {"model": "m", "prompt": ["a", "b", "c"], "n": 2, "stream": True}

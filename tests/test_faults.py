@@ -129,13 +129,14 @@ async def make_rig(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeRig]:
         upstream_url: str | None = None,
         max_concurrency: int = 64,
         max_queue: int = 256,
+        stream_start: str = "first",
         **backend_options: Any,
     ) -> Rig:
         runner, port, state = await start_devserver(DevConfig(**backend_options))
         runners.append(runner)
         backend = Backend(f"http://127.0.0.1:{port}", state)
         config = with_upstream(
-            proxy_config(backend),
+            proxy_config(backend, stream_start=stream_start),
             timeouts=timeouts,
             max_concurrency=max_concurrency,
             max_queue=max_queue,
@@ -316,6 +317,9 @@ async def test_failure_before_the_stream_answers_a_status_and_an_error_body(
         timeouts=case.timeouts,
         upstream_url=None if case.fault else refused_url,
         token_delay=DELAY,
+        # Rev 1's start: a sibling's 200 arriving first would otherwise commit the stream (the
+        # rev 2 start is tested in test_stream_start.py).
+        stream_start="all" if stream and n > 1 else "first",
     )
     # Siblings that finish fast could not show that they were aborted; slow ones would trip a
     # short first-byte timeout themselves before their JSON headers.
