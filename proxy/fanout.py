@@ -102,8 +102,10 @@ async def respond_json(fanout: Fanout) -> web.Response:
     try:
         bodies = await _all_or_first_failure(tasks)
     finally:
-        await fanout.cancel(tasks)
-        _release(places)
+        try:
+            await fanout.cancel(tasks)
+        finally:  # a second cancellation right here must not keep the places
+            _release(places)
     return web.Response(
         body=orjson.dumps(stitch_json(plan, bodies)),
         content_type="application/json",
@@ -202,8 +204,10 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
         return response
     finally:
         start.close()
-        await fanout.cancel(tasks)
-        _release(places)
+        try:
+            await fanout.cancel(tasks)
+        finally:  # a second cancellation right here must not keep the places
+            _release(places)
 
 
 def _release(places: Sequence[Place]) -> None:
