@@ -9,13 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 
+import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.app import POOL
+from proxy.config import Config
 from proxy.errors import Overloaded
 from proxy.slots import Place, Slots
+from tests.conftest import Backend, Proxy, proxy_config, with_upstream
+
+CLIENTS = 50
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll a condition of the proxy's own state (it has no event to wait on), for up to 10 s."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached in 10 s")
 
 
 async def ticks(count: int) -> None:
@@ -211,3 +227,42 @@ async def run_scenario(seed: int) -> None:
 @given(st.integers(min_value=0, max_value=2**32))
 def test_random_cancellations_always_give_every_slot_back(seed: int) -> None:
     asyncio.run(run_scenario(seed))
+
+
+# --- over real loopback servers: the disconnect storm that leaked slots (#10) ----------------
+
+
+async def test_queued_n10_clients_leaving_at_once_give_every_slot_back(
+    make_backend: Callable[..., Awaitable[Backend]],
+    make_proxy: Callable[[Config], Awaitable[Proxy]],
+) -> None:
+    backend = await make_backend(token_delay=0.01)
+    config = with_upstream(proxy_config(backend), max_concurrency=4, max_queue=10_000)
+    proxy = await make_proxy(config)
+    slots = proxy.app[POOL].state(proxy.config.upstreams[0]).slots
+    endless = {
+        "model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True,
+        "max_tokens": 10_000, "ignore_eos": True,
+    }  # fmt: skip
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
+        async def post(n: int) -> None:
+            async with http.post(proxy.url + "/v1/chat/completions", json={**endless, "n": n}):
+                await asyncio.Event().wait()  # until cancelled: the client leaves
+
+        holder = asyncio.create_task(post(4))
+        await backend.state.wait_for(lambda s: len(s.active) == 4)
+        queued = [asyncio.create_task(post(10)) for _ in range(CLIENTS)]
+        await until(lambda: slots.queued == CLIENTS * 10)  # every child of every client waits
+        for task in [holder, *queued]:
+            task.cancel()  # every client at once, the slot holder too
+        await asyncio.gather(holder, *queued, return_exceptions=True)
+        await until(lambda: not slots.in_use and not slots.queued)
+        assert slots.audit(asyncio.get_running_loop().time(), patience=0) is None
+
+        body = {**endless, "n": 10, "max_tokens": 3, "stream": False}
+        async with asyncio.timeout(10):
+            async with http.post(proxy.url + "/v1/chat/completions", json=body) as response:
+                assert response.status == 200
+                assert len((await response.json())["choices"]) == 10
+    assert (slots.in_use, slots.queued) == (0, 0)
