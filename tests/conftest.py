@@ -115,6 +115,15 @@ def llama_url(llama_model: Path) -> Iterator[str]:
         yield server.base_url
 
 
+@pytest.fixture(scope="session")
+def llama_url_np4(llama_model: Path) -> Iterator[str]:
+    """A llama-server with four slots, as the README recommends: children decode side by side."""
+    from tests.llamacpp import llama_server
+
+    with llama_server(llama_model, n_parallel=4, n_ctx=2048) as server:
+        yield server.base_url
+
+
 @pytest.fixture(autouse=True)
 def no_unhandled_server_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """A handler that raises is a bug even when the client saw the right bytes."""

@@ -6,15 +6,18 @@ The clients are the official openai client and raw aiohttp, where the SSE bytes 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import statistics
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from openai import AsyncOpenAI, Omit, omit
+from openai import AsyncOpenAI, LengthFinishReasonError, Omit, OpenAI, omit
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
 
 from proxy.config import Config, single_upstream_config
@@ -340,3 +343,86 @@ async def test_prompt_list_with_n2_streams_every_choice_and_one_merged_usage(
     }
     assert [c for c in chunks if c.get("usage") is not None] == [chunks[-1]]
     assert _counts(chunks[-1]["usage"]) == _merged_usage(direct, [0, 2])
+
+
+# --- streams that start at the first child (SPEC §5 rev 2) ------------------------------------
+
+RUNS = 20
+
+
+@pytest.fixture(params=[1, 4], ids=["np1", "np4"])
+async def slots_proxy_url(
+    request: pytest.FixtureRequest, make_proxy: Callable[[Config], Awaitable[Proxy]]
+) -> tuple[int, str, str]:
+    """n-proxy in front of llama-server with one slot, or with four."""
+    fixture = "llama_url" if request.param == 1 else "llama_url_np4"
+    llama = str(request.getfixturevalue(fixture))
+    return request.param, llama, (await make_proxy(single_upstream_config(llama))).url
+
+
+def _final(get: Callable[[], Any]) -> Any:
+    """The helper's accumulated completion; it refuses "length" ends but still carries them."""
+    try:
+        return get()
+    except LengthFinishReasonError as exc:
+        return exc.completion
+
+
+async def test_openai_stream_helper_20_of_20_runs_sync_and_async(
+    http: aiohttp.ClientSession, slots_proxy_url: tuple[int, str, str]
+) -> None:
+    np, llama, proxy_url = slots_proxy_url
+    direct = [_text(CHAT, a) for a in await _direct(http, llama, CHAT, range(SEED, SEED + N))]
+    fields: dict[str, Any] = {
+        "model": "tiny", "messages": MESSAGES, "n": N, "seed": SEED, "max_tokens": MAX_TOKENS,
+    }  # fmt: skip
+
+    async def run_async(client: AsyncOpenAI) -> Any:
+        async with client.chat.completions.stream(**fields) as stream:
+            async for _ in stream:
+                pass
+            try:
+                return await stream.get_final_completion()
+            except LengthFinishReasonError as exc:
+                return exc.completion
+
+    def run_sync() -> list[Any]:
+        with OpenAI(base_url=proxy_url + "/v1", api_key="x", max_retries=0) as client:
+            finals = []
+            for _ in range(RUNS):
+                with client.chat.completions.stream(**fields) as stream:
+                    for _ in stream:
+                        pass
+                    finals.append(_final(stream.get_final_completion))
+            return finals
+
+    async with AsyncOpenAI(base_url=proxy_url + "/v1", api_key="x", max_retries=0) as client:
+        finals = [await run_async(client) for _ in range(RUNS)]
+    finals += await asyncio.to_thread(run_sync)
+    for final in finals:
+        assert [c.index for c in final.choices] == [0, 1, 2]
+        assert {c.message.role for c in final.choices} == {"assistant"}
+        assert all(c.finish_reason in ("stop", "length") for c in final.choices)
+        if np == 1:  # one slot decodes one child at a time: the same as asking directly
+            assert [c.message.content for c in final.choices] == direct
+
+
+async def test_one_slot_n3_stream_shows_its_first_chunk_in_the_first_third(
+    http: aiohttp.ClientSession, proxy_url: str
+) -> None:
+    """With one slot the children run one after another; the stream starts with the first."""
+    body = _body(CHAT, n=N, seed=SEED, max_tokens=200, ignore_eos=True, stream=True)
+    shares = []
+    for _ in range(3):
+        started = time.perf_counter()
+        first = None
+        async with http.post(proxy_url + CHAT, json=body, timeout=TIMEOUT) as response:
+            assert response.status == 200
+            async for line in response.content:
+                if first is None and line.startswith(b"data: {"):
+                    first = time.perf_counter() - started
+        total = time.perf_counter() - started
+        assert first is not None
+        shares.append(first / total)
+    print(f"first chunk at {shares} of the stream")
+    assert statistics.median(shares) < 1 / 3, shares
