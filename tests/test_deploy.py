@@ -430,7 +430,7 @@ def test_llamacpp_overlay_serves_the_gguf_from_a_read_only_model_volume() -> Non
         "--port",
         "8000",
         "-np",
-        "1",
+        "4",
     ]
     assert "command" not in inference  # the image's entrypoint is llama-server
     assert inference["volumeMounts"] == [
