@@ -237,7 +237,7 @@ _TTFT: list[Column] = [
     ("slowest child headers ms", "slowest_child_headers_ms", "{:.3f}"),
     ("merged first token ms", "merged_first_token_ms", "{:.3f}"),
     ("TTFT gap ms", "ttft_added_ms", "{:+.3f}"),
-    ("gap over SPEC floor ms", "ttft_over_spec_floor_ms", "{:+.3f}"),
+    ("first token before slowest headers ms", "first_token_before_slowest_headers_ms", "{:.3f}"),
     ("first-byte gap ms", "first_byte_added_ms", "{:+.3f}"),
     ("slowest child total ms", "slowest_child_total_ms", "{:.1f}"),
     ("merged total ms", "merged_total_ms", "{:.1f}"),
@@ -319,13 +319,14 @@ def markdown(results: Results, targets: Sequence[Target]) -> str:
             )
         out += [
             "",
-            f"## 4. TTFT and total, n={s4['n']}, {s4['tokens_per_choice']} tokens, one child at"
+            f"## 4. TTFT and total, n={s4['n']}, {s4['tokens_per_choice']} tokens, one child"
+            f" {s4.get('slow_child_headers_delay_s', 0) * 1000:.0f} ms slow to start and at"
             f" {s4['slow_child_token_delay_s'] * 1000:.0f} ms/token",
             *_table(_TTFT, rows),
             "",
             "Baseline: the client sends the same n children straight to the backend at once."
-            " SPEC floor: n-proxy sends its 200 only once every child has answered its status"
-            " line (SPEC §5), so its first token cannot come before the slowest child's headers.",
+            " n-proxy starts the stream with the first child to answer (SPEC §5 rev 2), so its"
+            " first token need not wait for the slow child's status line.",
         ]
     if s5 := results.get("memory"):
         out += ["", "## 5. Memory"]

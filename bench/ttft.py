@@ -1,8 +1,10 @@
-"""Scenario 4: time to first token of the merged stream with one child made slow.
+"""Scenario 4: time to first token of the merged stream with one child slow to start and slow.
 
 The baseline is the same fan-out done by the client itself: the n child requests sent straight to
 the backend at once, so the backend sees the same load either way. The merged stream should show
-its first token when the fastest child does and end when the slowest child does.
+its first token when the fastest child does (SPEC §5 rev 2: the stream starts with the first
+child to answer, so the slow child's late status line does not hold it back) and end when the
+slowest child does.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from bench.stats import median
 from bench.streams import StreamTiming, read_stream
 from bench.workload import CHAT_PATH, SEED, chat_body
 
+# The slow child's status line comes this late, as from a server with no free slot for it.
+SLOW_START_S = 0.05
+
 
 def _bodies(n: int, tokens: int, slow_delay: float) -> tuple[bytes, list[bytes]]:
     """The n>1 request and its n children as the proxy plans them (seed + i, n dropped)."""
-    slow = {"only_seed": SEED + n - 1, "token_delay": slow_delay}  # the last child is slow
+    # The last child is slow to start and slow to generate.
+    slow = {"only_seed": SEED + n - 1, "token_delay": slow_delay, "headers_delay": SLOW_START_S}
     merged = chat_body(n, stream=True, max_tokens=tokens, x_demo=slow)
     children = [
         chat_body(1, stream=True, max_tokens=tokens, seed=SEED + i, x_demo=slow) for i in range(n)
@@ -38,7 +44,7 @@ async def _direct(session: aiohttp.ClientSession, url: str, bodies: list[bytes])
     return {
         "fastest_first_token_ms": min(t.first_token_at for t in timings) * 1e3,
         "fastest_first_byte_ms": min(t.first_byte_at for t in timings) * 1e3,
-        # SPEC §5: the merged stream starts once every child has answered its status line.
+        # Rev 1 of SPEC §5 waited for this before the 200; rev 2 starts at the first answer.
         "slowest_headers_ms": max(t.headers_at for t in timings) * 1e3,
         "slowest_end_ms": max(t.end_at for t in timings) * 1e3,
     }
@@ -88,13 +94,9 @@ async def run(
         "merged_first_token_ms": round(median(r["first_token_ms"] for r in rows), 3),
         "ttft_added_ms": round(median(ttft_gap), 3),
         "slowest_child_headers_ms": round(median(r["slowest_headers_ms"] for r in rows), 3),
-        # Over the floor the SPEC sets: the later of the last child's headers and the first token.
-        "ttft_over_spec_floor_ms": round(
-            median(
-                r["first_token_ms"] - max(r["slowest_headers_ms"], r["fastest_first_token_ms"])
-                for r in rows
-            ),
-            3,
+        # How long before the slow child's status line the merged stream showed its first token.
+        "first_token_before_slowest_headers_ms": round(
+            median(r["slowest_headers_ms"] - r["first_token_ms"] for r in rows), 3
         ),
         "first_byte_added_ms": round(
             median(r["first_byte_ms"] - r["fastest_first_byte_ms"] for r in rows), 3
@@ -113,6 +115,7 @@ async def run(
         "n": n,
         "tokens_per_choice": tokens,
         "slow_child_token_delay_s": slow_delay,
+        "slow_child_headers_delay_s": SLOW_START_S,
         "runs": [{k: round(v, 3) for k, v in r.items()} for r in rows],
         "summary": summary,
     }

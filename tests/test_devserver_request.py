@@ -64,3 +64,9 @@ def test_invalid_bodies_name_the_offending_field(
     with pytest.raises(RequestError) as caught:
         parse_job(body, chat_route, "r", DevConfig())
     assert caught.value.param == param
+
+
+def test_headers_delay_holds_only_the_chosen_seeds_status_line() -> None:
+    demo = {"headers_delay": 0.25, "only_seed": 7}
+    assert parse_job(chat(seed=7, x_demo=demo), True, "r", DevConfig()).knobs.headers_delay == 0.25
+    assert parse_job(chat(seed=8, x_demo=demo), True, "r", DevConfig()).knobs.headers_delay == 0.0

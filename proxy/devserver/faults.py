@@ -32,6 +32,7 @@ class Knobs:
     fault: str | None = None
     after_tokens: int = 1
     token_delay: float | None = None
+    headers_delay: float = 0.0  # seconds before the status line: a child slow to start
 
 
 def shape_generation(gen: Generation, knobs: Knobs) -> Generation:

@@ -61,6 +61,8 @@ async def handle_generation(request: web.Request, chat: bool) -> web.StreamRespo
 
 
 async def _answer(request: web.Request, job: Job, state: DevState) -> web.StreamResponse:
+    if job.knobs.headers_delay:
+        await asyncio.sleep(job.knobs.headers_delay)  # as a server whose slots are all busy
     fault = job.knobs.fault or ""
     if fault in STATUS_FAULTS:
         state.end(job.rid, "faulted")

@@ -111,9 +111,12 @@ def _parse_knobs(body: Mapping[str, Any]) -> Knobs:
     delay = demo.get("token_delay")
     if delay is not None and (not isinstance(delay, int | float) or delay < 0):
         raise RequestError("x_demo.token_delay must be a non-negative number", "x_demo")
+    headers_delay = demo.get("headers_delay", 0.0)
+    if not isinstance(headers_delay, int | float) or not 0 <= headers_delay <= 600:
+        raise RequestError("x_demo.headers_delay must be a number of seconds in 0..600", "x_demo")
     if "only_seed" in demo and demo["only_seed"] != body.get("seed"):
         return Knobs()
-    return Knobs(fault, after, None if delay is None else float(delay))
+    return Knobs(fault, after, None if delay is None else float(delay), float(headers_delay))
 
 
 def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
