@@ -266,3 +266,25 @@ async def test_queued_n10_clients_leaving_at_once_give_every_slot_back(
                 assert response.status == 200
                 assert len((await response.json())["choices"]) == 10
     assert (slots.in_use, slots.queued) == (0, 0)
+
+
+async def test_watchdog_logs_and_counts_a_stall_then_repairs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from proxy.config import single_upstream_config
+    from proxy.metrics import Metrics
+    from proxy.upstream import UpstreamPool
+
+    config = single_upstream_config("http://127.0.0.1:9")
+    metrics = Metrics()
+    pool = UpstreamPool(config, metrics)
+    state = pool.state(config.upstreams[0])
+    state.slots = Slots(1, max_queue=10)
+    state.slots.join(1)
+    (waiter,) = state.slots.join(1)
+    state.slots.in_use -= 1  # what a lost wake-up would leave
+    with caplog.at_level("WARNING", logger="proxy.upstream"):
+        pool.audit(state, asyncio.get_running_loop().time())
+    assert "slot watchdog: upstream default: a slot is free while children wait" in caplog.text
+    assert metrics.slot_stalls.labels("default")._value.get() == 1
+    assert waiter.state == "held"
