@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -24,7 +23,7 @@ from multidict import CIMultiDict
 
 from proxy.config import Config, Upstream
 from proxy.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
-from proxy.log import log_event
+from proxy.log import log_event, logger
 from proxy.metrics import Metrics
 from proxy.replicas import Ejection, Replica, ReplicaSet, resolved_addresses
 from proxy.slots import Place, Slots
@@ -33,7 +32,6 @@ from proxy.slots import Place, Slots
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 
-log = logging.getLogger("proxy.upstream")
 WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
 WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
 
@@ -166,11 +164,12 @@ class UpstreamPool:
         if stall is None:
             return
         self.metrics.slot_stalls.labels(state.upstream.name).inc()
-        log.warning(
-            "slot watchdog: upstream %s: %s (oldest waiter %.1f s, %d in use of %d, %d queued)",
-            state.upstream.name, stall.reason, stall.waited, stall.in_use,
-            state.slots.capacity, stall.queued,
-        )  # fmt: skip
+        fields = {
+            "upstream": state.upstream.name, "reason": stall.reason,
+            "waited_s": round(stall.waited, 1), "in_use": stall.in_use,
+            "capacity": state.slots.capacity, "queued": stall.queued,
+        }  # fmt: skip
+        logger.warning("slot watchdog", extra={"fields": fields})
         state.slots.repair()
 
     @asynccontextmanager

@@ -283,8 +283,10 @@ async def test_watchdog_logs_and_counts_a_stall_then_repairs_it(
     state.slots.join(1)
     (waiter,) = state.slots.join(1)
     state.slots.in_use -= 1  # what a lost wake-up would leave
-    with caplog.at_level("WARNING", logger="proxy.upstream"):
+    with caplog.at_level("WARNING", logger="n_proxy"):
         pool.audit(state, asyncio.get_running_loop().time())
-    assert "slot watchdog: upstream default: a slot is free while children wait" in caplog.text
+    (record,) = [r for r in caplog.records if r.getMessage() == "slot watchdog"]
+    assert record.fields["reason"] == "a slot is free while children wait"  # type: ignore[attr-defined]
+    assert record.fields["upstream"] == "default"  # type: ignore[attr-defined]
     assert metrics.slot_stalls.labels("default")._value.get() == 1
     assert waiter.state == "held"
