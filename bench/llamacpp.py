@@ -28,6 +28,7 @@ CHAT = "/v1/chat/completions"
 
 
 RETRIED: list[str] = []
+RETRY_RESET = True
 
 
 async def _stream(
@@ -61,6 +62,11 @@ async def _stream_once(
 
 async def _proxy(upstream: str, stream_start: str) -> tuple[web.AppRunner, str]:
     config = single_upstream_config(upstream).model_copy(update={"stream_start": stream_start})
+    if RETRY_RESET:
+        # What deploy/kubernetes/overlays/llamacpp sets for llama-server's closed keep-alives.
+        (u,) = config.upstreams
+        u = u.model_copy(update={"retry_on": ("connect", "reset")})
+        config = config.model_copy(update={"upstreams": (u,)})
     runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -108,7 +114,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("-n", type=int, default=4)
+    parser.add_argument("--no-retry-reset", action="store_true", help="default retry_on only")
     args = parser.parse_args()
+    global RETRY_RESET
+    RETRY_RESET = not args.no_retry_reset
     rows = asyncio.run(run(args.reps, args.max_tokens, args.n))
     print(f"\nrequests sent again after a failure: {len(RETRIED)} {sorted(set(RETRIED))}")
     print("\n| `-np` | request | first data chunk | whole stream |")
