@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from proxy.app import POOL
-from proxy.config import Config
+from proxy.config import Config, single_upstream_config
 from tests.conftest import Backend, Proxy, proxy_config, with_upstream
 from tests.gate import Gate, gate_in_front
 from tests.test_fanout import CHAT, MESSAGES, direct_choice, sse_payloads
@@ -234,6 +234,5 @@ async def test_stream_start_all_waits_for_every_status_line(
 
 
 def _front(gate: Gate) -> Config:
-    from proxy.config import single_upstream_config
-
+    """n-proxy's config with the gate in front of the demo backend as its upstream."""
     return single_upstream_config(gate.url)
