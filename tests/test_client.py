@@ -1,0 +1,440 @@
+"""The lean upstream client against real loopback servers that answer with literal bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from proxy.client import ClientPool, Response
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+Serve = Callable[[Handler], Awaitable[tuple["Raw", str]]]
+WAIT = 5.0  # seconds: a bound on every wait, not a timing assertion
+
+
+class Raw:
+    """A loopback server running ``handler(reader, writer, connection_number)`` per connection."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.closed = asyncio.Event()  # a connection ended (the peer closed or aborted)
+        self.server: asyncio.Server | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer, self.connections)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            self.closed.set()
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[ClientPool]:
+    pool = ClientPool()
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    servers: list[Raw] = []
+
+    async def start(handler: Handler) -> tuple[Raw, str]:
+        raw = Raw(handler)
+        servers.append(raw)
+        return raw, await raw.start()
+
+    yield start
+    for raw in servers:
+        await raw.stop()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, await reader.readexactly(length)
+
+
+def answering(*answers: bytes, close: bool = False) -> Handler:
+    """Answer each request on a connection with the next literal bytes."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        for answer in answers:
+            await read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+        if not close:
+            await reader.read()  # until the client closes
+
+    return handler
+
+
+async def get(
+    pool: ClientPool, url: str, method: str = "GET", *, idle: float = WAIT, **kw: float
+) -> Response:
+    return await pool.request(
+        url, method, "/x", {"Accept": "*/*"}, None, connect=WAIT,
+        first_byte=kw.get("first_byte", WAIT), idle=idle,
+    )  # fmt: skip
+
+
+async def fetch(pool: ClientPool, url: str, method: str = "GET") -> tuple[Response, bytes]:
+    response = await get(pool, url, method)
+    try:
+        return response, await response.read()
+    finally:
+        pool.release(response)
+
+
+async def test_content_length_body_and_keep_alive_reuse(pool: ClientPool, serve: Serve) -> None:
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        b"Content-Length: 5\r\n\r\nhello"
+    )
+    raw, url = await serve(answering(answer, answer, answer))
+    for _ in range(3):
+        response, body = await fetch(pool, url)
+        assert (response.status, response.reason, body) == (200, "OK", b"hello")
+        assert response.content_type == "text/plain"
+        assert response.content_length == 5
+    assert raw.connections == 1
+    assert pool.idle_count() == 1
+
+
+async def test_request_carries_host_length_and_headers(pool: ClientPool, serve: Serve) -> None:
+    seen: list[tuple[bytes, bytes]] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        seen.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await reader.read()
+
+    _, url = await serve(handler)
+    response = await pool.request(
+        url, "POST", "/v1/x?a=1", {"X-A": "b", "Host": "evil", "Content-Length": "9"}, b"{}",
+        connect=WAIT, first_byte=WAIT, idle=WAIT,
+    )  # fmt: skip
+    assert await response.read() == b""
+    pool.release(response)
+    head, body = seen[0]
+    port = url.rsplit(":", 1)[1]
+    assert head.startswith(b"POST /v1/x?a=1 HTTP/1.1\r\n")
+    assert f"\r\nHost: 127.0.0.1:{port}\r\n".encode() in head
+    assert b"\r\nX-A: b\r\n" in head
+    assert b"evil" not in head
+    assert head.count(b"Content-Length") == 1
+    assert b"Content-Length: 2\r\n" in head
+    assert body == b"{}"
+
+
+@pytest.mark.parametrize("split", [1, 2, 7, 16])
+async def test_heads_and_bodies_split_anywhere(pool: ClientPool, serve: Serve, split: int) -> None:
+    answer = (
+        b"HTTP/1.1 200 OK\r\nX-Long: " + b"v" * 40 + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3\r\nabc\r\n10\r\n0123456789abcdef\r\n0\r\n\r\n"
+    )
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        for i in range(0, len(answer), split):
+            writer.write(answer[i : i + split])
+            await writer.drain()
+            await asyncio.sleep(0)
+        await reader.read()
+
+    _, url = await serve(handler)
+    response, body = await fetch(pool, url)
+    assert response.headers["X-Long"] == "v" * 40
+    assert body == b"abc0123456789abcdef"
+    assert pool.idle_count() == 1
+
+
+async def test_chunked_with_extensions_and_trailers(pool: ClientPool, serve: Serve) -> None:
+    answer = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'5;name=value;q="x"\r\nhello\r\n1;ext\r\n!\r\n0\r\nX-Trailer: yes\r\n\r\n'
+    )
+    _, url = await serve(answering(answer, answer))
+    for _ in range(2):
+        _, body = await fetch(pool, url)
+        assert body == b"hello!"
+    assert pool.idle_count() == 1
+
+
+async def test_close_delimited_body_ends_at_close_and_is_not_reused(
+    pool: ClientPool, serve: Serve
+) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it until the end"
+    _, url = await serve(answering(answer, close=True))
+    response, body = await fetch(pool, url)
+    assert response.content_length is None
+    assert body == b"all of it until the end"
+    assert pool.idle_count() == 0
+
+
+async def test_server_closing_mid_body_is_a_payload_error(pool: ClientPool, serve: Serve) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this"
+    _, url = await serve(answering(answer, close=True))
+    response = await get(pool, url)
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await response.read()
+    pool.release(response)
+    assert pool.idle_count() == 0
+
+
+async def test_chunked_cut_mid_body_is_a_payload_error(pool: ClientPool, serve: Serve) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    _, url = await serve(answering(answer, close=True))
+    response = await get(pool, url)
+    assert await response.__anext__() == b"hello"
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await response.__anext__()
+    pool.release(response)
+
+
+async def test_closed_before_any_head_is_server_disconnected(
+    pool: ClientPool, serve: Serve
+) -> None:
+    _, url = await serve(answering(b"", close=True))
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await get(pool, url)
+    assert not pool.in_use
+
+
+async def test_garbage_is_a_payload_error(pool: ClientPool, serve: Serve) -> None:
+    _, url = await serve(answering(b"NOT HTTP AT ALL\r\n\r\n"))
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await get(pool, url)
+    assert not pool.in_use
+
+
+async def test_stale_pooled_connection_is_replaced_without_an_error(
+    pool: ClientPool, serve: Serve
+) -> None:
+    """The server drops a kept-alive connection just as the next request goes out on it."""
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(ok)
+        await writer.drain()
+        if n == 1:
+            await read_request(reader)  # the reused request arrives: drop it unanswered
+            return
+        await reader.read()
+
+    raw, url = await serve(handler)
+    for _ in range(2):
+        _, body = await fetch(pool, url)
+        assert body == b"ok"
+    assert raw.connections == 2
+
+
+async def test_pooled_connection_closed_while_idle_is_not_reused(
+    pool: ClientPool, serve: Serve
+) -> None:
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    raw, url = await serve(answering(ok, close=True))
+    await fetch(pool, url)
+    await asyncio.wait_for(raw.closed.wait(), WAIT)
+    raw.closed.clear()
+    for _ in range(100):  # bounded: until the client has seen the close
+        if not pool.idle_count() or all(c.lost for c in pool._idle[next(iter(pool._idle))]):
+            break
+        await asyncio.sleep(0.01)
+    _, body = await fetch(pool, url)
+    assert body == b"ok"
+    assert raw.connections == 2
+
+
+async def test_head_has_no_body_despite_its_length(pool: ClientPool, serve: Serve) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n"
+    _, url = await serve(answering(answer))
+    response, body = await fetch(pool, url, "HEAD")
+    assert (response.status, body, response.content_length) == (200, b"", 1234)
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_no_body_statuses_then_reuse(pool: ClientPool, serve: Serve, status: int) -> None:
+    empty = f"HTTP/1.1 {status} X\r\nETag: a\r\n\r\n".encode()
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    raw, url = await serve(answering(empty, ok))
+    response, body = await fetch(pool, url)
+    assert (response.status, body) == (status, b"")
+    _, body = await fetch(pool, url)
+    assert body == b"ok"
+    assert raw.connections == 1
+
+
+async def test_interim_1xx_responses_are_skipped(pool: ClientPool, serve: Serve) -> None:
+    answer = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+        b"HTTP/1.1 201 Created\r\nContent-Length: 4\r\n\r\ndone"
+    )
+    _, url = await serve(answering(answer))
+    response, body = await fetch(pool, url)
+    assert (response.status, response.reason, body) == (201, "Created", b"done")
+    assert "Link" not in response.headers
+
+
+async def test_gzip_body_is_decoded_when_asked(pool: ClientPool, serve: Serve) -> None:
+    packed = gzip.compress(b"data: x\n\n" * 100)
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed)
+        + packed
+    )
+    _, url = await serve(answering(answer))
+    response = await pool.request(
+        url, "GET", "/", {}, None, connect=WAIT, first_byte=WAIT, idle=WAIT, decompress=True
+    )
+    assert response.content_length is None  # the decoded length is not the header's
+    assert await response.read() == b"data: x\n\n" * 100
+    pool.release(response)
+
+
+async def test_refused_connection_is_a_client_os_error(pool: ClientPool, serve: Serve) -> None:
+    raw, url = await serve(answering())
+    await raw.stop()
+    with pytest.raises(aiohttp.ClientOSError):
+        await get(pool, url)
+
+
+async def test_silent_upstream_hits_the_first_byte_timeout(pool: ClientPool, serve: Serve) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await reader.read()
+
+    raw, url = await serve(handler)
+    with pytest.raises(aiohttp.ServerTimeoutError):
+        await get(pool, url, first_byte=0.2)
+    await asyncio.wait_for(raw.closed.wait(), WAIT)  # the connection was dropped
+    assert not pool.in_use
+
+
+async def test_body_going_silent_hits_the_idle_timeout(pool: ClientPool, serve: Serve) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
+    raw, url = await serve(answering(answer))
+    response = await get(pool, url, idle=0.2)
+    assert await response.__anext__() == b"half"
+    with pytest.raises(aiohttp.ServerTimeoutError):
+        await response.__anext__()
+    pool.release(response)
+    await asyncio.wait_for(raw.closed.wait(), WAIT)
+
+
+async def test_abandoned_body_closes_the_connection(pool: ClientPool, serve: Serve) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
+    raw, url = await serve(answering(answer))
+    response = await get(pool, url)
+
+    async def read_all() -> bytes:
+        return await response.read()
+
+    task = asyncio.ensure_future(read_all())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    pool.release(response)
+    await asyncio.wait_for(raw.closed.wait(), WAIT)
+    assert pool.idle_count() == 0
+    assert not pool.in_use
+
+
+async def test_iterator_pauses_reading_past_its_buffer(pool: ClientPool, serve: Serve) -> None:
+    size = 4 * 1024 * 1024
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + b"x" * size
+    sent = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+        sent.set()
+        await reader.read()
+
+    _, url = await serve(handler)
+    response = await pool.request(
+        url, "GET", "/", {}, None, connect=WAIT, first_byte=WAIT, idle=WAIT, buffer=16384
+    )
+    for _ in range(50):  # let the client read what it will
+        await asyncio.sleep(0.01)
+    assert response._connection.paused
+    assert response._buffered < 1024 * 1024  # bounded: not the 4 MiB the server wants to send
+    assert len(await response.read()) == size
+    pool.release(response)
+
+
+async def test_relay_writes_from_data_received_and_waits_for_drain(
+    pool: ClientPool, serve: Serve
+) -> None:
+    pieces = [b"data: %d\n\n" % i for i in range(20)]
+    answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(
+        b"%x\r\n%s\r\n" % (len(p), p) for p in pieces
+    )
+    release = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(answer[:200])
+        await writer.drain()
+        await asyncio.wait_for(release.wait(), WAIT)
+        writer.write(answer[200:] + b"0\r\n\r\n")
+        await reader.read()
+
+    _, url = await serve(handler)
+    response = await get(pool, url, idle=0.2)
+    got: list[bytes] = []
+    drained = asyncio.Event()
+
+    async def drain() -> None:
+        # The sink stays "full" for longer than the idle timeout: the clock must not run.
+        await asyncio.sleep(0.5)
+        release.set()
+        drained.set()
+
+    relay = asyncio.ensure_future(response.relay(got.append, lambda: not drained.is_set(), drain))
+    await asyncio.wait_for(relay, WAIT)
+    assert b"".join(got) == b"".join(pieces)
+    pool.release(response)
+    assert pool.idle_count() == 1
+
+
+async def test_relay_cancelled_closes_the_connection(pool: ClientPool, serve: Serve) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
+    raw, url = await serve(answering(answer))
+    response = await get(pool, url)
+    got: list[bytes] = []
+    relay = asyncio.ensure_future(
+        response.relay(got.append, lambda: False, lambda: asyncio.sleep(0))
+    )
+    for _ in range(100):
+        if got:
+            break
+        await asyncio.sleep(0.01)
+    relay.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await relay
+    pool.release(response)
+    await asyncio.wait_for(raw.closed.wait(), WAIT)
+    assert got == [b"half"]
