@@ -10,7 +10,7 @@ import asyncio
 import functools
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -246,16 +246,46 @@ async def pass_through(
         if length is not None:
             response.content_length = length
         await response.prepare(request)
+        transport = request.transport
         try:
-            async for chunk in reply.body:
-                await response.write(chunk)
-        except (TimeoutError, aiohttp.ClientError):
+            if transport is None:
+                raise ConnectionResetError("the client left")
+            await reply.relay(*_sink(request, transport))
+        except (TimeoutError, aiohttp.ClientError, ConnectionError):
             # The status is sent already: cut the client's connection so it sees a truncated body.
             if request.transport is not None:
                 request.transport.abort()
             return response
         await response.write_eof()
         return response
+
+
+def _sink(
+    request: web.Request, transport: asyncio.Transport
+) -> tuple[Callable[[bytes], None], Callable[[], bool], Callable[[], Awaitable[None]]]:
+    """Write, is-full and drain for relaying a body straight into the client's transport.
+
+    The body bypasses the response writer (no coroutine per chunk); the head it holds goes
+    first, and chunked framing is ours. Full means the transport's high-water mark (or the
+    client gone): the relay then stops reading the upstream until the drain.
+    """
+    writer = request.writer
+    send_headers = getattr(writer, "send_headers", None)  # aiohttp >= 3.12 holds the head back
+    if send_headers is not None:
+        send_headers()
+    protocol = request.protocol
+    write = transport.write
+
+    def paused() -> bool:
+        return protocol.writing_paused or transport.is_closing()
+
+    if getattr(writer, "chunked", False):
+
+        def framed(data: bytes) -> None:
+            write(b"%x\r\n%b\r\n" % (len(data), data))
+
+        return framed, paused, writer.drain
+    return write, paused, writer.drain
 
 
 def child_failed_response(exc: ChildFailed) -> web.Response:

@@ -8,7 +8,8 @@ stops while it is paused (a slow client is not a silent upstream). Failures are 
 aiohttp's client raises, so callers catch one set::
 
     aiohttp.ClientError
-    ├── ClientOSError            connect refused / reset (also an OSError)
+    ├── ClientConnectorError     connect refused or unreachable (also an OSError)
+    ├── ConnectionTimeoutError   connect timeout (also a TimeoutError)
     ├── ServerDisconnectedError  closed before a complete head
     ├── ClientPayloadError       body cut short, malformed response, undecodable encoding
     └── ServerTimeoutError       connect, first byte or idle timeout (also a TimeoutError)
@@ -20,7 +21,8 @@ import asyncio
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from typing import cast
+from types import SimpleNamespace
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -449,18 +451,21 @@ def _request_head(
     headers: Mapping[str, str] | CIMultiDict[str],
     body: bytes | None,
 ) -> bytes:
-    lines = [f"{method} {path_qs} HTTP/1.1\r\nHost: {host}\r\n"]
+    lines = [f"{method} {path_qs} HTTP/1.1\r\n", ""]
     for name, value in headers.items():
-        lower = name.lower()
-        if lower in ("host", "content-length", "transfer-encoding", "connection"):
-            continue
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} has a line break")
-        lines.append(f"{name}: {value}\r\n")
+        lower = name.lower()
+        if lower == "host":
+            host = value  # a replica reached by address keeps the configured host name
+        elif lower not in ("content-length", "transfer-encoding", "connection"):
+            lines.append(f"{name}: {value}\r\n")
+    lines[1] = f"Host: {host}\r\n"
     if body is not None:
         lines.append(f"Content-Length: {len(body)}\r\n")
     lines.append("\r\n")
-    return "".join(lines).encode("latin-1")
+    # aiohttp's server decodes header bytes as UTF-8 with surrogate escapes: this is the inverse.
+    return "".join(lines).encode("utf-8", "surrogateescape")
 
 
 class ClientPool:
@@ -547,13 +552,13 @@ class ClientPool:
                 timeout,
             )
         except TimeoutError:
-            raise aiohttp.ServerTimeoutError(
+            raise aiohttp.ConnectionTimeoutError(
                 f"connecting to {host}:{port} timed out after {timeout} s"
             ) from None
         except OSError as exc:
-            raise aiohttp.ClientOSError(
-                exc.errno or 0, f"cannot connect to {host}:{port}: {exc}"
-            ) from None
+            # aiohttp's own connect failure, so callers tell "never reached a server" apart.
+            key = SimpleNamespace(host=host, port=port, ssl=None)
+            raise aiohttp.ClientConnectorError(cast(Any, key), exc) from None
         return protocol, False
 
     def release(self, response: Response) -> None:

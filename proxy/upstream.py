@@ -1,8 +1,10 @@
-"""The one owner of the upstream ``ClientSession``: replicas, placement, retries, health checks,
+"""The one owner of the upstream connections: replicas, placement, retries, health checks,
 DNS discovery, concurrency and timeouts.
 
-Every byte sent upstream goes through ``UpstreamPool.send``; aiohttp client errors are mapped here
-to the proxy's own errors (502 unreachable, 504 timeout). The replica state itself lives in
+Every byte sent upstream goes through ``UpstreamPool.send``: on the lean client
+(``proxy.client``) for http replicas, on aiohttp's ``ClientSession`` for https ones, for health
+checks, and for everything when ``lean=False`` (the seam). Client errors are mapped here to the
+proxy's own errors (502 unreachable, 504 timeout). The replica state itself lives in
 ``proxy.replicas``; this module does its I/O.
 """
 
@@ -15,13 +17,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.config import Config, Upstream
+from proxy.client import ClientPool, Response
+from proxy.config import Config, Timeouts, Upstream
 from proxy.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
 from proxy.log import log_event, logger
 from proxy.metrics import Metrics
@@ -31,6 +34,8 @@ from proxy.slots import Place, Slots
 # (host, port) -> every address it resolves to now; tests inject their own.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
+_RELAY_BUFFER = 32 * 1024  # a pass-through body: bytes read ahead of the client at most
+Answer = aiohttp.ClientResponse | Response
 
 WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
 WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
@@ -95,7 +100,14 @@ class _UpstreamState:
 
 
 class UpstreamPool:
-    def __init__(self, config: Config, metrics: Metrics, resolver: Resolver | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        metrics: Metrics,
+        resolver: Resolver | None = None,
+        *,
+        lean: bool = True,
+    ) -> None:
         self.config = config
         self.metrics = metrics
         self.resolve = resolver or resolve
@@ -104,6 +116,8 @@ class UpstreamPool:
             state.publish()
         self._session: aiohttp.ClientSession | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self.lean = lean  # the seam: False sends every request through the ClientSession
+        self.client = ClientPool()
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
@@ -120,6 +134,7 @@ class UpstreamPool:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
+        await self.client.close()
         if self._session is not None:
             await self._session.close()
 
@@ -205,6 +220,12 @@ class UpstreamPool:
                 decompress=decompress, trace=trace, read_bufsize=read_bufsize,
             )  # fmt: skip
             state.ttfb.observe(loop.time() - started)
+            if isinstance(response, Response):
+                try:
+                    yield Reply(response, response, upstream, response)
+                finally:
+                    self.client.release(response)
+                return
             _stop_read_timer(response)
             guard = IdleGuard(response, timeouts.idle)
             try:
@@ -234,7 +255,7 @@ class UpstreamPool:
         decompress: bool,
         trace: Trace | None,
         read_bufsize: int | None,
-    ) -> aiohttp.ClientResponse:
+    ) -> Answer:
         """The response to relay: up to ``retries`` further tries, each on another replica when
         there is one, with the same body and headers (so the same seed and request id)."""
         upstream = state.upstream
@@ -250,7 +271,8 @@ class UpstreamPool:
             try:
                 response = await self._open(
                     replica, method, path_qs, _with_host(headers, replica), body,
-                    timeout=state.timeout, decompress=decompress, read_bufsize=read_bufsize,
+                    timeout=state.timeout, timeouts=upstream.timeouts, decompress=decompress,
+                    read_bufsize=read_bufsize,
                 )  # fmt: skip
             except (TimeoutError, aiohttp.ClientError) as exc:
                 reason = failure_kind(exc)
@@ -267,7 +289,7 @@ class UpstreamPool:
                 if status not in state.retry_on or len(tried) > upstream.retries:
                     return response
                 reason = str(status)
-                await _discard(response, upstream.timeouts.idle)
+                await self._discard(response, upstream.timeouts.idle)
             self.metrics.retries.labels(upstream.name, reason).inc()
             if trace is not None:
                 trace.retries += 1
@@ -282,10 +304,17 @@ class UpstreamPool:
         body: bytes | None,
         *,
         timeout: aiohttp.ClientTimeout,
+        timeouts: Timeouts,
         decompress: bool,
         read_bufsize: int | None,
-    ) -> aiohttp.ClientResponse:
+    ) -> Answer:
         """One HTTP request to one replica, up to its response headers."""
+        if self.lean and replica.url.startswith("http:"):
+            return await self.client.request(
+                replica.url, method, path_qs, headers, body,
+                connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
+                decompress=decompress, buffer=2 * (read_bufsize or _RELAY_BUFFER),
+            )  # fmt: skip
         return await self.session.request(
             method,
             replica.url + path_qs,
@@ -297,6 +326,24 @@ class UpstreamPool:
             read_bufsize=read_bufsize,
             server_hostname=_tls_name(replica),
         )
+
+    async def _discard(self, response: Answer, within: float) -> None:
+        """Be done with an answer that is retried: a small body is read so its connection can be
+        reused, anything else is closed."""
+        try:
+            length = response.content_length
+            if length is not None and length <= _DISCARD_LIMIT:
+                async with asyncio.timeout(within):
+                    await response.read()
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+        finally:
+            if isinstance(response, Response):
+                self.client.release(response)
+            elif response.content.at_eof():
+                response.release()
+            else:
+                response.close()
 
     async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
         """Check every replica (SPEC §10); the upstream is healthy when any replica is."""
@@ -379,23 +426,6 @@ def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
     if isinstance(exc, aiohttp.ClientConnectionError):  # disconnected, reset, broken pipe
         return "reset"
     return None
-
-
-async def _discard(response: aiohttp.ClientResponse, within: float) -> None:
-    """Be done with an answer that is retried: a small body is read so its connection can be
-    reused, anything else is closed."""
-    try:
-        length = response.content_length
-        if length is not None and length <= _DISCARD_LIMIT:
-            async with asyncio.timeout(within):
-                await response.read()
-    except (TimeoutError, aiohttp.ClientError):
-        pass
-    finally:
-        if response.content.at_eof():
-            response.release()
-        else:
-            response.close()
 
 
 def _with_host(
@@ -481,13 +511,53 @@ class IdleGuard:
         self._timer.cancel()
 
 
+class Head(Protocol):
+    """What callers read of an upstream response's head (aiohttp's or the lean client's)."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def headers(self) -> CIMultiDict[str] | CIMultiDictProxy[str]: ...
+    @property
+    def content_type(self) -> str: ...
+    @property
+    def content_length(self) -> int | None: ...
+
+
+class Body(Protocol):
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+    async def read(self) -> bytes: ...
+
+
 @dataclass
 class Reply:
-    """An upstream response whose body is read through its idle guard."""
+    """An upstream response whose body is read through its idle guard.
 
-    response: aiohttp.ClientResponse
-    body: IdleGuard
+    ``direct`` is set on the lean client: the body can then be relayed from the upstream
+    protocol straight into a sink (``relay``), with no task or iterator per chunk.
+    """
+
+    response: Head
+    body: Body
     upstream: Upstream
+    direct: Response | None = None
+
+    async def relay(
+        self,
+        sink: Callable[[bytes], None],
+        paused: Callable[[], bool],
+        drain: Callable[[], Awaitable[None]],
+    ) -> None:
+        """The body into ``sink`` as it arrives; failures stay aiohttp's client errors."""
+        if self.direct is not None:
+            await self.direct.relay(sink, paused, drain)
+            return
+        async for chunk in self.body:
+            sink(chunk)
+            if paused():
+                await drain()
 
     async def read(self) -> bytes:
         """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7)."""

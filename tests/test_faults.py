@@ -86,13 +86,16 @@ class Rig:
         """After ``requests`` proxied requests: nothing held, running or open past the baseline."""
         await self.log.wait_for(requests)
         assert self.app[RUNTIME].in_flight == 0
-        connector = self.app[POOL].session.connector
+        pool = self.app[POOL]
+        connector = pool.session.connector
         assert connector is not None
         # No public count of in-use connections; an acquired one here is a leaked child.
         assert len(connector._acquired) == 0
+        assert not pool.client.in_use
         # Idle keep-alive connections are not leaks: close them, then everything they ran must end.
         await self.client.close()
         await connector.close()
+        await pool.client.close()
         lingering = asyncio.all_tasks() - self.tasks - {asyncio.current_task()}
         if lingering:
             _, pending = await asyncio.wait(lingering, timeout=ANSWER_WITHIN)
