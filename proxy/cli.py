@@ -23,7 +23,7 @@ from proxy.config import (
 )
 from proxy.log import setup_logging
 from proxy.server import Server, install_uvloop, run
-from proxy.workers import run_workers
+from proxy.workers import available_cpus, run_workers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,13 +83,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, help="listen port (default 8080)")
     parser.add_argument("--admin-port", type=int, help="admin port for /livez /readyz /metrics")
     parser.add_argument(
-        "--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)"
+        "--workers",
+        type=_workers,
+        default=1,
+        help="processes sharing the port (SO_REUSEPORT); auto: the CPUs of the cgroup quota",
     )
     parser.add_argument("--log-format", choices=("json", "text"), help="request log format")
     parser.add_argument(
         "--max-n", type=int, help=f"largest n accepted (default 10, at most {MAX_N_CEILING})"
     )
     return parser
+
+
+def _workers(value: str) -> int:
+    if value == "auto":
+        return available_cpus()
+    count = int(value)
+    if count < 1:
+        raise ValueError(value)
+    return count
 
 
 def _config(options: argparse.Namespace) -> Config:

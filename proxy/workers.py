@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
 from multiprocessing.connection import wait
+from pathlib import Path
 from types import FrameType
 
 from proxy.config import Config
@@ -22,6 +24,32 @@ from proxy.log import setup_logging
 from proxy.server import Server, install_uvloop, run
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def available_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may use: its cgroup quota (a pod's CPU limit) within its affinity.
+
+    cgroup v2 ``cpu.max`` ("max 100000" or "200000 100000"), else v1 ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``; a fractional quota rounds up (1.5 CPUs run two workers), never below 1.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    quota = _cgroup_quota(cgroup)
+    if quota is not None:
+        cpus = min(cpus, max(1, math.ceil(quota)))
+    return cpus
+
+
+def _cgroup_quota(cgroup: Path) -> float | None:
+    with contextlib.suppress(OSError, ValueError):
+        limit, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if limit == "max" else int(limit) / int(period)
+    for folder in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        with contextlib.suppress(OSError, ValueError):
+            micros = int((cgroup / folder / "cpu.cfs_quota_us").read_text())
+            every = int((cgroup / folder / "cpu.cfs_period_us").read_text())
+            return None if micros <= 0 or every <= 0 else micros / every
+    return None
 
 
 def run_workers(config: Config, count: int) -> int:

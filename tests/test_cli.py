@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -120,3 +121,37 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu.max": "150000 100000\n"}, 2),
+        ({"cpu.max": "50000 100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({}, None),
+    ],
+    ids=["v2-unlimited", "v2-1.5", "v2-0.5", "v1-1", "v1-unlimited", "none"],
+)
+def test_workers_auto_is_the_cgroup_cpu_quota_within_the_affinity(
+    tmp_path: Path, files: dict[str, str], expected: int | None
+) -> None:
+    from proxy.workers import available_cpus
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    affinity = len(os.sched_getaffinity(0))
+    assert available_cpus(tmp_path) == (affinity if expected is None else min(expected, affinity))
+
+
+def test_workers_flag_takes_auto_or_a_positive_count() -> None:
+    from proxy.cli import _parser
+    from proxy.workers import available_cpus
+
+    assert _parser().parse_args(["--workers", "auto"]).workers == available_cpus()
+    assert _parser().parse_args(["--workers", "3"]).workers == 3
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--workers", "0"])
