@@ -24,7 +24,13 @@ from bench.load import Loader, Tool
 from bench.procs import Fleet, Server, machine, wait_ready
 from bench.profile import PySpy, hot_spots, inclusive
 from bench.report import evaluate, markdown, targets_json
-from bench.stack import start_backend, start_litellm, start_nginx, start_proxy
+from bench.stack import (
+    start_backend,
+    start_forwarder,
+    start_litellm,
+    start_nginx,
+    start_proxy,
+)
 from bench.streams import run_async
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,6 +234,8 @@ def _line_up(fleet: Fleet, work: Path, args: argparse.Namespace, skipped: dict[s
         optional[name] = start_proxy(fleet, work, backend, name, workers=args.workers)
     if args.nginx and not args.profile:
         optional["nginx"] = start_nginx(fleet, work, args.nginx, backend)
+    if not args.profile:
+        optional["aiohttp forwarder"] = start_forwarder(fleet, backend)
     if args.litellm and not args.profile:
         optional["litellm"] = start_litellm(fleet, work, args.litellm, backend)
     for server in (backend, native, proxy, paced, paced_proxy):
@@ -242,6 +250,8 @@ def _line_up(fleet: Fleet, work: Path, args: argparse.Namespace, skipped: dict[s
     contenders = {"direct": backend}
     if "nginx" in optional:
         contenders["nginx"] = optional["nginx"]
+    if "aiohttp forwarder" in optional:
+        contenders["aiohttp forwarder"] = optional["aiohttp forwarder"]
     contenders["n-proxy"] = proxy
     contenders.update((k, v) for k, v in optional.items() if k.startswith("n-proxy x"))
     if "litellm" in optional:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from bench.procs import CpuWatch, Fleet, Server, free_port, machine, settle, wait_ready
-from bench.stack import start_nginx, start_proxy
+from bench.stack import start_forwarder, start_nginx, start_proxy
 from bench.stats import rotated
 from bench.streams import run_async
 
@@ -192,13 +192,6 @@ def start_pacer(fleet: Fleet, step: float) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "bench.pacer", "--port", str(port), "--step", str(step)]
     return fleet.launch(f"pacer-{int(step * 1000)}ms", argv, port, "/health")
-
-
-def start_forwarder(fleet: Fleet, upstream: Server) -> Server:
-    port = free_port()
-    argv = [sys.executable, "-m", "bench.forwarder", "--port", str(port)]
-    argv += ["--upstream", upstream.url]
-    return fleet.launch("aiohttp-forwarder", argv, port, "/health")
 
 
 def measure(

@@ -95,6 +95,20 @@ def evaluate(results: Results) -> list[Target]:
             "{:.2f}x",
         ),
         _check(
+            "throughput vs the 20-line aiohttp forwarder" + at,
+            ">= 1.5x",
+            _ratio(proxy, _row(s1, target="aiohttp forwarder", concurrency=c)),
+            lambda v: v >= 1.5,
+            "{:.2f}x",
+        ),
+        _check(
+            "added p50 latency (n=1, c=1)",
+            "<= 0.25 ms",
+            _row(s1, target="n-proxy", concurrency=1).get("added_p50_ms"),
+            lambda v: v <= 0.25,
+            "{:.3f} ms",
+        ),
+        _check(
             n8 + ", non-streaming",
             ">= 80 %",
             _row(s2, n=FANOUT_TARGET_N, stream=False).get("ratio"),

@@ -99,6 +99,14 @@ def start_proxy(
     return fleet.launch(name, argv, port, "/health", tree=workers > 1)
 
 
+def start_forwarder(fleet: Fleet, upstream: Server) -> Server:
+    """The 20-line aiohttp forwarder (``bench/forwarder.py``), plain aiohttp: launched only."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.forwarder", "--port", str(port)]
+    argv += ["--upstream", upstream.url]
+    return fleet.launch("aiohttp forwarder", argv, port, "/health")
+
+
 def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server) -> Server:
     """One worker process, as n-proxy has one by default; launched only."""
     port = free_port()
