@@ -31,7 +31,9 @@ from multidict import CIMultiDict
 
 Sink = Callable[[bytes], None]
 BODY_BUFFER = 64 * 1024  # iterator mode: pause reading past this many unread body bytes
-KEEPALIVE_SECONDS = 30.0  # an idle pooled connection older than this is closed, not reused
+# An idle pooled connection older than this is closed, not reused: below uvicorn's (and so
+# vLLM's) 5 s keep-alive, so the server rarely closes one just as a request goes out on it.
+KEEPALIVE_SECONDS = 4.0
 MAX_IDLE_PER_ORIGIN = 1024
 MAX_HEAD = 256 * 1024  # status line and headers together
 _NO_BODY_STATUS = frozenset({204, 304})
