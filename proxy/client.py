@@ -169,8 +169,13 @@ class Response:
         """After one ``data_received``: the relayed pieces leave in one write."""
         out = self._out
         if out and self._sink is not None:
-            self._sink(out[0] if len(out) == 1 else b"".join(out))
+            data = out[0] if len(out) == 1 else b"".join(out)
             out.clear()
+            try:
+                self._sink(data)
+            except Exception as exc:  # e.g. a malformed stream: the relay raises it
+                self._fail(exc)
+                return
             paused = self._sink_paused
             if paused is not None and paused():
                 self._connection.pause()
@@ -262,9 +267,10 @@ class Response:
         self._sink = sink
         self._sink_paused = paused
         if self._chunks:  # anything read before the relay began
-            sink(b"".join(self._chunks))
+            data = b"".join(self._chunks)
             self._chunks.clear()
             self._buffered = 0
+            sink(data)
         if not paused():
             self._connection.resume()
         else:

@@ -169,10 +169,14 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 answered = True
                 start.answer(None)
                 decoder = SSEDecoder()
-                async for data in reply.body:
+
+                def feed(data: bytes) -> None:
+                    # Called from the upstream protocol as bytes arrive: no task hop per chunk.
                     events = decoder.feed(data)
                     if events:
-                        await mailbox.put((pos, events))
+                        mailbox.put_nowait((pos, events))
+
+                await reply.relay(feed, mailbox.full, mailbox.room)
                 await mailbox.put((pos, decoder.close()))
             await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:
@@ -231,6 +235,19 @@ class Mailbox:
         self.cut_reason: str | None = None
 
     async def put(self, item: tuple[int, Item]) -> None:
+        await self.room()
+        self.put_nowait(item)
+
+    def full(self) -> bool:
+        return len(self._items) >= self._size
+
+    def put_nowait(self, item: tuple[int, Item]) -> None:
+        """Past the bound by at most one item per child: its reader pauses until ``room``."""
+        self._items.append(item)
+        _wake(self._getter)
+
+    async def room(self) -> None:
+        """Until the writer has taken what is waiting."""
         while len(self._items) >= self._size:
             putter = asyncio.get_running_loop().create_future()
             self._putters.append(putter)
@@ -239,8 +256,6 @@ class Mailbox:
             finally:
                 if putter in self._putters:
                     self._putters.remove(putter)
-        self._items.append(item)
-        _wake(self._getter)
 
     async def take(self, timeout: float | None = None) -> list[tuple[int, Item]] | None:
         """Everything waiting (at least one item), [] once cut, None after ``timeout`` seconds."""

@@ -438,3 +438,19 @@ async def test_relay_cancelled_closes_the_connection(pool: ClientPool, serve: Se
     pool.release(response)
     await asyncio.wait_for(raw.closed.wait(), WAIT)
     assert got == [b"half"]
+
+
+async def test_a_sink_that_raises_fails_the_relay_and_drops_the_connection(
+    pool: ClientPool, serve: Serve
+) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
+    raw, url = await serve(answering(answer))
+    response = await get(pool, url)
+
+    def sink(data: bytes) -> None:
+        raise ValueError("malformed")
+
+    with pytest.raises(ValueError, match="malformed"):
+        await asyncio.wait_for(response.relay(sink, lambda: False, lambda: asyncio.sleep(0)), WAIT)
+    pool.release(response)
+    await asyncio.wait_for(raw.closed.wait(), WAIT)
