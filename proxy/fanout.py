@@ -235,27 +235,34 @@ class Mailbox:
         self.cut_reason: str | None = None
 
     async def put(self, item: tuple[int, Item]) -> None:
-        await self.room()
+        while len(self._items) >= self._size:
+            await self._taken()
         self.put_nowait(item)
 
     def full(self) -> bool:
-        return len(self._items) >= self._size
+        """Over the bound: as ``put`` blocks, one item per child may wait without a pause."""
+        return len(self._items) > self._size
 
     def put_nowait(self, item: tuple[int, Item]) -> None:
-        """Past the bound by at most one item per child: its reader pauses until ``room``."""
+        """Past the bound by at most one item per child: its reader pauses until ``room``,
+        so a child behind a slow client still holds about one read in the proxy."""
         self._items.append(item)
         _wake(self._getter)
 
     async def room(self) -> None:
-        """Until the writer has taken what is waiting."""
-        while len(self._items) >= self._size:
-            putter = asyncio.get_running_loop().create_future()
-            self._putters.append(putter)
-            try:
-                await putter
-            finally:
-                if putter in self._putters:
-                    self._putters.remove(putter)
+        """Until the mailbox is back within its bound."""
+        while self.full():
+            await self._taken()
+
+    async def _taken(self) -> None:
+        """Until the writer next takes what is waiting."""
+        putter = asyncio.get_running_loop().create_future()
+        self._putters.append(putter)
+        try:
+            await putter
+        finally:
+            if putter in self._putters:
+                self._putters.remove(putter)
 
     async def take(self, timeout: float | None = None) -> list[tuple[int, Item]] | None:
         """Everything waiting (at least one item), [] once cut, None after ``timeout`` seconds."""
