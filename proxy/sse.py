@@ -121,6 +121,10 @@ class _LineSplitter:
         self._tail[:] = rest
         return lines
 
+    def idle(self) -> bool:
+        """Between lines, past the stream's start: a chunk here begins a fresh line."""
+        return not self._tail and not self._cr_pending and not self._at_start
+
     def close(self) -> bool:
         """Forget all state; True when the stream ended right after a line terminator."""
         ended_cleanly = not self._tail
@@ -150,8 +154,34 @@ class SSEDecoder:
         self._retry: int | None = None
 
     def feed(self, chunk: bytes) -> list[Event]:
+        if (
+            chunk.endswith(b"\n\n")
+            and not self._data
+            and not self._event
+            and self._retry is None
+            and self._lines.idle()
+            and b"\r" not in chunk
+        ):
+            events = self._whole_data_events(chunk)
+            if events is not None:
+                return events
         lines = self._lines.feed(chunk)
         return self._interpret(lines) if lines else []
+
+    def _whole_data_events(self, chunk: bytes) -> list[Event] | None:
+        """Fast path for what LLM servers send: whole ``data: ...`` events, one line each.
+
+        Equal to the line-by-line path on such input (``test_sse`` runs both on every case);
+        None for anything else, which then takes the general path from the same state.
+        """
+        events = []
+        limit = self._limit
+        for piece in chunk[:-2].split(b"\n\n"):
+            if not piece.startswith(b"data: ") or b"\n" in piece or len(piece) > limit:
+                return None
+            events.append(Event(piece[6:].decode("utf-8", "replace"), "message", self._id))
+        self._retry = None
+        return events
 
     def close(self) -> list[Event]:
         # Leniency beyond WHATWG, which drops any event not ended by a blank line: if the

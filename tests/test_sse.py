@@ -313,3 +313,61 @@ def test_unterminated_comment_past_limit_raises() -> None:
 
 def test_sse_error_is_a_value_error() -> None:
     assert issubclass(SSEError, ValueError)
+
+
+class _LineByLine(SSEDecoder):
+    """The general path only: what the whole-event fast path must equal."""
+
+    __slots__ = ()
+
+    def _whole_data_events(self, chunk: bytes) -> list[Event] | None:
+        return None
+
+
+def _both(pieces: list[bytes]) -> tuple[list[Event], list[Event]]:
+    fast, reference = SSEDecoder(), _LineByLine()
+    got: list[Event] = []
+    want: list[Event] = []
+    for piece in pieces:
+        got += fast.feed(piece)
+        want += reference.feed(piece)
+    return got + fast.close(), want + reference.close()
+
+
+WHOLE_EVENT_CASES = [
+    [b'data: {"a":1}\n\n', b'data: {"b":2}\n\ndata: [DONE]\n\n'],
+    [b"data: a\n\n", b": ping\n\n", b"id: 7\n\n", b"data: x\n\n", b"data: y\n\n"],
+    [b"data: a\n\n", b"retry: 5\n", b"data: y\n\n", b"data: z\n\n"],
+    [b"data: a\n\n", b"event: e\n", b"data: b\n\n", b"data: c\n\n"],
+    [b"data: a\n\n", b"data: b\ndata: c\n\n"],
+    [b"data: a\n\n", b"data:b\n\n", b"data:  two spaces\n\n"],
+    [b"data: a\n\n", b"data: a\n\n\n\n", b"\n\n"],
+    [b"data: a\n\n", b"data: caf\xc3\n\n", b"data: \xc3\xa9\n\n"],
+    [b"data: a\n\n", b"data: b\r\n\r\n", b"data: c\n\n"],
+    [b"data: a\n\n", b"data: part", b"ial\n\n", b"data: whole\n\n"],
+    [b"data: a\n\n", b"data: \n\n", b"data: \x00\n\n"],
+    [b"\xef\xbb\xbfdata: bom\n\n", b"data: next\n\n"],
+]
+
+
+@pytest.mark.parametrize("pieces", WHOLE_EVENT_CASES)
+def test_whole_event_fast_path_equals_the_line_by_line_path(pieces: list[bytes]) -> None:
+    got, want = _both(pieces)
+    assert got == want
+
+
+def test_whole_event_fast_path_equals_line_by_line_on_every_literal_fixture() -> None:
+    streams = [REALISTIC, b"data: [DONE]\n\n", b'data: {"v": 1}\n\nid: 3\ndata: x\n\n']
+    for stream in streams:
+        events = [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+        got, want = _both([b"data: warm\n\n", *events])
+        assert got == want
+        got, want = _both([b"data: warm\n\n", stream])
+        assert got == want
+
+
+def test_whole_event_fast_path_respects_the_size_limit() -> None:
+    decoder = SSEDecoder(max_event_bytes=16)
+    assert decoder.feed(b"data: ok\n\n") == [Event("ok")]
+    with pytest.raises(SSEError):
+        decoder.feed(b"data: " + b"x" * 32 + b"\n\n")
