@@ -208,7 +208,7 @@ class UpstreamPool:
             _stop_read_timer(response)
             guard = IdleGuard(response, timeouts.idle)
             try:
-                yield Reply(response, guard, upstream)
+                yield Reply(response, guard, upstream, self.config.max_response_bytes)
             finally:
                 guard.close()
                 if response.content.at_eof():
@@ -463,8 +463,16 @@ class IdleGuard:
             raise StopAsyncIteration
         return chunk
 
-    async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self])
+    async def read(self, limit: int) -> bytes:
+        """The whole body; ``BodyTooLong`` the moment it grows past ``limit`` bytes."""
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in self:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLong(size)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _check(self) -> None:
         since = self._waiting_since
@@ -481,6 +489,10 @@ class IdleGuard:
         self._timer.cancel()
 
 
+class BodyTooLong(Exception):
+    """An upstream body grew past the bytes the proxy holds for one response."""
+
+
 @dataclass
 class Reply:
     """An upstream response whose body is read through its idle guard."""
@@ -488,10 +500,22 @@ class Reply:
     response: aiohttp.ClientResponse
     body: IdleGuard
     upstream: Upstream
+    max_bytes: int  # config.max_response_bytes: what ``read`` holds in memory at most
 
     async def read(self) -> bytes:
-        """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7)."""
+        """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7).
+
+        Past ``max_bytes`` the read stops at once and the request fails with 502; leaving the
+        body unread makes ``UpstreamPool.send`` drop the connection, so the upstream stops too.
+        """
+        length = self.response.content_length
         try:
-            return await self.body.read()
+            if length is not None and length > self.max_bytes:
+                raise BodyTooLong(length)
+            return await self.body.read(self.max_bytes)
+        except BodyTooLong:
+            raise UpstreamUnavailable(
+                f"upstream {self.upstream.name} sent a body larger than {self.max_bytes} bytes"
+            ) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise upstream_error(exc, self.upstream) from None
