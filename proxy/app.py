@@ -169,12 +169,14 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
             BodyTooLarge(f"request body is larger than {config.max_body_bytes} bytes")
         )
     except TimeoutError:
-        # The rest of the body may still trickle in: close rather than read it (nginx's 408).
         seconds = config.client_timeouts.body
         runtime.metrics.client_timeouts.labels("body").inc()
-        return error_response(
-            RequestTimeout(f"request body not received within {seconds} s"), close=True
-        )
+        response = error_response(RequestTimeout(f"request body not received within {seconds} s"))
+        await response.prepare(request)
+        await response.write_eof()
+        # The rest of the body may still trickle in: close now rather than linger reading it.
+        request.protocol.force_close()
+        return response
     path = request.rel_url.path
     fanout_path = request.method == "POST" and path in config.fanout_paths
     if fanout_path:
