@@ -32,12 +32,14 @@ from proxy.errors import (
 from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import request_headers, response_headers
 from proxy.log import log_request
+from proxy.memory import Trimmer
 from proxy.plan import parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.upstream import Resolver, Trace, UpstreamPool
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
+TRIMMER = web.AppKey("trimmer", Trimmer)
 UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)  # a pass-through keeps that header
 SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohttp/x.y"
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
@@ -56,6 +58,7 @@ def build_app(
         handler_args={"max_field_size": 65536, "auto_decompress": False},
     )
     app[RUNTIME] = runtime or Runtime(config)
+    app[TRIMMER] = Trimmer()
     app.on_response_prepare.append(_server_header)
     app.cleanup_ctx.append(functools.partial(_pool, resolver=resolver))
     app.router.add_route("*", "/{tail:.*}", handle)
@@ -77,6 +80,7 @@ async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterato
         asyncio.create_task(_discover(pool, u)) for u in pool.config.upstreams if u.discovery.dns
     ]
     yield
+    app[TRIMMER].close()
     for watcher in watchers:
         watcher.cancel()
     await asyncio.gather(*watchers, return_exceptions=True)
@@ -111,6 +115,7 @@ class _Outcome:
     streamed: bool = True  # the response body follows the upstream's as it arrives
     trace: Trace = field(default_factory=Trace)
     fanout: Fanout | None = None
+    body_bytes: int = 0
 
     def overhead(self, started: float, ended: float) -> float | None:
         """Time before the first upstream request, plus stitching after the last body ended."""
@@ -134,6 +139,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         runtime.leave()
+        request.app[TRIMMER].request_ended(outcome.body_bytes, outcome.children)
         ended = loop.time()
         fanout = outcome.fanout
         fanned = "true" if outcome.children else "false"
@@ -177,6 +183,7 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
         # The rest of the body may still trickle in: close now rather than linger reading it.
         request.protocol.force_close()
         return response
+    outcome.body_bytes = len(body)
     path = request.rel_url.path
     fanout_path = request.method == "POST" and path in config.fanout_paths
     if fanout_path:

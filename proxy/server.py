@@ -256,6 +256,7 @@ class _Site(web.BaseSite):
             lambda: Connection(gate, server, **options),
             self._host,
             self._port,
+            backlog=self._backlog,
             reuse_address=True,
             reuse_port=self._reuse_port or None,
         )
