@@ -318,19 +318,30 @@ async def soak(
         "every_slot_free": slots_free,
         "rss_growth_kib": round(rss_growth),
         "fds_growth": fds_growth,
-        "flat": rss_growth <= RSS_FLAT_KIB
-        and fds_growth <= FDS_FLAT
-        and children_left == 0
-        and slots_free,
+        "failed": [
+            name
+            for name, ok in (
+                ("RSS grew", rss_growth <= RSS_FLAT_KIB),
+                ("fds grew", fds_growth <= FDS_FLAT),
+                ("children left in flight", children_left == 0),
+                ("a slot leaked", slots_free),
+            )
+            if not ok
+        ],
     }
 
 
-def _markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
+def _verdict(result: dict[str, Any]) -> str:
+    return "NOT FLAT: " + ", ".join(result["failed"]) if result["failed"] else "flat"
+
+
+def _markdown(result: dict[str, Any], meta: dict[str, Any], note: str) -> str:
     memory = result["large_request"]
     idle = result["idle"]
     lines = [
         "# n-proxy soak",
         "",
+        *([note, ""] if note else []),
         f"{result['minutes']} min, {result['concurrency']} clients cycling through"
         f" {len(_MIX)} kinds of request, {result['slow_clients']} clients trickling headers or"
         f" bodies or idling (client_timeouts {CLIENT_SECONDS} s), a burst of"
@@ -342,7 +353,7 @@ def _markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         f" (flat: <= {FDS_FLAT}); children in flight once idle:"
         f" {idle['n_proxy_children_in_flight']:.0f}; a request needing all {SLOTS} slots"
         f" afterwards: {'served' if result['every_slot_free'] else 'HUNG'}"
-        f" -> **{'flat' if result['flat'] else 'GROWING'}**",
+        f" -> **{_verdict(result)}**",
         "",
         f"Large requests first, in {len(memory['after_kib'])} rounds of a 2,048-child batch and"
         f" a 15 MiB body: RSS {memory['cold_kib']:,} KiB cold; 3 s after each round"
@@ -386,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--note", default="", help="a line for the report: what was run")
     args = parser.parse_args(argv)
     minutes = min(max(args.minutes, 0.1), MAX_MINUTES)
     raw = RESULTS / "raw" / "soak"
@@ -399,10 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     meta = machine()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps({"meta": meta, **result}, indent=1) + "\n")
-    (args.out / "soak.md").write_text(_markdown(result, meta))
-    verdict = "flat" if result["flat"] else "GROWING"
+    (args.out / "soak.md").write_text(_markdown(result, meta, args.note))
+    verdict = _verdict(result)
     print(f"soak: RSS {result['rss_growth_kib']:+,} KiB, fds {result['fds_growth']:+} -> {verdict}")
-    return 0 if result["flat"] else 1
+    return 0 if not result["failed"] else 1
 
 
 if __name__ == "__main__":
