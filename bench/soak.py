@@ -35,7 +35,7 @@ from bench.streams import run_async
 from bench.workload import CHAT_PATH, MODEL, chat_body
 
 MAX_MINUTES = 120.0
-RSS_FLAT_KIB = 4096  # last fifth vs first fifth of the run (after warm-up)
+RSS_FLAT_KIB = 4096  # idle after the mix vs idle after the warm-up rounds
 FDS_FLAT = 64  # open fds swing with the requests in flight; a leak climbs past this
 COMPLETIONS_PATH = "/v1/completions"
 SLOTS = 64  # the upstream's max_concurrency: small, so that requests queue
@@ -169,21 +169,24 @@ async def _bursts(port: int, deadline: float, counts: Counter[str]) -> None:
             return_exceptions=True,
         )
         opened = [t for t in tries if not isinstance(t, BaseException)]
-        await asyncio.sleep(0.5)
-        closed = await asyncio.gather(*(_closed(reader) for reader, _ in opened))
-        counts["burst: refused"] += sum(closed)
-        counts["burst: connections"] += len(opened)
+        counts["burst: connect failed"] += len(tries) - len(opened)
+        ends = await asyncio.gather(*(_end(reader) for reader, _ in opened))
+        counts.update(f"burst: {end}" for end in ends)
         for _, writer in opened:
             writer.close()
 
 
-async def _closed(reader: asyncio.StreamReader) -> bool:
+async def _end(reader: asyncio.StreamReader) -> str:
+    """How the proxy ended one idle connection of a burst."""
     try:
-        return await asyncio.wait_for(reader.read(1), 0.2) == b""
+        answer = await asyncio.wait_for(reader.read(-1), CLIENT_SECONDS * 10)
     except ConnectionError:
-        return True
+        return "refused at accept"
     except TimeoutError:
-        return False
+        return "never closed"
+    if not answer:
+        return "refused at accept"
+    return "408 after the header deadline" if b" 408 " in answer[:16] else "other answer"
 
 
 async def _metrics(session: aiohttp.ClientSession, admin: str) -> dict[str, float]:
@@ -290,12 +293,18 @@ async def soak(
             await asyncio.gather(*clients, return_exceptions=True)
         await asyncio.sleep(CLIENT_SECONDS + 1)  # the last slow clients are cut
         idle = await _metrics(session, admin)
-        slots_free = await _every_slot_free(proxy, session)
         idle_sample = proxy.sample()
+        slots_free = await _every_slot_free(proxy, session)
     # The first fifth is warm-up (pools, caches, allocator arenas): compare against its end.
     fifth = max(1, len(samples) // 5)
     early, late = samples[fifth : 2 * fifth] or samples[:1], samples[-fifth:]
-    rss_growth = (median(s.rss_bytes for s in late) - median(s.rss_bytes for s in early)) / 1024
+    busy_rss = (
+        median(s.rss_bytes for s in early) // 1024,
+        median(s.rss_bytes for s in late) // 1024,
+    )
+    # In-flight RSS swings with the batches running at the sample; idle RSS does not: compare
+    # the proxy idle after the mix with the proxy idle after the warm-up rounds.
+    rss_growth = idle_sample.rss_bytes // 1024 - memory["after_kib"][-1]
     fds_growth = median(s.fds for s in late) - median(s.fds for s in early)
     children_left = idle["n_proxy_children_in_flight"]
     return {
@@ -316,6 +325,7 @@ async def soak(
         ],
         "idle": {**idle, "rss_kib": idle_sample.rss_bytes // 1024, "fds": idle_sample.fds},
         "every_slot_free": slots_free,
+        "busy_rss_kib": busy_rss,
         "rss_growth_kib": round(rss_growth),
         "fds_growth": fds_growth,
         "failed": [
@@ -348,8 +358,10 @@ def _markdown(result: dict[str, Any], meta: dict[str, Any], note: str) -> str:
         f" {MAX_CONNECTIONS + 50} connections every {BURST_EVERY:.0f} s (max_connections"
         f" {MAX_CONNECTIONS}), {SLOTS} upstream slots; {meta['cpus']} x {meta['cpu_model']}.",
         "",
-        f"RSS growth (last fifth vs second fifth): {result['rss_growth_kib']:,} KiB"
-        f" (flat: <= {RSS_FLAT_KIB:,}); open fds growth: {result['fds_growth']}"
+        f"Idle RSS after the mix minus idle RSS after the warm-up rounds:"
+        f" {result['rss_growth_kib']:+,} KiB (flat: <= {RSS_FLAT_KIB:,}; under load, medians of"
+        f" the second and last fifths: {result['busy_rss_kib'][0]:,} and"
+        f" {result['busy_rss_kib'][1]:,} KiB); open fds growth: {result['fds_growth']}"
         f" (flat: <= {FDS_FLAT}); children in flight once idle:"
         f" {idle['n_proxy_children_in_flight']:.0f}; a request needing all {SLOTS} slots"
         f" afterwards: {'served' if result['every_slot_free'] else 'HUNG'}"
