@@ -391,7 +391,7 @@ async def test_connections_past_max_connections_are_closed_at_accept(fake: Fake)
             for _, held_writer in held:
                 held_writer.close()
         # Once the held connections are gone, new ones are served again.
-        for _ in range(100):
+        for _ in range(400):  # the held connections' ends reach the proxy in a moment
             if server.runtime.metrics.client_connections._value.get() == 0:
                 break
             await asyncio.sleep(0.05)
