@@ -116,7 +116,9 @@ async def _client(
                     await response.read()
             counts[f"{label}: {response.status}"] += 1
         except (aiohttp.ClientError, TimeoutError):
+            # Mostly a new connection refused while a burst holds max_connections: back off.
             counts[f"{label}: client error"] += 1
+            await asyncio.sleep(0.5)
 
 
 async def _raw(port: int, data: bytes, wait: float) -> bytes:
@@ -381,7 +383,9 @@ def _markdown(result: dict[str, Any], meta: dict[str, Any], note: str) -> str:
             for s in result["samples"]
         ),
         "",
-        "Requests: " + ", ".join(f"{k} {v:,}" for k, v in sorted(result["requests"].items())),
+        "Requests (a client error is mostly a connection refused while a burst holds"
+        " max_connections): "
+        + ", ".join(f"{k} {v:,}" for k, v in sorted(result["requests"].items())),
     ]
     return "\n".join(lines) + "\n"
 
