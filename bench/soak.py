@@ -301,8 +301,8 @@ async def soak(
     fifth = max(1, len(samples) // 5)
     early, late = samples[fifth : 2 * fifth] or samples[:1], samples[-fifth:]
     busy_rss = (
-        median(s.rss_bytes for s in early) // 1024,
-        median(s.rss_bytes for s in late) // 1024,
+        int(median(s.rss_bytes for s in early)) // 1024,
+        int(median(s.rss_bytes for s in late)) // 1024,
     )
     # In-flight RSS swings with the batches running at the sample; idle RSS does not: compare
     # the proxy idle after the mix with the proxy idle after the warm-up rounds.
