@@ -16,7 +16,12 @@ def build_admin_app(runtime: Runtime) -> web.Application:
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
+    app.on_response_prepare.append(_server_header)
     return app
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = "n-proxy"
 
 
 async def _livez(request: web.Request) -> web.Response:

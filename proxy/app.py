@@ -18,16 +18,30 @@ import orjson
 from aiohttp import web
 
 from proxy.config import Config, Upstream
-from proxy.errors import BodyTooLarge, ChildFailed, Overloaded, ProxyError, error_body
+from proxy.encoding import content_codings, inflate
+from proxy.errors import (
+    BodyTooLarge,
+    ChildFailed,
+    InvalidRequest,
+    Overloaded,
+    ProxyError,
+    RequestTimeout,
+    UnsupportedEncoding,
+    error_body,
+)
 from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import request_headers, response_headers
 from proxy.log import log_request
+from proxy.memory import Trimmer
 from proxy.plan import parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.upstream import Resolver, Trace, UpstreamPool
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
+TRIMMER = web.AppKey("trimmer", Trimmer)
+UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)  # a pass-through keeps that header
+SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohttp/x.y"
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")  # visible ASCII: safe to echo and to prefix
@@ -38,12 +52,22 @@ def build_app(
 ) -> web.Application:
     """``resolver`` replaces the system's DNS lookups for ``discovery.dns`` (tests inject one)."""
     app = web.Application(
-        client_max_size=config.max_body_bytes, handler_args={"max_field_size": 65536}
+        client_max_size=config.max_body_bytes,
+        # auto_decompress off: a pass-through forwards the client's bytes as they came; the
+        # fan-out paths inflate gzip/deflate themselves, within max_body_bytes (proxy.encoding).
+        handler_args={"max_field_size": 65536, "auto_decompress": False},
     )
     app[RUNTIME] = runtime or Runtime(config)
+    app[TRIMMER] = Trimmer()
+    app.on_response_prepare.append(_server_header)
     app.cleanup_ctx.append(functools.partial(_pool, resolver=resolver))
     app.router.add_route("*", "/{tail:.*}", handle)
     return app
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    if not request.get(UPSTREAM_SERVER, False):
+        response.headers["Server"] = SERVER
 
 
 async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterator[None]:
@@ -56,6 +80,7 @@ async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterato
         asyncio.create_task(_discover(pool, u)) for u in pool.config.upstreams if u.discovery.dns
     ]
     yield
+    app[TRIMMER].close()
     for watcher in watchers:
         watcher.cancel()
     await asyncio.gather(*watchers, return_exceptions=True)
@@ -90,6 +115,7 @@ class _Outcome:
     streamed: bool = True  # the response body follows the upstream's as it arrives
     trace: Trace = field(default_factory=Trace)
     fanout: Fanout | None = None
+    body_bytes: int = 0
 
     def overhead(self, started: float, ended: float) -> float | None:
         """Time before the first upstream request, plus stitching after the last body ended."""
@@ -113,6 +139,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         runtime.leave()
+        request.app[TRIMMER].request_ended(outcome.body_bytes, outcome.children)
         ended = loop.time()
         fanout = outcome.fanout
         fanned = "true" if outcome.children else "false"
@@ -137,18 +164,37 @@ async def handle(request: web.Request) -> web.StreamResponse:
 async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     config = runtime.config
+    if request.version < aiohttp.HttpVersion10:
+        # An HTTP/0.9-style request line ("GET /"): nothing of it goes upstream.
+        return error_response(InvalidRequest("malformed request line: no HTTP version"), close=True)
     try:
-        body = await request.read()
+        async with asyncio.timeout(config.client_timeouts.body):
+            body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error_response(
             BodyTooLarge(f"request body is larger than {config.max_body_bytes} bytes")
         )
+    except TimeoutError:
+        seconds = config.client_timeouts.body
+        runtime.metrics.client_timeouts.labels("body").inc()
+        response = error_response(RequestTimeout(f"request body not received within {seconds} s"))
+        await response.prepare(request)
+        await response.write_eof()
+        # The rest of the body may still trickle in: close now rather than linger reading it.
+        request.protocol.force_close()
+        return response
+    outcome.body_bytes = len(body)
     path = request.rel_url.path
     fanout_path = request.method == "POST" and path in config.fanout_paths
     if fanout_path:
         outcome.route = path
     try:
-        parsed = parse_body(body) if fanout_path else _maybe_json(request, body, config)
+        codings = content_codings(request.headers.get("Content-Encoding"))
+        if fanout_path:
+            plain = inflate(body, codings, config.max_body_bytes) if codings else body
+            parsed: dict[str, object] | None = parse_body(plain)
+        else:
+            parsed = _routing_json(request, body, codings, config)
         model = parsed.get("model") if parsed is not None else None
         upstream = config.choose_upstream(path, model if isinstance(model, str) else None)
         outcome.upstream = upstream.name
@@ -159,18 +205,21 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
                 config.max_n,
                 completions=path.endswith("/completions")
                 and not path.endswith("/chat/completions"),
+                max_children=config.max_children,
             )
             if plan is not None:
                 outcome.n = plan.best_of or plan.n
                 outcome.children = len(plan.children)
                 runtime.metrics.n.observe(outcome.n)
+                headers = request_headers(request.headers, upstream.headers)
+                headers.popall("Content-Encoding", None)  # children carry plain JSON
                 fanout = outcome.fanout = Fanout(
                     pool=request.app[POOL],
                     runtime=runtime,
                     upstream=upstream,
                     plan=plan,
                     path_qs=request.rel_url.raw_path_qs,
-                    headers=request_headers(request.headers, upstream.headers),
+                    headers=headers,
                     trace=outcome.trace,
                 )
                 outcome.streamed = plan.stream
@@ -184,14 +233,23 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
         return child_failed_response(exc)
 
 
-def _maybe_json(request: web.Request, body: bytes, config: Config) -> dict[str, object] | None:
-    """Only model-based routes need the body of a non-fan-out request."""
+def _routing_json(
+    request: web.Request, body: bytes, codings: list[str], config: Config
+) -> dict[str, object] | None:
+    """Only model-based routes need the body of a non-fan-out request; it is forwarded as sent.
+
+    Declared JSON is held to the same policy as a fan-out body (no NaN, Infinity, BOM...).
+    """
     if not config.routes_by_model or not body or request.content_type != "application/json":
         return None
     try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
+        plain = inflate(body, codings, config.max_body_bytes) if codings else body
+    except UnsupportedEncoding:
+        return None  # unreadable here: the default route gets it as it came
+    try:
+        parsed = orjson.loads(plain)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     return parsed if isinstance(parsed, dict) else None
 
 
@@ -227,6 +285,8 @@ async def pass_through(
         ) as reply,
     ):
         upstream_response = reply.response
+        if "Server" in upstream_response.headers:
+            request[UPSTREAM_SERVER] = True
         length = upstream_response.content_length
         if length is not None and length <= _WHOLE_BODY and request.method != "HEAD":
             # A small body of known length leaves with its headers in one write: one syscall
@@ -299,8 +359,11 @@ def child_failed_response(exc: ChildFailed) -> web.Response:
     return web.json_response(error_body(message, type_, code=exc.status), status=exc.status)
 
 
-def error_response(exc: ProxyError) -> web.Response:
+def error_response(exc: ProxyError, *, close: bool = False) -> web.Response:
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
-    return web.Response(
+    response = web.Response(
         status=exc.status, body=exc.body(), content_type="application/json", headers=headers
     )
+    if close:
+        response.force_close()
+    return response

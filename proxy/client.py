@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import SimpleNamespace
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -37,6 +37,10 @@ KEEPALIVE_SECONDS = 4.0
 MAX_IDLE_PER_ORIGIN = 1024
 MAX_HEAD = 256 * 1024  # status line and headers together
 _NO_BODY_STATUS = frozenset({204, 304})
+
+
+class BodyTooLong(Exception):
+    """A body grew past the bytes the caller holds for one response."""
 
 
 class _HeadDone(Exception):
@@ -251,8 +255,8 @@ class Response:
         self._connection.resume()
         return data
 
-    async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self])
+    async def read(self, limit: int) -> bytes:
+        return await read_capped(self, limit)
 
     # ---- relay mode
 
@@ -292,6 +296,18 @@ class Response:
                 await self._relay_done
             finally:
                 self._relay_done = None
+
+
+async def read_capped(body: AsyncIterator[bytes], limit: int) -> bytes:
+    """A whole body; ``BodyTooLong`` the moment it grows past ``limit`` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in body:
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLong(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _wake(future: asyncio.Future[None] | None) -> None:

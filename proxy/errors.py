@@ -1,8 +1,10 @@
 """The proxy's own errors and the one place that turns them into OpenAI error bodies.
 
 ProxyError                 status + OpenAI error body
-├── InvalidRequest         400 invalid_request_error (bad n, seed, best_of, JSON)
-├── BodyTooLarge           413
+├── InvalidRequest         400 invalid_request_error (bad n, seed, best_of, JSON, too many children)
+├── RequestTimeout         408 (the client sent its body too slowly)
+├── BodyTooLarge           413 (also after inflating a gzip/deflate body)
+├── UnsupportedEncoding    415 (a Content-Encoding the proxy cannot inflate, on a fan-out path)
 ├── Overloaded             429, with Retry-After
 ├── UpstreamUnavailable    502 (connection refused, reset before headers, bad upstream body)
 └── UpstreamTimeout        504
@@ -40,8 +42,18 @@ class InvalidRequest(ProxyError):
     type_ = "invalid_request_error"
 
 
+class RequestTimeout(ProxyError):
+    status = 408
+    type_ = "invalid_request_error"
+
+
 class BodyTooLarge(ProxyError):
     status = 413
+    type_ = "invalid_request_error"
+
+
+class UnsupportedEncoding(ProxyError):
+    status = 415
     type_ = "invalid_request_error"
 
 

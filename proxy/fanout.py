@@ -25,7 +25,7 @@ from proxy.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavai
 from proxy.plan import Plan
 from proxy.runtime import Runtime
 from proxy.slots import Place
-from proxy.sse import Event, SSEDecoder
+from proxy.sse import MAX_EVENT_BYTES, Event, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.upstream import Reply, Trace, UpstreamPool, upstream_error
 
@@ -49,6 +49,11 @@ class Fanout:
     headers: CIMultiDict[str]  # end-to-end headers shared by every child
     trace: Trace = field(default_factory=Trace)
     aborted: int = 0  # children cancelled before they finished
+
+    @property
+    def max_event_bytes(self) -> int:
+        """One SSE line or event held for a child: within the cap on a child's JSON body."""
+        return min(MAX_EVENT_BYTES, self.runtime.config.max_response_bytes)
 
     def child_headers(self, pos: int) -> CIMultiDict[str]:
         headers = self.headers.copy()
@@ -168,7 +173,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                     raise ChildFailed(response.status, await reply.read(), response.content_type)
                 answered = True
                 start.answer(None)
-                decoder = SSEDecoder()
+                decoder = SSEDecoder(max_event_bytes=fanout.max_event_bytes)
 
                 def feed(data: bytes) -> None:
                     # Called from the upstream protocol as bytes arrive: no task hop per chunk.

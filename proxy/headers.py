@@ -23,7 +23,8 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length"}
+# The proxy holds the whole body before it sends anything, so `Expect` is answered here.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 
 

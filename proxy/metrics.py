@@ -90,6 +90,23 @@ class Metrics:
             ["upstream"],
             registry=r,
         )
+        self.client_connections = Gauge(
+            "n_proxy_client_connections",
+            "Open client connections on the proxy listener.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.connections_refused = Counter(
+            "n_proxy_connections_refused",
+            "Client connections closed at accept because max_connections were open.",
+            registry=r,
+        )
+        self.client_timeouts = Counter(
+            "n_proxy_client_timeouts",
+            "Client connections cut for sending their request headers or body too slowly.",
+            ["phase"],
+            registry=r,
+        )
 
         self.replica_up = Gauge(
             "n_proxy_replica_up",

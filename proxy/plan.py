@@ -48,20 +48,34 @@ _HUGE_INT = re.compile(rb"\d{19}")  # may not fit in 64 bits
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """A fan-out path's body must be a JSON object, whatever its n (SPEC §2)."""
-    # orjson reads integers past 64 bits as floats; children must get them unchanged.
-    loads = json.loads if _HUGE_INT.search(raw) else orjson.loads
+    """The one JSON policy for request bodies (SPEC §2): a JSON object, strictly RFC 8259.
+
+    ``orjson`` judges every body, so ``NaN``, ``Infinity``, ``1e400``, a leading BOM, lone
+    surrogates and invalid UTF-8 are 400 whatever else the body holds. It reads integers past
+    64 bits as floats, though, and children must get them unchanged: a body that may hold one
+    is read again, already validated, by ``json``, which keeps every integer exact.
+    """
     try:
-        body = loads(raw)
-    except (ValueError, RecursionError) as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    return body
+    if _HUGE_INT.search(raw):
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except RecursionError:
+            raise InvalidRequest("request body is nested too deeply") from None
+    return body  # type: ignore[no-any-return]
 
 
 def plan_request(
-    body: dict[str, Any], parent_id: str, max_n: int, *, completions: bool
+    body: dict[str, Any],
+    parent_id: str,
+    max_n: int,
+    *,
+    completions: bool,
+    max_children: int = 2048,
 ) -> Plan | None:
     n = _requested_n(body, max_n)
     best_of = _requested_best_of(body, n, max_n) if completions else None
@@ -82,6 +96,14 @@ def plan_request(
     options = body.get("stream_options")
     options = options if isinstance(options, dict) else {}
     prompts = _split_prompts(body.get("prompt")) if completions else None
+    batch = len(prompts) if prompts else 1
+    if batch * per_prompt > max_children:
+        # Checked before a single child body is built: a huge batch costs one len() here.
+        raise InvalidRequest(
+            f"this request needs {batch * per_prompt} upstream requests ({batch} prompts"
+            f" x {per_prompt}); at most {max_children} are allowed",
+            param="prompt" if prompts else ("best_of" if best_of else "n"),
+        )
     shape = _Shape(
         body, parent_id, per_prompt, prompts is not None, best_of is not None, completions
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _BOM = b"\xef\xbb\xbf"
-_DEFAULT_MAX_EVENT_BYTES = 32 * 1024 * 1024
+MAX_EVENT_BYTES = 32 * 1024 * 1024
 _SPLIT_BY_FIND_FROM = 8192  # bytes; see `_split`
 
 
@@ -142,7 +142,7 @@ class SSEDecoder:
 
     __slots__ = ("_data", "_data_bytes", "_event", "_id", "_limit", "_lines", "_retry")
 
-    def __init__(self, max_event_bytes: int = _DEFAULT_MAX_EVENT_BYTES) -> None:
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._limit = max_event_bytes
         self._lines = _LineSplitter(max_event_bytes)
         self._data: list[bytes] = []  # raw `data` values; empty means "data buffer is empty"

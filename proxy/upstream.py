@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.client import ClientPool, Response
+from proxy.client import BodyTooLong, ClientPool, Response, read_capped
 from proxy.config import Config, Timeouts, Upstream
 from proxy.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
 from proxy.log import log_event, logger
@@ -222,14 +222,16 @@ class UpstreamPool:
             state.ttfb.observe(loop.time() - started)
             if isinstance(response, Response):
                 try:
-                    yield Reply(response, response, upstream, response)
+                    yield Reply(
+                        response, response, upstream, self.config.max_response_bytes, response
+                    )
                 finally:
                     self.client.release(response)
                 return
             _stop_read_timer(response)
             guard = IdleGuard(response, timeouts.idle)
             try:
-                yield Reply(response, guard, upstream)
+                yield Reply(response, guard, upstream, self.config.max_response_bytes)
             finally:
                 guard.close()
                 if response.content.at_eof():
@@ -334,8 +336,11 @@ class UpstreamPool:
             length = response.content_length
             if length is not None and length <= _DISCARD_LIMIT:
                 async with asyncio.timeout(within):
-                    await response.read()
-        except (TimeoutError, aiohttp.ClientError):
+                    if isinstance(response, Response):
+                        await response.read(_DISCARD_LIMIT)
+                    else:
+                        await response.read()
+        except (TimeoutError, aiohttp.ClientError, BodyTooLong):
             pass
         finally:
             if isinstance(response, Response):
@@ -493,8 +498,8 @@ class IdleGuard:
             raise StopAsyncIteration
         return chunk
 
-    async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self])
+    async def read(self, limit: int) -> bytes:
+        return await read_capped(self, limit)
 
     def _check(self) -> None:
         since = self._waiting_since
@@ -528,7 +533,7 @@ class Head(Protocol):
 
 class Body(Protocol):
     def __aiter__(self) -> AsyncIterator[bytes]: ...
-    async def read(self) -> bytes: ...
+    async def read(self, limit: int) -> bytes: ...
 
 
 @dataclass
@@ -542,6 +547,7 @@ class Reply:
     response: Head
     body: Body
     upstream: Upstream
+    max_bytes: int  # config.max_response_bytes: what ``read`` holds in memory at most
     direct: Response | None = None
 
     async def relay(
@@ -560,8 +566,19 @@ class Reply:
                 await drain()
 
     async def read(self) -> bytes:
-        """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7)."""
+        """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7).
+
+        Past ``max_bytes`` the read stops at once and the request fails with 502; leaving the
+        body unread makes ``UpstreamPool.send`` drop the connection, so the upstream stops too.
+        """
+        length = self.response.content_length
         try:
-            return await self.body.read()
+            if length is not None and length > self.max_bytes:
+                raise BodyTooLong(length)
+            return await self.body.read(self.max_bytes)
+        except BodyTooLong:
+            raise UpstreamUnavailable(
+                f"upstream {self.upstream.name} sent a body larger than {self.max_bytes} bytes"
+            ) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise upstream_error(exc, self.upstream) from None

@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
-from proxy.client import ClientPool, Response
+from proxy.client import BodyTooLong, ClientPool, Response
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 Serve = Callable[[Handler], Awaitable[tuple["Raw", str]]]
 WAIT = 5.0  # seconds: a bound on every wait, not a timing assertion
+LIMIT = 1 << 30  # bytes: read() holds the whole body up to this
 
 
 class Raw:
@@ -102,7 +103,7 @@ async def get(
 async def fetch(pool: ClientPool, url: str, method: str = "GET") -> tuple[Response, bytes]:
     response = await get(pool, url, method)
     try:
-        return response, await response.read()
+        return response, await response.read(LIMIT)
     finally:
         pool.release(response)
 
@@ -122,6 +123,18 @@ async def test_content_length_body_and_keep_alive_reuse(pool: ClientPool, serve:
     assert pool.idle_count() == 1
 
 
+async def test_read_stops_at_its_limit_and_the_connection_is_not_reused(
+    pool: ClientPool, serve: Serve
+) -> None:
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"400\r\n" + b"x" * 1024
+    raw, url = await serve(answering(chunked + b"\r\n" * 1 + b"400\r\n" + b"y" * 1024 + b"\r\n"))
+    response = await get(pool, url)
+    with pytest.raises(BodyTooLong):
+        await response.read(1500)
+    pool.release(response)  # the body was left unread: its connection must go, not idle
+    assert pool.idle_count() == 0
+
+
 async def test_request_carries_host_length_and_headers(pool: ClientPool, serve: Serve) -> None:
     seen: list[tuple[bytes, bytes]] = []
 
@@ -135,7 +148,7 @@ async def test_request_carries_host_length_and_headers(pool: ClientPool, serve: 
         url, "POST", "/v1/x?a=1", {"X-A": "b", "Host": "evil", "Content-Length": "9"}, b"{}",
         connect=WAIT, first_byte=WAIT, idle=WAIT,
     )  # fmt: skip
-    assert await response.read() == b""
+    assert await response.read(LIMIT) == b""
     pool.release(response)
     head, body = seen[0]
     assert head.startswith(b"POST /v1/x?a=1 HTTP/1.1\r\n")
@@ -198,7 +211,7 @@ async def test_server_closing_mid_body_is_a_payload_error(pool: ClientPool, serv
     _, url = await serve(answering(answer, close=True))
     response = await get(pool, url)
     with pytest.raises(aiohttp.ClientPayloadError):
-        await response.read()
+        await response.read(LIMIT)
     pool.release(response)
     assert pool.idle_count() == 0
 
@@ -309,7 +322,7 @@ async def test_gzip_body_is_decoded_when_asked(pool: ClientPool, serve: Serve) -
         url, "GET", "/", {}, None, connect=WAIT, first_byte=WAIT, idle=WAIT, decompress=True
     )
     assert response.content_length is None  # the decoded length is not the header's
-    assert await response.read() == b"data: x\n\n" * 100
+    assert await response.read(LIMIT) == b"data: x\n\n" * 100
     pool.release(response)
 
 
@@ -348,7 +361,7 @@ async def test_abandoned_body_closes_the_connection(pool: ClientPool, serve: Ser
     response = await get(pool, url)
 
     async def read_all() -> bytes:
-        return await response.read()
+        return await response.read(LIMIT)
 
     task = asyncio.ensure_future(read_all())
     await asyncio.sleep(0)
@@ -381,7 +394,7 @@ async def test_iterator_pauses_reading_past_its_buffer(pool: ClientPool, serve: 
         await asyncio.sleep(0.01)
     assert response._connection.paused
     assert response._buffered < 1024 * 1024  # bounded: not the 4 MiB the server wants to send
-    assert len(await response.read()) == size
+    assert len(await response.read(LIMIT)) == size
     pool.release(response)
 
 

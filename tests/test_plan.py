@@ -82,6 +82,62 @@ def test_parse_body_rejects_invalid_json_and_non_objects_with_400(raw: bytes) ->
     assert error["code"] is None
 
 
+BIG = b"123456789012345678901234567890"
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e999"])
+@pytest.mark.parametrize("beside", [b"1", BIG], ids=["small-int", "big-int"])
+def test_parse_body_rejects_non_finite_numbers_whatever_else_the_body_holds(
+    value: bytes, beside: bytes
+) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_body(b'{"other": %s, "temperature": %s}' % (beside, value))
+
+
+@pytest.mark.parametrize("beside", [b"1", BIG], ids=["small-int", "big-int"])
+@pytest.mark.parametrize(
+    "raw",
+    [b'\xef\xbb\xbf{"a": %s}', b'{"a": %s, "s": "\\ud800"}', b'{"a": %s, "s": "\xff"}'],
+    ids=["bom", "lone-surrogate", "invalid-utf8"],
+)
+def test_parse_body_one_policy_for_bom_surrogates_and_utf8(raw: bytes, beside: bytes) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_body(raw % beside)
+
+
+def test_parse_body_keeps_integers_past_64_bits_exact() -> None:
+    body = parse_body(b'{"a": %s, "b": -%s, "c": [1.5, 18446744073709551616]}' % (BIG, BIG))
+    assert body == {"a": int(BIG), "b": -int(BIG), "c": [1.5, 2**64]}
+
+
+# --- max_children (issue 10) ---
+
+
+@pytest.mark.parametrize(
+    ("body", "completions", "param"),
+    [
+        ({"prompt": ["p"] * 1025, "n": 2}, True, "prompt"),
+        ({"prompt": ["p"] * 410, "best_of": 5}, True, "prompt"),
+        ({"prompt": ["p"] * 410, "n": 2, "best_of": 5}, True, "prompt"),
+        ({"messages": [], "n": 5}, False, "n"),
+    ],
+)
+def test_more_children_than_max_children_is_400(
+    body: dict[str, Any], completions: bool, param: str
+) -> None:
+    limit = 4 if param == "n" else 2048
+    with pytest.raises(InvalidRequest) as info:
+        plan_request(body, "abc", 10, completions=completions, max_children=limit)
+    assert info.value.param == param
+
+
+def test_exactly_max_children_is_planned() -> None:
+    body = {"prompt": ["p"] * 1024, "n": 2}
+    plan = plan_request(body, "abc", 10, completions=True, max_children=2048)
+    assert plan is not None
+    assert len(plan.children) == 2048
+
+
 # --- pass-through and n validation (SPEC §1, §2) ---
 
 
