@@ -10,7 +10,7 @@ import asyncio
 import functools
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -35,6 +35,7 @@ from proxy.log import log_request
 from proxy.memory import Trimmer
 from proxy.plan import parse_body, plan_request
 from proxy.runtime import Runtime
+from proxy.sink import client_sink
 from proxy.upstream import Resolver, Trace, UpstreamPool
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -310,7 +311,7 @@ async def pass_through(
         try:
             if transport is None:
                 raise ConnectionResetError("the client left")
-            await reply.relay(*_sink(request, transport))
+            await reply.relay(*client_sink(request, transport))
         except (TimeoutError, aiohttp.ClientError, ConnectionError):
             # The status is sent already: cut the client's connection so it sees a truncated body.
             if request.transport is not None:
@@ -318,34 +319,6 @@ async def pass_through(
             return response
         await response.write_eof()
         return response
-
-
-def _sink(
-    request: web.Request, transport: asyncio.Transport
-) -> tuple[Callable[[bytes], None], Callable[[], bool], Callable[[], Awaitable[None]]]:
-    """Write, is-full and drain for relaying a body straight into the client's transport.
-
-    The body bypasses the response writer (no coroutine per chunk); the head it holds goes
-    first, and chunked framing is ours. Full means the transport's high-water mark (or the
-    client gone): the relay then stops reading the upstream until the drain.
-    """
-    writer = request.writer
-    send_headers = getattr(writer, "send_headers", None)  # aiohttp >= 3.12 holds the head back
-    if send_headers is not None:
-        send_headers()
-    protocol = request.protocol
-    write = transport.write
-
-    def paused() -> bool:
-        return protocol.writing_paused or transport.is_closing()
-
-    if getattr(writer, "chunked", False):
-
-        def framed(data: bytes) -> None:
-            write(b"%x\r\n%b\r\n" % (len(data), data))
-
-        return framed, paused, writer.drain
-    return write, paused, writer.drain
 
 
 def child_failed_response(exc: ChildFailed) -> web.Response:

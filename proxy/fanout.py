@@ -24,6 +24,7 @@ from proxy.config import Upstream
 from proxy.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
 from proxy.plan import Plan
 from proxy.runtime import Runtime
+from proxy.sink import Sink, client_sink
 from proxy.slots import Place
 from proxy.sse import MAX_EVENT_BYTES, Event, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
@@ -202,10 +203,14 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             }
         )
         await response.prepare(request)  # the 200 leaves now, not with the first chunk
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("the client left")
         stitcher = StreamStitcher(plan)
         fanout.runtime.streams.add(mailbox)
         try:
-            await _merge(stitcher, mailbox, response, config.sse_keepalive_seconds)
+            sink = client_sink(request, transport)
+            await _merge(stitcher, mailbox, sink, config.sse_keepalive_seconds)
         finally:
             fanout.runtime.streams.discard(mailbox)
             fanout.runtime.metrics.stitched_chunks.inc(stitcher.chunks)
@@ -300,25 +305,33 @@ def _wake(future: asyncio.Future[None] | None) -> None:
         future.set_result(None)
 
 
-async def _merge(
-    stitcher: StreamStitcher, mailbox: Mailbox, response: web.StreamResponse, keepalive: float
-) -> None:
+async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, keepalive: float) -> None:
     """Write chunks as they arrive, then the merged tail or one error event.
 
-    With nothing written for ``keepalive`` seconds (0: never), an SSE comment keeps load
-    balancers from cutting a stream whose next child is still queued (SPEC §5).
+    Everything one wake-up finds leaves in one write, straight into the client's transport;
+    past its high-water mark the writer waits for the drain, and the children's reads stall
+    behind the full mailbox. With nothing written for ``keepalive`` seconds (0: never), an SSE
+    comment keeps load balancers from cutting a stream whose next child is still queued
+    (SPEC §5).
     """
     plan = stitcher.plan
     running = len(plan.children)
     loop = asyncio.get_running_loop()
     written_at = loop.time()
+    write, full, drain = sink
+
+    async def send(data: bytes) -> None:
+        write(data)
+        if full():
+            await drain()
+
     while running:
         out: list[bytes] = []
         try:
             timeout = max(written_at + keepalive - loop.time(), 0.0) if keepalive else None
             items = await mailbox.take(timeout)
             if items is None:
-                await response.write(KEEPALIVE)
+                await send(KEEPALIVE)
                 written_at = loop.time()
                 continue
             if not items:
@@ -337,12 +350,12 @@ async def _merge(
                             out.append(chunk)
         except StreamError as error:
             out.append(error_event(error))
-            await response.write(b"".join(out))
+            await send(b"".join(out))
             return
         if out:
-            await response.write(b"".join(out))
+            await send(out[0] if len(out) == 1 else b"".join(out))
             written_at = loop.time()
-    await response.write(stitcher.tail())
+    await send(stitcher.tail())
 
 
 def _reason(exc: BaseException) -> str:

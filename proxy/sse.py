@@ -6,15 +6,17 @@ splitter (`_LineSplitter`) feeds a field/event decoder (`SSEDecoder`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _BOM = b"\xef\xbb\xbf"
 MAX_EVENT_BYTES = 32 * 1024 * 1024
 _SPLIT_BY_FIND_FROM = 8192  # bytes; see `_split`
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
+    """One dispatched event (a tuple: built per chunk on the hot path, where a frozen
+    dataclass costs a microsecond more)."""
+
     data: str
     event: str = "message"
     id: str | None = None
