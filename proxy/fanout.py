@@ -243,6 +243,7 @@ class Mailbox:
         self._getter: asyncio.Future[None] | None = None
         self._putters: deque[asyncio.Future[None]] = deque()
         self.cut_reason: str | None = None
+        self._pinged = False
 
     async def put(self, item: tuple[int, Item]) -> None:
         while len(self._items) >= self._size:
@@ -274,26 +275,26 @@ class Mailbox:
             if putter in self._putters:
                 self._putters.remove(putter)
 
-    async def take(self, timeout: float | None = None) -> list[tuple[int, Item]] | None:
-        """Everything waiting (at least one item), [] once cut, None after ``timeout`` seconds."""
-        if not self._items and self.cut_reason is None:
-            loop = asyncio.get_running_loop()
-            getter = self._getter = loop.create_future()
-            timer = loop.call_later(timeout, _wake, getter) if timeout is not None else None
-            try:
-                await getter
-            finally:
-                if timer is not None:
-                    timer.cancel()
-            if not self._items and self.cut_reason is None:
-                return None
+    async def take(self) -> list[tuple[int, Item]] | None:
+        """Everything waiting (at least one item), [] once cut, None when woken by ``ping``."""
+        if not self._items and self.cut_reason is None and not self._pinged:
+            getter = self._getter = asyncio.get_running_loop().create_future()
+            await getter
         if self.cut_reason is not None:
             return []
+        self._pinged = False
+        if not self._items:
+            return None
         items = list(self._items)
         self._items.clear()
         while self._putters:
             _wake(self._putters.popleft())
         return items
+
+    def ping(self) -> None:
+        """Wake the writer with nothing to take (its keep-alive is due)."""
+        self._pinged = True
+        _wake(self._getter)
 
     def cut(self, reason: str) -> None:
         self.cut_reason = reason
@@ -305,57 +306,90 @@ def _wake(future: asyncio.Future[None] | None) -> None:
         future.set_result(None)
 
 
-async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, keepalive: float) -> None:
+async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds: float) -> None:
     """Write chunks as they arrive, then the merged tail or one error event.
 
     Everything one wake-up finds leaves in one write, straight into the client's transport;
     past its high-water mark the writer waits for the drain, and the children's reads stall
-    behind the full mailbox. With nothing written for ``keepalive`` seconds (0: never), an SSE
+    behind the full mailbox. With nothing written for ``seconds`` (0: never), an SSE
     comment keeps load balancers from cutting a stream whose next child is still queued
     (SPEC §5).
     """
     plan = stitcher.plan
     running = len(plan.children)
-    loop = asyncio.get_running_loop()
-    written_at = loop.time()
     write, full, drain = sink
+    keepalive = KeepAlive(mailbox, seconds)
 
     async def send(data: bytes) -> None:
         write(data)
+        keepalive.wrote()
         if full():
             await drain()
 
-    while running:
-        out: list[bytes] = []
-        try:
-            timeout = max(written_at + keepalive - loop.time(), 0.0) if keepalive else None
-            items = await mailbox.take(timeout)
-            if items is None:
-                await send(KEEPALIVE)
-                written_at = loop.time()
-                continue
-            if not items:
-                raise StreamError(None, mailbox.cut_reason or "cut")
-            for pos, item in items:
-                if item is None:
-                    running -= 1
-                    if not stitcher.finished(pos):
-                        raise StreamError(plan.children[pos].index, "stream ended before finishing")
-                elif isinstance(item, BaseException):
-                    raise StreamError(plan.children[pos].index, _reason(item))
-                else:
-                    for event in item:
-                        chunk = stitcher.chunk(pos, event.data, event.event)
-                        if chunk is not None:
-                            out.append(chunk)
-        except StreamError as error:
-            out.append(error_event(error))
-            await send(b"".join(out))
-            return
-        if out:
-            await send(out[0] if len(out) == 1 else b"".join(out))
-            written_at = loop.time()
-    await send(stitcher.tail())
+    try:
+        while running:
+            out: list[bytes] = []
+            try:
+                items = await mailbox.take()
+                if items is None:
+                    await send(KEEPALIVE)
+                    continue
+                if not items:
+                    raise StreamError(None, mailbox.cut_reason or "cut")
+                for pos, item in items:
+                    if item is None:
+                        running -= 1
+                        if not stitcher.finished(pos):
+                            index = plan.children[pos].index
+                            raise StreamError(index, "stream ended before finishing")
+                    elif isinstance(item, BaseException):
+                        raise StreamError(plan.children[pos].index, _reason(item))
+                    else:
+                        for event in item:
+                            chunk = stitcher.chunk(pos, event.data, event.event)
+                            if chunk is not None:
+                                out.append(chunk)
+            except StreamError as error:
+                out.append(error_event(error))
+                await send(b"".join(out))
+                return
+            if out:
+                await send(out[0] if len(out) == 1 else b"".join(out))
+        await send(stitcher.tail())
+    finally:
+        keepalive.close()
+
+
+class KeepAlive:
+    """Pings the mailbox after ``seconds`` with nothing written (0: never).
+
+    One timer per stream, moved on lazily when it fires: a write costs a clock read, not a
+    timer of its own.
+    """
+
+    def __init__(self, mailbox: Mailbox, seconds: float) -> None:
+        self._mailbox = mailbox
+        self._seconds = seconds
+        self._loop = asyncio.get_running_loop()
+        self._written_at = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+        if seconds:
+            self._timer = self._loop.call_at(self._written_at + seconds, self._check)
+
+    def wrote(self) -> None:
+        self._written_at = self._loop.time()
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        due = self._written_at + self._seconds
+        if now >= due:
+            self._mailbox.ping()
+            due = now + self._seconds
+        self._timer = self._loop.call_at(due, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def _reason(exc: BaseException) -> str:
