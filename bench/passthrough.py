@@ -19,13 +19,21 @@ from bench.workload import chat_request
 DIRECT = "direct"
 
 
-def check(targets: Mapping[str, Server]) -> None:
-    """Each contender must answer the benchmark request correctly before it is timed."""
+def check(targets: Mapping[str, Server], requests: Mapping[str, Request]) -> dict[str, int]:
+    """Each contender must answer its request correctly before it is timed: as many choices as
+    the body's ``n``, with usage. Returns the choices each answer had."""
+    choices: dict[str, int] = {}
     for name, server in targets.items():
-        status, raw = post(server.url, chat_request())
+        request = requests[name]
+        n = orjson.loads(request.body).get("n", 1)
+        status, raw = post(server.url, request)
         body = orjson.loads(raw) if status == 200 else None
-        if not isinstance(body, dict) or len(body.get("choices", [])) != 1:
-            raise RuntimeError(f"{name}: bad answer to the n=1 request ({status}): {raw[:300]!r}")
+        got = body.get("choices") if isinstance(body, dict) else None
+        indexes = [c.get("index") for c in got if isinstance(c, dict)] if got else []
+        if indexes != list(range(n)) or not isinstance(body, dict) or "usage" not in body:
+            raise RuntimeError(f"{name}: bad answer to the n={n} request ({status}): {raw[:300]!r}")
+        choices[name] = len(indexes)
+    return choices
 
 
 def run(
@@ -35,18 +43,24 @@ def run(
     rounds: int,
     servers: Sequence[Server],
     warm_up: bool = True,
+    requests: Mapping[str, Request] | None = None,
+    tag: str = "s1",
 ) -> dict[str, Any]:
-    check(targets)
-    request = chat_request()
+    """``requests``: a contender's own request body (default: the n=1 chat request)."""
+    chosen = {name: (requests or {}).get(name) or chat_request() for name in targets}
+    checked = check(targets, chosen)
     names = list(targets)
     for name in names if warm_up else ():  # connection pools, lazy imports, caches
-        loader.run(targets[name].url, request, max(concurrencies))
+        loader.run(targets[name].url, chosen[name], max(concurrencies))
     rows: list[Row] = []
     for turn in range(rounds):
         for concurrency in concurrencies:
             for name in rotated(names, turn):
-                rows.append(_measure(targets, name, loader, request, concurrency, servers, turn))
-    return {"runs": rows, "summary": summarize(rows, names, concurrencies)}
+                request = chosen[name]
+                rows.append(
+                    _measure(targets, name, loader, request, concurrency, servers, turn, tag)
+                )
+    return {"runs": rows, "summary": summarize(rows, names, concurrencies), "checked": checked}
 
 
 def _measure(
@@ -57,6 +71,7 @@ def _measure(
     concurrency: int,
     servers: Sequence[Server],
     turn: int,
+    tag: str,
 ) -> Row:
     settle(servers)
     watch = CpuWatch(servers)
@@ -65,7 +80,7 @@ def _measure(
     own = cpu.by_server.get(targets[name].name, 0.0)
     backend = cpu.by_server.get(targets[DIRECT].name, 0.0)
     print(
-        f"  s1 round {turn} c={concurrency:<3} {name:<10} {result.rps:8.0f} req/s"
+        f"  {tag} round {turn} c={concurrency:<3} {name:<10} {result.rps:8.0f} req/s"
         f"  p50 {result.p50_ms:7.3f} ms  p99 {result.p99_ms:7.3f} ms"
         f"  errors {result.errors}  other load {cpu.foreign:.2f}, steal {cpu.steal:.2f} cores",
         flush=True,

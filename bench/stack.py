@@ -1,13 +1,15 @@
-"""How each contender is started on loopback: demo backends, n-proxy, nginx and LiteLLM's proxy."""
+"""How each contender is started on loopback: demo backends, n-proxy, nginx, LiteLLM's proxy,
+and the canned upstream of the wire scenario."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from bench.canned import BODY, HEALTH_PATH
 from bench.load import BENCH_KEY
 from bench.procs import Fleet, Server, free_port
-from bench.workload import MODEL
+from bench.workload import CHAT_PATH, MODEL
 
 # Admission control is a deployment choice, not a cost: lift it so only the proxy's work shows.
 _PROXY_CONFIG = """\
@@ -19,7 +21,8 @@ upstreams:
 drain_seconds: 1
 """
 
-_NGINX_CONFIG = """\
+# One worker, as n-proxy has one by default; {http} is the server part of each role.
+_NGINX_MAIN = """\
 worker_processes 1;
 user root root;
 pid {work}/nginx.pid;
@@ -32,6 +35,10 @@ http {{
     fastcgi_temp_path {work}/fastcgi;
     uwsgi_temp_path {work}/uwsgi;
     scgi_temp_path {work}/scgi;
+{http}}}
+"""
+
+_NGINX_PROXY = """\
     upstream backend {{
         server 127.0.0.1:{upstream_port};
         keepalive 256;
@@ -46,7 +53,30 @@ http {{
             proxy_read_timeout 600s;
         }}
     }}
-}}
+"""
+
+# The canned upstream: `return` answers at once (and discards the request body, so keep-alive
+# holds); default_type sets the Content-Type of a `return` text. keepalive_requests lifted from
+# nginx's 1,000: the proxies in front keep their upstream connections for the whole run.
+_NGINX_CANNED = """\
+    keepalive_requests 100000000;
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location = {health} {{
+            default_type text/plain;
+            return 200 "ok\\n";
+        }}
+        location = {path} {{
+            default_type application/json;
+            if ($request_method != POST) {{
+                return 405;
+            }}
+            return 200 '{body}';
+        }}
+        location / {{
+            return 404;
+        }}
+    }}
 """
 
 _LITELLM_CONFIG = """\
@@ -107,16 +137,33 @@ def start_forwarder(fleet: Fleet, upstream: Server) -> Server:
     return fleet.launch("aiohttp forwarder", argv, port, "/health")
 
 
-def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server) -> Server:
-    """One worker process, as n-proxy has one by default; launched only."""
-    port = free_port()
-    home = work / "nginx"
+def _launch_nginx(fleet: Fleet, home: Path, nginx: str, name: str, http: str, port: int) -> Server:
     for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (home / sub).mkdir(parents=True, exist_ok=True)
     config = home / "nginx.conf"
-    config.write_text(_NGINX_CONFIG.format(work=home, upstream_port=upstream.port, port=port))
+    config.write_text(_NGINX_MAIN.format(work=home, http=http))
     argv = [nginx, "-p", str(home), "-c", str(config), "-g", "daemon off;"]
-    return fleet.launch("nginx", argv, port, "/health", tree=True)  # its worker is a child
+    return fleet.launch(name, argv, port, "/health", tree=True)  # its worker is a child
+
+
+def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server) -> Server:
+    """nginx as a reverse proxy in front of ``upstream``; launched only."""
+    port = free_port()
+    http = _NGINX_PROXY.format(upstream_port=upstream.port, port=port)
+    return _launch_nginx(fleet, work / "nginx", nginx, "nginx", http, port)
+
+
+def start_canned(fleet: Fleet, work: Path, nginx: str | None) -> Server:
+    """The canned upstream (``bench/canned.py``'s body): nginx, or the Python fallback without it.
+
+    Launched only. Named "canned nginx" or "canned python", so a report says which it was.
+    """
+    port = free_port()
+    if nginx is None:
+        argv = [sys.executable, "-m", "bench.canned", "--port", str(port)]
+        return fleet.launch("canned python", argv, port, HEALTH_PATH)
+    http = _NGINX_CANNED.format(port=port, health=HEALTH_PATH, path=CHAT_PATH, body=BODY.decode())
+    return _launch_nginx(fleet, work / "nginx-canned", nginx, "canned nginx", http, port)
 
 
 def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> Server:

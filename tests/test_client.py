@@ -127,7 +127,7 @@ async def test_read_stops_at_its_limit_and_the_connection_is_not_reused(
     pool: ClientPool, serve: Serve
 ) -> None:
     chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"400\r\n" + b"x" * 1024
-    raw, url = await serve(answering(chunked + b"\r\n" * 1 + b"400\r\n" + b"y" * 1024 + b"\r\n"))
+    _raw, url = await serve(answering(chunked + b"\r\n" * 1 + b"400\r\n" + b"y" * 1024 + b"\r\n"))
     response = await get(pool, url)
     with pytest.raises(BodyTooLong):
         await response.read(1500)
