@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import re
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -143,8 +143,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         request.app[TRIMMER].request_ended(outcome.body_bytes, outcome.children)
         ended = loop.time()
         fanout = outcome.fanout
-        fanned = "true" if outcome.children else "false"
-        runtime.metrics.requests.labels(outcome.route, str(outcome.status), fanned).inc()
+        runtime.metrics.answered(outcome.route, outcome.status, bool(outcome.children))
         overhead = outcome.overhead(started, ended)
         if overhead is not None:
             runtime.metrics.overhead.observe(overhead)
@@ -263,7 +262,7 @@ def _parent_id(request: web.Request) -> str:
     incoming = request.headers.get("X-Request-Id")
     if incoming is not None and _REQUEST_ID.fullmatch(incoming):
         return incoming
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # as random as uuid4().hex, at a third of its cost
 
 
 async def pass_through(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from typing import Any
 
 import orjson
@@ -12,21 +13,27 @@ import orjson
 logger = logging.getLogger("n_proxy")
 
 
-class _JsonFormatter(logging.Formatter):
+class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        fields: dict[str, Any] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "msg": record.getMessage(),
-        }
-        fields.update(getattr(record, "fields", {}))
-        return orjson.dumps(fields).decode()
+        fields = getattr(record, "fields", {})
+        return self.line(record.created, record.levelname.lower(), record.getMessage(), fields)
+
+    def line(self, created: float, level: str, message: str, fields: dict[str, Any]) -> str:
+        raise NotImplementedError
 
 
-class _TextFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        extra = " ".join(f"{k}={v}" for k, v in getattr(record, "fields", {}).items())
-        return f"{self.formatTime(record)} {record.levelname.lower()} {record.getMessage()} {extra}"
+class _JsonFormatter(_Formatter):
+    def line(self, created: float, level: str, message: str, fields: dict[str, Any]) -> str:
+        return orjson.dumps(
+            {"ts": round(created, 3), "level": level, "msg": message, **fields}
+        ).decode()
+
+
+class _TextFormatter(_Formatter):
+    def line(self, created: float, level: str, message: str, fields: dict[str, Any]) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in fields.items())
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+        return f"{stamp},{int(created % 1 * 1000):03d} {level} {message} {extra}"
 
 
 class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -42,10 +49,14 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._lines.append(self.format(record))
+            line = self.format(record)
         except Exception:
             self.handleError(record)
             return
+        self.add(line)
+
+    def add(self, line: str) -> None:
+        self._lines.append(line)
         if len(self._lines) > 1:
             return  # a flush is already scheduled
         try:
@@ -61,9 +72,15 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().flush()
 
 
+_direct: tuple[_BatchingHandler, _Formatter] | None = None
+
+
 def setup_logging(fmt: str) -> None:
+    global _direct
     handler = _BatchingHandler()
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
+    formatter = _JsonFormatter() if fmt == "json" else _TextFormatter()
+    handler.setFormatter(formatter)
+    _direct = (handler, formatter)
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -71,7 +88,16 @@ def setup_logging(fmt: str) -> None:
 
 def log_request(**fields: Any) -> None:
     """The per-request line: ids, route, upstream, n, status, durations, children aborted."""
-    if logger.isEnabledFor(logging.INFO):
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    direct = _direct
+    handlers = logger.handlers
+    if direct is not None and len(handlers) == 1 and handlers[0] is direct[0]:
+        # Our own handler alone: the line straight to it, without a LogRecord and its
+        # caller lookup (a third of the proxy's own Python time per pass-through request).
+        handler, formatter = direct
+        handler.add(formatter.line(time.time(), "info", "request", fields))
+    else:
         logger.info("request", extra={"fields": fields})
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -33,6 +34,7 @@ _LATENCY = (
 
 class Metrics:
     def __init__(self) -> None:
+        self._answered: dict[tuple[str, int, bool], Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -133,6 +135,15 @@ class Metrics:
             ["upstream"],
             registry=r,
         )
+
+    def answered(self, route: str, status: int, fanned_out: bool) -> None:
+        """One request answered: ``requests`` by its labels, the labelled child looked up once."""
+        key = (route, status, fanned_out)
+        child = self._answered.get(key)
+        if child is None:
+            fanned = "true" if fanned_out else "false"
+            child = self._answered[key] = self.requests.labels(route, str(status), fanned)
+        child.inc()
 
     def render(self) -> bytes:
         if MULTIPROCESS:
