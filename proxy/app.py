@@ -168,8 +168,11 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
         # An HTTP/0.9-style request line ("GET /"): nothing of it goes upstream.
         return error_response(InvalidRequest("malformed request line: no HTTP version"), close=True)
     try:
-        async with asyncio.timeout(config.client_timeouts.body):
+        if request.content.is_eof():  # the whole body came with the head: nothing to wait for
             body = await request.read()
+        else:
+            async with asyncio.timeout(config.client_timeouts.body):
+                body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error_response(
             BodyTooLarge(f"request body is larger than {config.max_body_bytes} bytes")
@@ -271,8 +274,9 @@ async def pass_through(
     pool = request.app[POOL]
     (url,) = pool.place(upstream, 1)
     headers = request_headers(request.headers, upstream.headers)
+    (place,) = pool.join(upstream, 1)
     async with (
-        pool.slot(upstream),
+        place,
         pool.send(
             upstream,
             url,

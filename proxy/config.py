@@ -266,7 +266,10 @@ class Config(_Section):
         return self
 
     def upstream(self, name: str) -> Upstream:
-        return next(u for u in self.upstreams if u.name == name)
+        for upstream in self.upstreams:
+            if upstream.name == name:
+                return upstream
+        raise KeyError(name)
 
     def choose_upstream(self, path: str, model: str | None) -> Upstream:
         """The destination comes from configuration alone (SPEC §9: never from Host or the URI)."""

@@ -15,7 +15,6 @@ import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 from urllib.parse import urlsplit
@@ -159,13 +158,6 @@ class UpstreamPool:
             self.metrics.rejected.labels(upstream.name).inc()
             raise
 
-    @asynccontextmanager
-    async def slot(self, upstream: Upstream) -> AsyncIterator[None]:
-        """One slot for one upstream request (pass-through)."""
-        (place,) = self.join(upstream, 1)
-        async with place:
-            yield
-
     async def _watch(self) -> None:
         """Report queued children that the queue in front of them does not explain (#10)."""
         loop = asyncio.get_running_loop()
@@ -187,8 +179,7 @@ class UpstreamPool:
         logger.warning("slot watchdog", extra={"fields": fields})
         state.slots.repair()
 
-    @asynccontextmanager
-    async def send(
+    def send(
         self,
         upstream: Upstream,
         url: str,
@@ -200,50 +191,16 @@ class UpstreamPool:
         decompress: bool,
         trace: Trace | None = None,
         read_bufsize: int | None = None,
-    ) -> AsyncIterator[Reply]:
-        """Open one upstream request; the response is closed (never reused) if left unread.
+    ) -> Exchange:
+        """Open one upstream request: ``async with pool.send(...) as reply``.
 
-        Failures listed in ``retry_on`` are retried here, before the reply is yielded: nothing
-        of a retried answer can have reached the client (SPEC §10).
+        Failures listed in ``retry_on`` are retried before the reply is given out: nothing of a
+        retried answer can have reached the client (SPEC §10). The response is closed (never
+        reused) if its body is left unread.
         """
-        timeouts = upstream.timeouts
-        state = self.state(upstream)
-        in_flight = state.in_flight
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        if trace is not None and trace.sent_at is None:
-            trace.sent_at = started
-        in_flight.inc()
-        try:
-            response = await self._answer(
-                state, url, method, path_qs, headers, body,
-                decompress=decompress, trace=trace, read_bufsize=read_bufsize,
-            )  # fmt: skip
-            state.ttfb.observe(loop.time() - started)
-            if isinstance(response, Response):
-                try:
-                    yield Reply(
-                        response, response, upstream, self.config.max_response_bytes, response
-                    )
-                finally:
-                    self.client.release(response)
-                return
-            _stop_read_timer(response)
-            guard = IdleGuard(response, timeouts.idle)
-            try:
-                yield Reply(response, guard, upstream, self.config.max_response_bytes)
-            finally:
-                guard.close()
-                if response.content.at_eof():
-                    response.release()
-                else:
-                    response.close()  # an abandoned body: drop the connection so generation stops
-        finally:
-            in_flight.dec()
-            ended = loop.time()
-            state.duration.observe(ended - started)
-            if trace is not None:
-                trace.done_at = ended if trace.done_at is None else max(trace.done_at, ended)
+        return Exchange(
+            self, upstream, (url, method, path_qs, headers, body), decompress, trace, read_bufsize
+        )
 
     async def _answer(
         self,
@@ -449,6 +406,86 @@ def _tls_name(replica: Replica) -> str | None:
     if replica.host is None or not replica.url.startswith("https:"):
         return None
     return urlsplit("//" + replica.host).hostname
+
+
+class Exchange:
+    """One upstream request, from sending it to the end of its body (``UpstreamPool.send``).
+
+    A class, not an ``asynccontextmanager``: it is on every request's path, and a generator
+    behind two awaits per request costs more than these few lines.
+    """
+
+    __slots__ = (
+        "_answer", "_decompress", "_guard", "_pool", "_read_bufsize", "_request", "_started",
+        "_state", "_trace", "_upstream",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        upstream: Upstream,
+        request: tuple[str, str, str, Mapping[str, str] | CIMultiDict[str], bytes | None],
+        decompress: bool,
+        trace: Trace | None,
+        read_bufsize: int | None,
+    ) -> None:
+        self._pool = pool
+        self._upstream = upstream
+        self._state = pool.state(upstream)
+        self._request = request
+        self._decompress = decompress
+        self._trace = trace
+        self._read_bufsize = read_bufsize
+        self._started = 0.0
+        self._answer: Answer | None = None
+        self._guard: IdleGuard | None = None
+
+    async def __aenter__(self) -> Reply:
+        pool, state, upstream, trace = self._pool, self._state, self._upstream, self._trace
+        loop = asyncio.get_running_loop()
+        self._started = started = loop.time()
+        if trace is not None and trace.sent_at is None:
+            trace.sent_at = started
+        state.in_flight.inc()
+        try:
+            url, method, path_qs, headers, body = self._request
+            response = await pool._answer(
+                state, url, method, path_qs, headers, body,
+                decompress=self._decompress, trace=trace, read_bufsize=self._read_bufsize,
+            )  # fmt: skip
+        except BaseException:
+            self._ended(loop.time())
+            raise
+        state.ttfb.observe(loop.time() - started)
+        self._answer = response
+        max_bytes = pool.config.max_response_bytes
+        if isinstance(response, Response):
+            return Reply(response, response, upstream, max_bytes, response)
+        _stop_read_timer(response)
+        guard = self._guard = IdleGuard(response, upstream.timeouts.idle)
+        return Reply(response, guard, upstream, max_bytes)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        response = self._answer
+        try:
+            if isinstance(response, Response):
+                self._pool.client.release(response)
+            elif response is not None:
+                if self._guard is not None:
+                    self._guard.close()
+                if response.content.at_eof():
+                    response.release()
+                else:
+                    response.close()  # an abandoned body: drop the connection so generation stops
+        finally:
+            self._ended(asyncio.get_running_loop().time())
+
+    def _ended(self, ended: float) -> None:
+        state, trace = self._state, self._trace
+        state.in_flight.dec()
+        state.duration.observe(ended - self._started)
+        if trace is not None:
+            trace.done_at = ended if trace.done_at is None else max(trace.done_at, ended)
 
 
 def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:
