@@ -204,7 +204,7 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
         if fanout_path and parsed is not None and not upstream.native_n:
             plan = plan_request(
                 parsed,
-                _parent_id(request),
+                functools.partial(_parent_id, request),
                 config.max_n,
                 completions=path.endswith("/completions")
                 and not path.endswith("/chat/completions"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -71,7 +72,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 def plan_request(
     body: dict[str, Any],
-    parent_id: str,
+    parent_id: str | Callable[[], str],
     max_n: int,
     *,
     completions: bool,
@@ -85,6 +86,8 @@ def plan_request(
     per_prompt = best_of or n
     if per_prompt == 1:
         return None
+    if callable(parent_id):  # made only for a request that fans out
+        parent_id = parent_id()
     seed = body.get("seed")
     # orjson reads integer literals beyond 64 bits as floats: those are out of range too.
     out_of_range = isinstance(seed, float) and abs(seed) >= 2**63
