@@ -36,7 +36,7 @@ from proxy.memory import Trimmer
 from proxy.plan import parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.sink import client_sink
-from proxy.upstream import Resolver, Trace, UpstreamPool
+from proxy.upstream import Resolver, Trace, UpstreamPool, UpstreamRequest
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
@@ -274,20 +274,11 @@ async def pass_through(
     pool = request.app[POOL]
     (url,) = pool.place(upstream, 1)
     headers = request_headers(request.headers, upstream.headers)
+    sent = UpstreamRequest(
+        request.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
+    )
     (place,) = pool.join(upstream, 1)
-    async with (
-        place,
-        pool.send(
-            upstream,
-            url,
-            request.method,
-            request.rel_url.raw_path_qs,
-            headers,
-            body if request.body_exists else None,
-            decompress=False,
-            trace=trace,
-        ) as reply,
-    ):
+    async with place, pool.send(upstream, url, sent, trace) as reply:
         upstream_response = reply.response
         if "Server" in upstream_response.headers:
             request[UPSTREAM_SERVER] = True

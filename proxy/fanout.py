@@ -28,7 +28,7 @@ from proxy.sink import Sink, client_sink
 from proxy.slots import Place
 from proxy.sse import MAX_EVENT_BYTES, Event, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
-from proxy.upstream import Reply, Trace, UpstreamPool, upstream_error
+from proxy.upstream import Reply, Trace, UpstreamPool, UpstreamRequest, upstream_error
 
 T = TypeVar("T")
 # aiohttp stops reading a child's socket past twice this: with one read waiting in the mailbox,
@@ -69,11 +69,11 @@ class Fanout:
         return headers
 
     def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Reply]:
-        return self.pool.send(
-            self.upstream, url, "POST", self.path_qs, self.child_headers(pos),
-            self.plan.children[pos].body, decompress=True, trace=self.trace,
-            read_bufsize=CHILD_READ_BUFFER,
+        request = UpstreamRequest(
+            "POST", self.path_qs, self.child_headers(pos), self.plan.children[pos].body,
+            decompress=True, read_bufsize=CHILD_READ_BUFFER,
         )  # fmt: skip
+        return self.pool.send(self.upstream, url, request, self.trace)
 
     async def cancel(self, tasks: Sequence[asyncio.Future[Any]]) -> None:
         aborted = await _cancel_all(tasks)

@@ -16,7 +16,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -38,6 +38,17 @@ Answer = aiohttp.ClientResponse | Response
 
 WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
 WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
+
+
+class UpstreamRequest(NamedTuple):
+    """What one upstream request carries: the same on every try, so the same seed and id."""
+
+    method: str
+    path_qs: str
+    headers: Mapping[str, str] | CIMultiDict[str]
+    body: bytes | None
+    decompress: bool = False  # undo a Content-Encoding of the answer (children parse it)
+    read_bufsize: int | None = None  # bytes read ahead of the consumer
 
 
 @dataclass
@@ -180,17 +191,7 @@ class UpstreamPool:
         state.slots.repair()
 
     def send(
-        self,
-        upstream: Upstream,
-        url: str,
-        method: str,
-        path_qs: str,
-        headers: Mapping[str, str] | CIMultiDict[str],
-        body: bytes | None,
-        *,
-        decompress: bool,
-        trace: Trace | None = None,
-        read_bufsize: int | None = None,
+        self, upstream: Upstream, url: str, request: UpstreamRequest, trace: Trace | None = None
     ) -> Exchange:
         """Open one upstream request: ``async with pool.send(...) as reply``.
 
@@ -198,22 +199,10 @@ class UpstreamPool:
         retried answer can have reached the client (SPEC §10). The response is closed (never
         reused) if its body is left unread.
         """
-        return Exchange(
-            self, upstream, (url, method, path_qs, headers, body), decompress, trace, read_bufsize
-        )
+        return Exchange(self, upstream, url, request, trace)
 
     async def _answer(
-        self,
-        state: _UpstreamState,
-        url: str,
-        method: str,
-        path_qs: str,
-        headers: Mapping[str, str] | CIMultiDict[str],
-        body: bytes | None,
-        *,
-        decompress: bool,
-        trace: Trace | None,
-        read_bufsize: int | None,
+        self, state: _UpstreamState, url: str, request: UpstreamRequest, trace: Trace | None
     ) -> Answer:
         """The response to relay: up to ``retries`` further tries, each on another replica when
         there is one, with the same body and headers (so the same seed and request id)."""
@@ -228,11 +217,7 @@ class UpstreamPool:
             tried.append(replica.url)
             reason: str | None
             try:
-                response = await self._open(
-                    replica, method, path_qs, _with_host(headers, replica), body,
-                    timeout=state.timeout, timeouts=upstream.timeouts, decompress=decompress,
-                    read_bufsize=read_bufsize,
-                )  # fmt: skip
+                response = await self._open(replica, request, state.timeout, upstream.timeouts)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 reason = failure_kind(exc)
                 if reason is not None:
@@ -257,17 +242,13 @@ class UpstreamPool:
     async def _open(
         self,
         replica: Replica,
-        method: str,
-        path_qs: str,
-        headers: Mapping[str, str] | CIMultiDict[str],
-        body: bytes | None,
-        *,
+        request: UpstreamRequest,
         timeout: aiohttp.ClientTimeout,
         timeouts: Timeouts,
-        decompress: bool,
-        read_bufsize: int | None,
     ) -> Answer:
         """One HTTP request to one replica, up to its response headers."""
+        method, path_qs, headers, body, decompress, read_bufsize = request
+        headers = _with_host(headers, replica)
         if self.lean and replica.url.startswith("http:"):
             return await self.client.request(
                 replica.url, method, path_qs, headers, body,
@@ -415,27 +396,23 @@ class Exchange:
     behind two awaits per request costs more than these few lines.
     """
 
-    __slots__ = (
-        "_answer", "_decompress", "_guard", "_pool", "_read_bufsize", "_request", "_started",
-        "_state", "_trace", "_upstream",
-    )  # fmt: skip
+    __slots__ = ("_answer", "_guard", "_pool", "_request", "_started", "_state", "_trace",
+                 "_upstream", "_url")  # fmt: skip
 
     def __init__(
         self,
         pool: UpstreamPool,
         upstream: Upstream,
-        request: tuple[str, str, str, Mapping[str, str] | CIMultiDict[str], bytes | None],
-        decompress: bool,
+        url: str,
+        request: UpstreamRequest,
         trace: Trace | None,
-        read_bufsize: int | None,
     ) -> None:
         self._pool = pool
         self._upstream = upstream
         self._state = pool.state(upstream)
+        self._url = url
         self._request = request
-        self._decompress = decompress
         self._trace = trace
-        self._read_bufsize = read_bufsize
         self._started = 0.0
         self._answer: Answer | None = None
         self._guard: IdleGuard | None = None
@@ -448,11 +425,7 @@ class Exchange:
             trace.sent_at = started
         state.in_flight.inc()
         try:
-            url, method, path_qs, headers, body = self._request
-            response = await pool._answer(
-                state, url, method, path_qs, headers, body,
-                decompress=self._decompress, trace=trace, read_bufsize=self._read_bufsize,
-            )  # fmt: skip
+            response = await pool._answer(state, self._url, self._request, trace)
         except BaseException:
             self._ended(loop.time())
             raise
