@@ -424,6 +424,11 @@ async def _all_or_first_failure(awaitables: Sequence[Awaitable[T]]) -> list[T]:
 async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> int:
     """Cancel whatever still runs and wait for it to unwind; returns how many were cut short."""
     running = [t for t in tasks if not t.done()]
+    if not running:  # the common end of a fan-out: nothing to wait for, only failures to read
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()
+        return 0
     for task in running:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
