@@ -1,6 +1,10 @@
 """The 20-line aiohttp forwarder: what a plain aiohttp reverse proxy costs, as a contender.
 
-python -m bench.forwarder --port 8200 --upstream http://127.0.0.1:8100
+python -m bench.forwarder --port 8200 --upstream http://127.0.0.1:8100 [--lean]
+
+``--lean`` swaps aiohttp's ClientSession for n-proxy's own upstream client
+(``proxy/client.py``) and reads each body whole: the floor of an aiohttp server in front of
+that client, with none of the proxy's per-request work (headers, slots, retries, metrics, log).
 """
 
 from __future__ import annotations
@@ -40,10 +44,39 @@ def build(upstream: str) -> web.Application:
     return app
 
 
+def build_lean(upstream: str) -> web.Application:
+    from proxy.client import ClientPool
+
+    async def forward(request: web.Request) -> web.Response:
+        pool: ClientPool = request.app["pool"]
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+        answer = await pool.request(
+            upstream, request.method, request.rel_url.raw_path_qs, headers, await request.read(),
+            connect=5.0, first_byte=60.0, idle=60.0,
+        )  # fmt: skip
+        try:
+            body = await answer.read(1 << 26)
+        finally:
+            pool.release(answer)
+        headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP}
+        return web.Response(status=answer.status, headers=headers, body=body)
+
+    async def pool(app: web.Application):  # type: ignore[no-untyped-def]
+        app["pool"] = ClientPool()
+        yield
+        await app["pool"].close()
+
+    app = web.Application()
+    app.cleanup_ctx.append(pool)
+    app.router.add_route("*", "/{tail:.*}", forward)
+    return app
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.forwarder", description=__doc__)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
+    parser.add_argument("--lean", action="store_true", help="n-proxy's client, whole bodies")
     args = parser.parse_args()
     try:
         import uvloop
@@ -51,8 +84,9 @@ def main() -> None:
         loop_factory = uvloop.new_event_loop
     except ImportError:
         loop_factory = None
+    app = (build_lean if args.lean else build)(args.upstream)
     web.run_app(
-        build(args.upstream), host="127.0.0.1", port=args.port, access_log=None,
+        app, host="127.0.0.1", port=args.port, access_log=None,
         print=None, loop=loop_factory() if loop_factory else None, backlog=4096,
     )  # fmt: skip
 

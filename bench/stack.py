@@ -129,12 +129,15 @@ def start_proxy(
     return fleet.launch(name, argv, port, "/health", tree=workers > 1)
 
 
-def start_forwarder(fleet: Fleet, upstream: Server) -> Server:
-    """The 20-line aiohttp forwarder (``bench/forwarder.py``), plain aiohttp: launched only."""
+def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Server:
+    """The 20-line aiohttp forwarder (``bench/forwarder.py``), plain aiohttp: launched only.
+
+    ``lean``: the same forwarder on n-proxy's own upstream client (``--lean``).
+    """
     port = free_port()
     argv = [sys.executable, "-m", "bench.forwarder", "--port", str(port)]
-    argv += ["--upstream", upstream.url]
-    return fleet.launch("aiohttp forwarder", argv, port, "/health")
+    argv += ["--upstream", upstream.url] + (["--lean"] if lean else [])
+    return fleet.launch("lean forwarder" if lean else "aiohttp forwarder", argv, port, "/health")
 
 
 def _launch_nginx(fleet: Fleet, home: Path, nginx: str, name: str, http: str, port: int) -> Server:

@@ -4,7 +4,9 @@ Scenario 1 puts the Python demo backend upstream, which takes ~270 µs of CPU pe
 same two cores and hides what a proxy costs. Here nginx answers every POST with the same
 chat.completion (``bench/canned.py``; its Python server when nginx is missing), and the contenders
 are timed side by side in alternating rounds with scenario 1's code: direct, nginx as a proxy, the
-20-line aiohttp forwarder, n-proxy n=1 and n-proxy fan-out n=4 (the same proxy, ``"n": 4``).
+20-line aiohttp forwarder, the same forwarder on n-proxy's client ("lean forwarder": the floor
+of aiohttp's server plus that client), n-proxy n=1 and n-proxy fan-out n=4 (the same proxy,
+``"n": 4``).
 
     python -m bench.wire --nginx /usr/sbin/nginx --wrk /usr/bin/wrk   # bench/results/wire.*
 """
@@ -35,6 +37,7 @@ FANOUT_N = 4
 PROXY = "n-proxy"
 FANOUT = f"n-proxy n={FANOUT_N}"
 FORWARDER = "aiohttp forwarder"
+LEAN = "lean forwarder"  # the same, on n-proxy's client: aiohttp's server plus that client
 NGINX = "nginx"
 
 
@@ -47,6 +50,7 @@ def line_up(fleet: Fleet, work: Path, nginx: str | None, canned_nginx: bool) -> 
     if nginx:
         targets[NGINX] = start_nginx(fleet, work, nginx, canned)
     targets[FORWARDER] = start_forwarder(fleet, canned)
+    targets[LEAN] = start_forwarder(fleet, canned, lean=True)
     targets[PROXY] = targets[FANOUT] = proxy
     for server in targets.values():
         wait_ready(server)
@@ -92,6 +96,8 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
         "fanout_children_vs_proxy_rps": _paired_ratio(rows, FANOUT, PROXY, high, FANOUT_N),
         "fanout_children_per_s": FANOUT_N * _summary(summary, FANOUT, high).get("rps", 0.0),
         "cpu_proxy_vs_forwarder": _cpu_ratio(summary, PROXY, FORWARDER, high),
+        "cpu_proxy_vs_lean": _cpu_ratio(summary, PROXY, LEAN, high),
+        "lean_vs_forwarder_rps": _paired_ratio(rows, LEAN, FORWARDER, high),
         "cpu_proxy_vs_nginx": _cpu_ratio(summary, PROXY, NGINX, high),
         "cpu_fanout_child_vs_proxy": _cpu_ratio(summary, FANOUT, PROXY, high, FANOUT_N),
         "cpu_fanout_child_vs_forwarder": _cpu_ratio(summary, FANOUT, FORWARDER, high, FANOUT_N),
@@ -128,6 +134,8 @@ def evaluate(r: dict[str, Any]) -> list[Target]:
 _CPU: list[tuple[str, str, str]] = [
     ("n-proxy pass-through CPU/req over the forwarder's", "cpu_proxy_vs_forwarder", "{:.2f}x"),
     ("n-proxy pass-through CPU/req over nginx's", "cpu_proxy_vs_nginx", "{:.2f}x"),
+    ("n-proxy pass-through CPU/req over the lean forwarder's", "cpu_proxy_vs_lean", "{:.2f}x"),
+    ("lean forwarder req/s over the aiohttp forwarder's", "lean_vs_forwarder_rps", "{:.2f}x"),
     ("n-proxy req/s over nginx's", "proxy_vs_nginx_rps", "{:.2f}x"),
     (f"fan-out n={FANOUT_N} CPU per child over pass-through CPU/req", "cpu_fanout_child_vs_proxy",
      "{:.2f}x"),

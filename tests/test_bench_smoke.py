@@ -57,7 +57,7 @@ def test_wire_scenario_measures_every_contender(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     data = json.loads((tmp_path / "wire.json").read_text())["wire"]
     served = {row["target"]: row for row in data["runs"]}
-    expected = {"direct", "aiohttp forwarder", "n-proxy", "n-proxy n=4"}
+    expected = {"direct", "aiohttp forwarder", "lean forwarder", "n-proxy", "n-proxy n=4"}
     assert expected <= set(served) <= expected | {"nginx"}
     for name, row in served.items():
         assert row["requests"] > 0, name
