@@ -21,21 +21,34 @@ class Sink(NamedTuple):
 
 
 def client_sink(request: web.Request, transport: asyncio.Transport) -> Sink:
-    """For a response already prepared: its body's bytes go to ``transport`` directly."""
+    """For a response already prepared: its body's bytes go to ``transport`` directly.
+
+    Writing once the client is gone raises ``ConnectionResetError``, the error callers handle
+    (uvloop itself would raise ``RuntimeError`` on a transport whose connection is lost).
+    """
     writer = request.writer
     send_headers = getattr(writer, "send_headers", None)  # aiohttp >= 3.12 holds the head back
     if send_headers is not None:
         send_headers()
     protocol = request.protocol
-    write = transport.write
+    closing = transport.is_closing
+    send = transport.write
 
     def full() -> bool:
-        return protocol.writing_paused or transport.is_closing()
+        return protocol.writing_paused or closing()
 
     if getattr(writer, "chunked", False):
 
-        def framed(data: bytes) -> None:
-            write(b"%x\r\n%b\r\n" % (len(data), data))
+        def write(data: bytes) -> None:
+            if closing():
+                raise ConnectionResetError("the client left")
+            send(b"%x\r\n%b\r\n" % (len(data), data))
 
-        return Sink(framed, full, writer.drain)
+    else:
+
+        def write(data: bytes) -> None:
+            if closing():
+                raise ConnectionResetError("the client left")
+            send(data)
+
     return Sink(write, full, writer.drain)
