@@ -313,7 +313,7 @@ def _value_between(data: bytes, head: bytes, tail: bytes) -> bytes | None:
         parsed = orjson.loads(value)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(parsed, str | int | float) or isinstance(parsed, bool):
+    if not isinstance(parsed, (str, int, float)) or isinstance(parsed, bool):
         return None
     return value
 
