@@ -26,7 +26,7 @@ from proxy.plan import Plan
 from proxy.runtime import Runtime
 from proxy.sink import Sink, client_sink
 from proxy.slots import Place
-from proxy.sse import MAX_EVENT_BYTES, Event, SSEDecoder
+from proxy.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.upstream import Reply, Trace, UpstreamPool, UpstreamRequest, upstream_error
 
@@ -34,7 +34,7 @@ T = TypeVar("T")
 # aiohttp stops reading a child's socket past twice this: with one read waiting in the mailbox,
 # a child behind a slow client holds about 64 KiB in the proxy.
 CHILD_READ_BUFFER = 16 * 1024
-Item = list[Event] | BaseException | None  # events, a failure, or None: the child ended cleanly
+Item = list[RawEvent] | BaseException | None  # events, a failure, or None: the child ended cleanly
 KEEPALIVE = b": keep-alive\n\n"
 
 
@@ -178,12 +178,12 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
 
                 def feed(data: bytes) -> None:
                     # Called from the upstream protocol as bytes arrive: no task hop per chunk.
-                    events = decoder.feed(data)
+                    events = decoder.feed_raw(data)
                     if events:
                         mailbox.put_nowait((pos, events))
 
                 await reply.relay(feed, mailbox.full, mailbox.room)
-                await mailbox.put((pos, decoder.close()))
+                await mailbox.put((pos, decoder.close_raw()))
             await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:
             if answered or not start.answer(exc):
@@ -345,8 +345,8 @@ async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds
                     elif isinstance(item, BaseException):
                         raise StreamError(plan.children[pos].index, _reason(item))
                     else:
-                        for event in item:
-                            chunk = stitcher.chunk(pos, event.data, event.event)
+                        for data, event in item:
+                            chunk = stitcher.chunk(pos, data, event)
                             if chunk is not None:
                                 out.append(chunk)
             except StreamError as error:

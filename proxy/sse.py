@@ -23,6 +23,11 @@ class Event(NamedTuple):
     retry: int | None = None
 
 
+RawEvent = tuple[bytes, str]
+"""An event's data as UTF-8 bytes (undecoded: ``decode("utf-8", "replace")`` gives ``Event.data``)
+and its type: what a consumer that parses the data as JSON needs, orjson reading bytes."""
+
+
 class SSEError(ValueError):
     """A line or an event grew past the decoder's `max_event_bytes`."""
 
@@ -154,6 +159,30 @@ class SSEDecoder:
         # on dispatch; httpx-sse does the same.
         self._id: str | None = None
         self._retry: int | None = None
+
+    def feed_raw(self, chunk: bytes) -> list[RawEvent]:
+        """``feed`` for a consumer that parses JSON: each event's raw data and type.
+
+        A chunk holding exactly one whole ``data: ...`` event, as LLM servers send one per
+        token, costs two scans and a slice: no decode, no ``Event``, no list of lines.
+        """
+        if (
+            chunk.startswith(b"data: ")
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk.endswith(b"\n\n")
+            and len(chunk) - 2 <= self._limit
+            and b"\r" not in chunk
+            and not self._data
+            and not self._event
+            and self._retry is None
+            and self._lines.idle()
+        ):
+            return [(chunk[6:-2], "message")]
+        return [(e.data.encode(), e.event) for e in self.feed(chunk)]
+
+    def close_raw(self) -> list[RawEvent]:
+        """``close`` for a ``feed_raw`` consumer."""
+        return [(e.data.encode(), e.event) for e in self.close()]
 
     def feed(self, chunk: bytes) -> list[Event]:
         if (

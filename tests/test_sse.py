@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.sse import Event, SSEDecoder, SSEError
+from proxy.sse import Event, RawEvent, SSEDecoder, SSEError
 
 
 def decode_whole(stream: bytes) -> list[Event]:
@@ -371,3 +371,45 @@ def test_whole_event_fast_path_respects_the_size_limit() -> None:
     assert decoder.feed(b"data: ok\n\n") == [Event("ok")]
     with pytest.raises(SSEError):
         decoder.feed(b"data: " + b"x" * 32 + b"\n\n")
+
+
+def _raw_and_line_by_line(pieces: list[bytes]) -> tuple[list[RawEvent], list[Event]]:
+    raw, reference = SSEDecoder(), _LineByLine()
+    got: list[RawEvent] = []
+    want: list[Event] = []
+    for piece in pieces:
+        got += raw.feed_raw(piece)
+        want += reference.feed(piece)
+    return got + raw.close_raw(), want + reference.close()
+
+
+@pytest.mark.parametrize("pieces", WHOLE_EVENT_CASES)
+def test_feed_raw_is_feed_with_the_data_left_undecoded(pieces: list[bytes]) -> None:
+    got, want = _raw_and_line_by_line(pieces)
+    assert [(data.decode("utf-8", "replace"), event) for data, event in got] == [
+        (e.data, e.event) for e in want
+    ]
+
+
+def test_feed_raw_leaves_a_whole_events_bytes_as_sent() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed_raw(b"data: warm\n\n") == [(b"warm", "message")]
+    assert decoder.feed_raw(b"data: caf\xc3\n\n") == [(b"caf\xc3", "message")]
+    assert decoder.feed_raw(b"data: a\n\ndata: b\n\n") == [(b"a", "message"), (b"b", "message")]
+    assert decoder.feed_raw(b"event: error\ndata: x\n\n") == [(b"x", "error")]
+
+
+def test_feed_raw_respects_the_size_limit() -> None:
+    decoder = SSEDecoder(max_event_bytes=16)
+    assert decoder.feed_raw(b"data: ok\n\n") == [(b"ok", "message")]
+    with pytest.raises(SSEError):
+        decoder.feed_raw(b"data: " + b"x" * 32 + b"\n\n")
+
+
+def test_feed_raw_equals_line_by_line_on_every_literal_fixture() -> None:
+    streams = [REALISTIC, b"data: [DONE]\n\n", b'data: {"v": 1}\n\nid: 3\ndata: x\n\n']
+    for stream in streams:
+        events = [e + b"\n\n" for e in stream.split(b"\n\n") if e]
+        for pieces in ([b"data: warm\n\n", *events], [b"data: warm\n\n", stream]):
+            got, want = _raw_and_line_by_line(pieces)
+            assert [(d.decode(), event) for d, event in got] == [(e.data, e.event) for e in want]

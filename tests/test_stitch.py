@@ -303,7 +303,7 @@ def chunk(
     *,
     model: str = "m",
     **extra: Any,
-) -> str:
+) -> bytes:
     delta = {} if content is None else {"content": content}
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     return orjson.dumps(
@@ -315,10 +315,10 @@ def chunk(
             "choices": [choice],
             **extra,
         }
-    ).decode()
+    )
 
 
-def usage_chunk(cid: str, prompt: int, completion: int) -> str:
+def usage_chunk(cid: str, prompt: int, completion: int) -> bytes:
     return orjson.dumps(
         {
             "id": cid,
@@ -328,7 +328,7 @@ def usage_chunk(cid: str, prompt: int, completion: int) -> str:
             "choices": [],
             "usage": usage(prompt, completion),
         }
-    ).decode()
+    )
 
 
 STREAM_WITH_USAGE = {"n": 2, "stream": True, "stream_options": {"include_usage": True}}
@@ -372,11 +372,13 @@ def test_stream_shares_first_id_when_backend_does_not_echo_request_id() -> None:
 def test_stream_list_of_prompts_uses_choice_index_p_times_n_plus_i() -> None:
     p = plan({"prompt": ["a", "b"], "n": 2, "stream": True}, completions=True)
     s = StreamStitcher(p)
-    text = '{"id":"cmpl-%s","object":"text_completion","created":3,"model":"m",' + (
-        '"choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}]}'
+    text = b'{"id":"cmpl-%s","object":"text_completion","created":3,"model":"m",' + (
+        b'"choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}]}'
     )
-    indices = [after_opening(s.chunk(3, text % p.children[3].request_id), 4)]
-    indices += [one_event(s.chunk(pos, text % p.children[pos].request_id)) for pos in (0, 2, 1)]
+    indices = [after_opening(s.chunk(3, text % p.children[3].request_id.encode()), 4)]
+    indices += [
+        one_event(s.chunk(pos, text % p.children[pos].request_id.encode())) for pos in (0, 2, 1)
+    ]
     assert [e["choices"][0]["index"] for e in indices] == [3, 0, 2, 1]
     assert {e["id"] for e in indices} == {"cmpl-abc"}
 
@@ -387,10 +389,10 @@ def test_stream_holds_back_usage_only_chunks_and_done_then_sends_one_merged_tail
     assert s.chunk(1, chunk("chatcmpl-1_abc", 51, "B")) is not None
     assert s.chunk(0, chunk("chatcmpl-0_abc", 50, None, "stop")) is not None
     assert s.chunk(0, usage_chunk("chatcmpl-0_abc", 12, 3)) is None
-    assert s.chunk(0, "[DONE]") is None
+    assert s.chunk(0, b"[DONE]") is None
     assert s.chunk(1, chunk("chatcmpl-1_abc", 51, None, "length")) is not None
     assert s.chunk(1, usage_chunk("chatcmpl-1_abc", 12, 5)) is None
-    assert s.chunk(1, "[DONE]") is None
+    assert s.chunk(1, b"[DONE]") is None
     tail = s.tail()
     assert tail.endswith(DONE)
     assert tail.count(b"[DONE]") == 1
@@ -421,8 +423,8 @@ def test_stream_tail_is_exactly_one_done_without_include_usage(body: dict[str, A
     s = StreamStitcher(plan(body))
     s.chunk(0, chunk("chatcmpl-0_abc", 1, "a", "stop", usage=usage(4, 1)))
     s.chunk(1, chunk("chatcmpl-1_abc", 1, "b", "stop", usage=usage(4, 1)))
-    s.chunk(0, "[DONE]")
-    s.chunk(1, "[DONE]")
+    s.chunk(0, b"[DONE]")
+    s.chunk(1, b"[DONE]")
     assert s.tail() == DONE
 
 
@@ -497,7 +499,7 @@ def test_stream_usage_for_a_list_of_prompts_counts_each_prompt_once() -> None:
         pytest.param([chunk("c", 1, "a"), usage_chunk("c", 1, 1)], id="usage-before-finish"),
     ],
 )
-def test_stream_child_is_not_finished_before_finish_reason_or_done(events: list[str]) -> None:
+def test_stream_child_is_not_finished_before_finish_reason_or_done(events: list[bytes]) -> None:
     s = StreamStitcher(plan({"n": 2, "stream": True}))
     for data in events:
         s.chunk(1, data)
@@ -509,11 +511,11 @@ def test_stream_child_is_not_finished_before_finish_reason_or_done(events: list[
     [
         pytest.param([chunk("c", 1, "a", "stop")], id="finish-reason-stop"),
         pytest.param([chunk("c", 1, "a", "abort")], id="finish-reason-abort"),
-        pytest.param([chunk("c", 1, "a"), "[DONE]"], id="done"),
-        pytest.param(["[DONE]"], id="done-alone"),
+        pytest.param([chunk("c", 1, "a"), b"[DONE]"], id="done"),
+        pytest.param([b"[DONE]"], id="done-alone"),
     ],
 )
-def test_stream_child_is_finished_after_finish_reason_or_done(events: list[str]) -> None:
+def test_stream_child_is_finished_after_finish_reason_or_done(events: list[bytes]) -> None:
     s = StreamStitcher(plan({"n": 2, "stream": True}))
     for data in events:
         s.chunk(1, data)
@@ -525,18 +527,18 @@ def test_stream_child_is_finished_after_finish_reason_or_done(events: list[str])
     ("data", "event"),
     [
         pytest.param(
-            '{"error": {"message": "boom", "type": "server_error", "param": null, "code": 500}}',
+            b'{"error": {"message": "boom", "type": "server_error", "param": null, "code": 500}}',
             "message",
             id="error-payload",
         ),
-        pytest.param('{"error": "overloaded"}', "message", id="error-string"),
-        pytest.param('{"message": "boom"}', "error", id="error-event"),
-        pytest.param("not json", "message", id="non-json"),
-        pytest.param('{"id": "x", "choi', "message", id="truncated-json"),
-        pytest.param("[1, 2]", "message", id="json-array"),
+        pytest.param(b'{"error": "overloaded"}', "message", id="error-string"),
+        pytest.param(b'{"message": "boom"}', "error", id="error-event"),
+        pytest.param(b"not json", "message", id="non-json"),
+        pytest.param(b'{"id": "x", "choi', "message", id="truncated-json"),
+        pytest.param(b"[1, 2]", "message", id="json-array"),
     ],
 )
-def test_stream_error_raises_stream_error_naming_the_choice(data: str, event: str) -> None:
+def test_stream_error_raises_stream_error_naming_the_choice(data: bytes, event: str) -> None:
     p = plan({"prompt": ["a", "b"], "n": 2, "stream": True}, completions=True)
     s = StreamStitcher(p)
     with pytest.raises(StreamError) as info:
@@ -560,7 +562,7 @@ def test_error_event_is_one_server_error_event_then_done() -> None:
 # --- the opening: every choice announced in index order (SPEC §5) ---
 
 
-def role_chunk(cid: str, content: str | None = "", **extra: Any) -> str:
+def role_chunk(cid: str, content: str | None = "", **extra: Any) -> bytes:
     """A child's own first chunk: vLLM sends content "", llama.cpp content null."""
     choice = {
         "index": 0,
@@ -577,7 +579,7 @@ def role_chunk(cid: str, content: str | None = "", **extra: Any) -> str:
             "choices": [choice],
             **extra,
         }
-    ).decode()
+    )
 
 
 @pytest.mark.parametrize("first", [0, 1, 2])
@@ -637,8 +639,8 @@ def test_stream_role_chunk_carrying_vendor_fields_is_kept_without_its_role() -> 
 def test_stream_completions_open_with_an_empty_text_per_choice_in_index_order() -> None:
     p = plan({"prompt": ["a", "b"], "n": 2, "stream": True}, completions=True)
     s = StreamStitcher(p)
-    text = '{"id":"cmpl-1","object":"text_completion","created":3,"model":"m",' + (
-        '"choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}]}'
+    text = b'{"id":"cmpl-1","object":"text_completion","created":3,"model":"m",' + (
+        b'"choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}]}'
     )
     *opening, own = sse(s.chunk(2, text) or b"")
     assert [c["choices"] for c in opening] == [
@@ -652,3 +654,238 @@ def test_stream_usage_only_chunk_first_does_not_open_the_stream() -> None:
     s = StreamStitcher(plan(STREAM_WITH_USAGE))
     assert s.chunk(0, usage_chunk("chatcmpl-0_abc", 3, 1)) is None
     after_opening(s.chunk(1, chunk("chatcmpl-1_abc", 5, "b")), 2)
+
+
+# --- the learned byte templates equal the full path (the reference) on every stream ---
+
+
+class FullPath(StreamStitcher):
+    """Every chunk parsed, rewritten and serialized: what the templates must equal."""
+
+    def chunk(self, pos: int, data: bytes, event: str = "message") -> bytes | None:
+        return self._rewrite(pos, data, event)
+
+
+Step = tuple[int, bytes, str]
+
+
+def replay(p: Plan, steps: list[Step]) -> tuple[list[Any], list[Any]]:
+    """Both stitchers through the same events: what each sent, chunk by chunk, then its tail."""
+    sent: tuple[list[Any], list[Any]] = ([], [])
+    for s, out in zip((StreamStitcher(p), FullPath(p)), sent, strict=True):
+        for pos, data, event in steps:
+            try:
+                raw = s.chunk(pos, data, event)
+            except StreamError as error:
+                out.append(("error", error.choice, error.reason))
+                break
+            out.append(None if raw is None else sse(raw))
+        else:
+            out.append(sse(s.tail()))
+        out.append((s.chunks, [s.finished(pos) for pos in range(len(p.children))]))
+    return sent
+
+
+def interleave(streams: list[list[bytes]]) -> list[Step]:
+    longest = max(len(s) for s in streams)
+    return [
+        (pos, s[i], "message")
+        for i in range(longest)
+        for pos, s in enumerate(streams)
+        if i < len(s)
+    ]
+
+
+def vllm_stream(p: Plan, pos: int, contents: list[Any], **extra: Any) -> list[bytes]:
+    cid = f"chatcmpl-{p.children[pos].request_id}"
+    return [
+        role_chunk(cid, **extra),
+        *(chunk(cid, 9, c, **extra) for c in contents),
+        chunk(cid, 9, None, "stop", **extra),
+        usage_chunk(cid, 4, len(contents)),
+        b"[DONE]",
+    ]
+
+
+ADVERSARIAL = [
+    "plain",
+    ' "quoted" ',
+    '","finish_reason":"stop"}],"usage":{"total_tokens":1}}',
+    '"},{"index":1,"delta":{"role":"assistant"',
+    "back\\slash\\",
+    "\\u0041 not an escape",
+    "caf\u00e9 \u2603 \U0001f600",
+    "\x00\x1f control",
+    "",
+    "id",
+    '"index"',
+    "\n\n data: [DONE]\n\n",
+    "\x00n-proxy template slot\x00",
+]
+
+
+@pytest.mark.parametrize(
+    "contents",
+    [
+        pytest.param([f" tok{i}" for i in range(12)], id="tokens"),
+        pytest.param(ADVERSARIAL, id="adversarial"),
+        pytest.param(
+            ["a", "b", 7, "c", 1.5, None, True, "d", {"x": 1}, ["e"], "f", "g"], id="types"
+        ),
+        pytest.param(["same"] * 6 + ["other", "more"], id="repeats"),
+    ],
+)
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param({"n": 3, "stream": True}, id="plain"),
+        pytest.param(STREAM_WITH_USAGE, id="include-usage"),
+    ],
+)
+def test_templates_equal_the_full_path_on_chat_streams(
+    body: dict[str, Any], contents: list[Any]
+) -> None:
+    p = plan(body)
+    streams = [
+        vllm_stream(p, pos, contents[pos:] + contents[:pos]) for pos in range(len(p.children))
+    ]
+    fast, full = replay(p, interleave(streams))
+    assert fast == full
+
+
+def test_templates_equal_the_full_path_with_vendor_fields_and_a_varying_one() -> None:
+    p = plan({"n": 2, "stream": True})
+    streams = []
+    for pos in range(2):
+        cid = f"chatcmpl-{p.children[pos].request_id}"
+        streams.append(
+            [chunk(cid, 9, " token", system_fingerprint="fp", ts=1.0 + i / 8) for i in range(10)]
+            + [chunk(cid, 9, " changed", system_fingerprint="fp", ts=3.0)]
+            + [chunk(cid, 9, " token", system_fingerprint="fp", ts=4 + i) for i in range(3)]
+        )
+    fast, full = replay(p, interleave(streams))
+    assert fast == full
+
+
+def test_templates_equal_the_full_path_on_completions_and_sorted_keys() -> None:
+    p = plan({"prompt": ["a", "b"], "n": 2, "stream": True}, completions=True)
+    streams = []
+    for pos in range(4):
+        cid = f"cmpl-{p.children[pos].request_id}"
+        streams.append(
+            [
+                orjson.dumps(
+                    {
+                        "choices": [
+                            {"finish_reason": None, "index": 0, "logprobs": None, "text": t}
+                        ],
+                        "created": 3,
+                        "id": cid,
+                        "model": "m",
+                        "object": "text_completion",
+                    }
+                )
+                for t in ["a", "b", "c", "d", "e"]
+            ]
+        )
+    fast, full = replay(p, interleave(streams))
+    assert fast == full
+
+
+def test_templates_equal_the_full_path_when_the_envelope_changes_mid_stream() -> None:
+    p = plan({"n": 2, "stream": True})
+    cid = f"chatcmpl-{p.children[0].request_id}"
+    steps: list[Step] = [(0, chunk(cid, 9, c), "message") for c in "abcd"]
+    steps += [
+        (0, chunk(cid, 10, "e"), "message"),
+        (0, chunk(cid, 9, "f", model="other"), "message"),
+    ]
+    steps += [(0, chunk("chatcmpl-other", 9, "g"), "message"), (0, chunk(cid, 9, "h"), "message")]
+    moved = orjson.loads(chunk(cid, 9, "i"))
+    moved["choices"][0]["index"] = 1
+    steps += [(0, orjson.dumps(moved), "message"), (0, chunk(cid, 9, "j"), "event-name")]
+    steps += [
+        (0, chunk(cid, 9, "k", usage=usage(1, 1)), "message"),
+        (1, chunk(cid, 9, "l"), "message"),
+    ]
+    fast, full = replay(p, steps)
+    assert fast == full
+
+
+def test_templates_equal_the_full_path_on_crafted_bytes_around_the_value() -> None:
+    p = plan({"n": 2, "stream": True})
+    cid = f"chatcmpl-{p.children[0].request_id}"
+    warm = [chunk(cid, 9, c) for c in "abc"]
+    head, tail = chunk(cid, 9, "SLOT").split(b'"SLOT"')
+    values = [
+        b'"x","role":"assistant"', b'"x"},"finish_reason":"stop","x":{"y":"z"', b'"x","index":5',
+        b' "spaced" ', b'"caf\xc3"', b'"\\u00e9"', b"1e3", b"-0", b"true", b"null", b"{}", b"[]",
+        b'"unterminated', b"", b'"a" "b"', b'"ok"',
+    ]  # fmt: skip
+    steps: list[Step] = [(0, data, "message") for data in warm]
+    steps += [(0, head + value + tail, "message") for value in values]
+    steps += [(0, head[:-3], "message")]
+    for step in steps:
+        fast, full = replay(p, steps[: steps.index(step) + 1])
+        assert fast == full
+
+
+def test_templates_equal_the_full_path_on_non_canonical_json_and_continuous_usage() -> None:
+    body = {
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    p = plan(body)
+    streams = []
+    for pos in range(2):
+        cid = f"chatcmpl-{p.children[pos].request_id}"
+        spaced = [orjson.loads(chunk(cid, 9, c)) for c in "abcdef"]
+        streams.append([f"{s}".replace("'", '"').replace("None", "null").encode() for s in spaced])
+        streams.append([chunk(cid, 9, c, usage=usage(3, i)) for i, c in enumerate("abcdef")])
+    fast, full = replay(p, [(pos % 2, data, event) for pos, data, event in interleave(streams)])
+    assert fast == full
+
+
+def test_the_pacer_chunk_is_stitched_from_a_template_equal_to_the_full_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench.pacer import chunk as pacer_chunk
+
+    p = plan({"n": 4, "stream": True})
+    streams = [
+        [
+            pacer_chunk(i / 20)[6:-2].replace(
+                b"chatcmpl-pacer", f"chatcmpl-{c.request_id}".encode()
+            )
+            for i in range(20)
+        ]
+        for c in p.children
+    ]
+    fast, full = replay(p, interleave(streams))
+    assert fast == full
+    # each child's first two chunks; the second teaches its template
+    assert full_path_chunks(p, interleave(streams), monkeypatch) == 2 * 4
+
+
+def test_a_vllm_stream_is_stitched_from_templates(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = plan({"n": 2, "stream": True})
+    steps = interleave([vllm_stream(p, pos, [f" tok{i}" for i in range(10)]) for pos in (0, 1)])
+    # the role chunk, two content chunks, the finishing chunk, usage and [DONE] per child
+    assert full_path_chunks(p, steps, monkeypatch) == 6 * 2
+
+
+def full_path_chunks(p: Plan, steps: list[Step], monkeypatch: pytest.MonkeyPatch) -> int:
+    count = 0
+    rewrite = StreamStitcher._rewrite
+
+    def counted(self: StreamStitcher, pos: int, data: bytes, event: str) -> bytes | None:
+        nonlocal count
+        count += 1
+        return rewrite(self, pos, data, event)
+
+    monkeypatch.setattr(StreamStitcher, "_rewrite", counted)
+    s = StreamStitcher(p)
+    for pos, data, event in steps:
+        s.chunk(pos, data, event)
+    return count
