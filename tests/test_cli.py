@@ -42,6 +42,14 @@ def test_demo_mode_serves_n3_and_drains_on_sigterm() -> None:
             with urllib.request.urlopen(request, timeout=10) as response:
                 answer = json.load(response)
             assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+            for _ in range(5):  # n=1: passed through, for the log's durations below
+                single = urllib.request.Request(
+                    found.group(1) + "/v1/chat/completions",
+                    data=json.dumps({**body, "n": 1}).encode(),
+                    headers={"Content-Type": "application/json"},
+                )
+                with urllib.request.urlopen(single, timeout=10) as response:
+                    assert len(json.load(response)["choices"]) == 1
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=15) == 0
             lines = process.stderr.read().splitlines()
@@ -49,8 +57,12 @@ def test_demo_mode_serves_n3_and_drains_on_sigterm() -> None:
             if process.poll() is None:
                 process.kill()
     log = [json.loads(line) for line in lines if line.startswith("{")]
-    (line,) = [entry for entry in log if entry["msg"] == "request"]
-    assert (line["n"], line["children"], line["status"]) == (3, 3, 200)
+    requests = [entry for entry in log if entry["msg"] == "request"]
+    assert [(r["n"], r["children"], r["status"]) for r in requests] == [(3, 3, 200)] + [
+        (1, 0, 200)
+    ] * 5
+    # Timed finer than uvloop's loop.time(), which moves in whole milliseconds.
+    assert any(r["duration_ms"] != round(r["duration_ms"]) for r in requests)
 
 
 def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
