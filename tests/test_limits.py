@@ -21,6 +21,7 @@ from multidict import CIMultiDict
 
 from proxy.config import ClientTimeouts, Config, Listen, Route, single_upstream_config
 from proxy.server import Server
+from tests.rawhttp import parse_raw
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -147,23 +148,7 @@ def parse(raw: bytes) -> Answer:
     interim = b"HTTP/1.1 100 Continue\r\n\r\n"
     if raw.startswith(interim):
         raw = raw[len(interim) :]
-    head, _, body = raw.partition(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers: CIMultiDict[str] = CIMultiDict()
-    for line in lines:
-        name, _, value = line.partition(":")
-        headers.add(name.strip(), value.strip())
-    if headers.get("Transfer-Encoding") == "chunked":
-        out = bytearray()
-        while body:
-            size_line, _, body = body.partition(b"\r\n")
-            size = int(size_line, 16)
-            if not size:
-                break
-            out += body[:size]
-            body = body[size + 2 :]
-        body = bytes(out)
-    return Answer(status_line, headers, body)
+    return Answer(*parse_raw(raw))
 
 
 def request(
