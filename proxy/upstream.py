@@ -282,12 +282,17 @@ class UpstreamPool:
         except (TimeoutError, aiohttp.ClientError, BodyTooLong):
             pass
         finally:
-            if isinstance(response, Response):
-                self.client.release(response)
-            elif response.content.at_eof():
-                response.release()
-            else:
-                response.close()
+            self._let_go(response)
+
+    def _let_go(self, response: Answer) -> None:
+        """A read answer's connection back to the pool; one left unread is closed, so the
+        upstream stops generating into it."""
+        if isinstance(response, Response):
+            self.client.release(response)  # the lean pool tells read from unread itself
+        elif response.content.at_eof():
+            response.release()
+        else:
+            response.close()
 
     async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
         """Check every replica (SPEC §10); the upstream is healthy when any replica is."""
@@ -441,17 +446,11 @@ class Exchange:
         return Reply(response, guard, upstream, max_bytes)
 
     async def __aexit__(self, *exc_info: object) -> None:
-        response = self._answer
         try:
-            if isinstance(response, Response):
-                self._pool.client.release(response)
-            elif response is not None:
-                if self._guard is not None:
-                    self._guard.close()
-                if response.content.at_eof():
-                    response.release()
-                else:
-                    response.close()  # an abandoned body: drop the connection so generation stops
+            if self._guard is not None:
+                self._guard.close()
+            if self._answer is not None:
+                self._pool._let_go(self._answer)
         finally:
             self._ended(time.perf_counter())
 
