@@ -10,6 +10,7 @@ that client, with none of the proxy's per-request work (headers, slots, retries,
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -19,7 +20,7 @@ HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"
 
 def build(upstream: str) -> web.Application:
     async def forward(request: web.Request) -> web.StreamResponse:
-        session: aiohttp.ClientSession = request.app["session"]
+        session: aiohttp.ClientSession = request.app["client"]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         async with session.request(
             request.method, upstream + request.rel_url.raw_path_qs, headers=headers,
@@ -33,22 +34,14 @@ def build(upstream: str) -> web.Application:
             await response.write_eof()
             return response
 
-    async def session(app: web.Application):  # type: ignore[no-untyped-def]
-        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        yield
-        await app["session"].close()
-
-    app = web.Application()
-    app.cleanup_ctx.append(session)
-    app.router.add_route("*", "/{tail:.*}", forward)
-    return app
+    return _app(forward, lambda: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
 
 
 def build_lean(upstream: str) -> web.Application:
     from proxy.client import ClientPool
 
     async def forward(request: web.Request) -> web.Response:
-        pool: ClientPool = request.app["pool"]
+        pool: ClientPool = request.app["client"]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         answer = await pool.request(
             upstream, request.method, request.rel_url.raw_path_qs, headers, await request.read(),
@@ -61,13 +54,20 @@ def build_lean(upstream: str) -> web.Application:
         headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP}
         return web.Response(status=answer.status, headers=headers, body=body)
 
-    async def pool(app: web.Application):  # type: ignore[no-untyped-def]
-        app["pool"] = ClientPool()
+    return _app(forward, ClientPool)
+
+
+def _app(forward: Any, client: Any) -> web.Application:
+    """Every path to ``forward``; ``client()`` made at start-up as ``app["client"]``, closed at
+    the end (aiohttp's session and n-proxy's pool both have an async ``close``)."""
+
+    async def lifetime(app: web.Application):  # type: ignore[no-untyped-def]
+        app["client"] = client()
         yield
-        await app["pool"].close()
+        await app["client"].close()
 
     app = web.Application()
-    app.cleanup_ctx.append(pool)
+    app.cleanup_ctx.append(lifetime)
     app.router.add_route("*", "/{tail:.*}", forward)
     return app
 
