@@ -3,7 +3,7 @@
 python -m bench.forwarder --port 8200 --upstream http://127.0.0.1:8100 [--lean]
 
 ``--lean`` swaps aiohttp's ClientSession for n-proxy's own upstream client
-(``proxy/client.py``) and reads each body whole: the floor of an aiohttp server in front of
+(``proxy/pool.py``) and reads each body whole: the floor of an aiohttp server in front of
 that client, with none of the proxy's per-request work (headers, slots, retries, metrics, log).
 """
 
@@ -38,10 +38,10 @@ def build(upstream: str) -> web.Application:
 
 
 def build_lean(upstream: str) -> web.Application:
-    from proxy.client import ClientPool
+    from proxy.pool import ConnectionPool
 
     async def forward(request: web.Request) -> web.Response:
-        pool: ClientPool = request.app["client"]
+        pool: ConnectionPool = request.app["client"]
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
         answer = await pool.request(
             upstream, request.method, request.rel_url.raw_path_qs, headers, await request.read(),
@@ -54,7 +54,7 @@ def build_lean(upstream: str) -> web.Application:
         headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP}
         return web.Response(status=answer.status, headers=headers, body=body)
 
-    return _app(forward, ClientPool)
+    return _app(forward, ConnectionPool)
 
 
 def _app(forward: Any, client: Any) -> web.Application:

@@ -30,14 +30,15 @@ from proxy.errors import (
     UnsupportedEncoding,
     error_body,
 )
+from proxy.exchange import Trace, UpstreamRequest
 from proxy.fanout import Fanout, respond_json, respond_stream
-from proxy.headers import request_headers, response_headers
+from proxy.headers import child_headers, request_headers, response_headers
 from proxy.log import log_request
 from proxy.memory import Trimmer
 from proxy.plan import parse_body, plan_request
 from proxy.runtime import Runtime
-from proxy.sink import client_sink
-from proxy.upstream import Resolver, Trace, UpstreamPool, UpstreamRequest
+from proxy.sink import ExactHead, client_sink
+from proxy.upstream import Resolver, UpstreamPool
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
@@ -214,8 +215,7 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
                 outcome.n = plan.best_of or plan.n
                 outcome.children = len(plan.children)
                 runtime.metrics.n.observe(outcome.n)
-                headers = request_headers(request.headers, upstream.headers)
-                headers.popall("Content-Encoding", None)  # children carry plain JSON
+                headers = child_headers(request.headers, upstream.headers)
                 fanout = outcome.fanout = Fanout(
                     pool=request.app[POOL],
                     runtime=runtime,
@@ -278,22 +278,23 @@ async def pass_through(
         request.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
     )
     (place,) = pool.join(upstream, 1)
-    async with place, pool.send(upstream, url, sent, trace) as reply:
-        upstream_response = reply.response
+    async with place, pool.send(upstream, url, sent, trace) as answer:
+        upstream_response = answer.response
         if "Server" in upstream_response.headers:
             request[UPSTREAM_SERVER] = True
         length = upstream_response.content_length
-        if length is not None and length <= _WHOLE_BODY and request.method != "HEAD":
+        exact = upstream_response.escaped  # bytes aiohttp's writer would not write back
+        if length is not None and length <= _WHOLE_BODY and request.method != "HEAD" and not exact:
             # A small body of known length leaves with its headers in one write: one syscall
             # and one packet fewer on the most common pass-through answer.
-            data = await reply.read()
+            data = await answer.read()
             return web.Response(
                 status=upstream_response.status,
                 reason=upstream_response.reason,
                 headers=response_headers(upstream_response.headers),
                 body=data,
             )
-        response = web.StreamResponse(
+        response = (ExactHead if exact else web.StreamResponse)(
             status=upstream_response.status,
             reason=upstream_response.reason,
             headers=response_headers(upstream_response.headers),
@@ -305,7 +306,7 @@ async def pass_through(
         try:
             if transport is None:
                 raise ConnectionResetError("the client left")
-            await reply.relay(*client_sink(request, transport))
+            await answer.relay(*client_sink(request, transport))
         except (TimeoutError, aiohttp.ClientError, ConnectionError):
             # The status is sent already: cut the client's connection so it sees a truncated body.
             if request.transport is not None:

@@ -1,12 +1,14 @@
-"""Request ``Content-Encoding`` on fan-out paths: gzip and deflate undone within a bound. Pure.
+"""``Content-Encoding`` undone within bounds: gzip and deflate, never a bomb's expansion. Pure.
 
-The proxy reads a fan-out body to plan its children, so it must see the JSON; children then get
-plain JSON. Inflation is incremental and stops one byte past the limit: a bomb never expands.
+Request bodies on fan-out paths are inflated whole (the proxy plans children from the JSON;
+children then get plain JSON), stopping one byte past the limit. Child response bodies are
+inflated in steps (``Inflater``), each no larger than the room the reader has.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections import deque
 
 from proxy.errors import BodyTooLarge, InvalidRequest, UnsupportedEncoding
 
@@ -71,3 +73,57 @@ def _inflate_one(raw: bytes, coding: str, limit: int) -> bytes:
 def _zlib_header(raw: bytes) -> bool:
     """RFC 1950: CM = 8 and the first two bytes, big-endian, a multiple of 31."""
     return len(raw) >= 2 and raw[0] & 0x0F == 8 and (raw[0] << 8 | raw[1]) % 31 == 0
+
+
+class Inflater:
+    """A response body's gzip or deflate, undone at most ``room`` bytes at a time.
+
+    Compressed input waits here until the reader asks for more: however far a body would
+    expand, no more than one step of it exists at once.
+    """
+
+    def __init__(self, coding: str) -> None:
+        self._gzip = coding in ("gzip", "x-gzip")
+        # deflate: zlib-wrapped as RFC 9110 says, or gzip-wrapped as some servers send it
+        self._wbits = _GZIP if self._gzip else 32 + zlib.MAX_WBITS
+        self._decoder = zlib.decompressobj(self._wbits)
+        self._input: deque[bytes] = deque()
+        self._full = False  # the last step filled its room: zlib may hold more output
+
+    @property
+    def pending(self) -> bool:
+        """Input not inflated yet, or output zlib may still hold."""
+        return bool(self._input) or self._full
+
+    def feed(self, data: bytes) -> None:
+        if data:
+            self._input.append(data)
+
+    def read(self, room: int) -> bytes:
+        """Up to ``room`` (> 0) inflated bytes; raises ``zlib.error`` on a corrupt body."""
+        out: list[bytes] = []
+        decoder = self._decoder
+        while room > 0 and self.pending:
+            data = self._input.popleft() if self._input else b""
+            chunk = decoder.decompress(data, room)
+            tail = decoder.unconsumed_tail
+            if tail:
+                self._input.appendleft(tail)
+            self._full = len(chunk) == room
+            if decoder.eof:
+                self._full = False
+                rest = decoder.unused_data
+                if rest:
+                    self._input.appendleft(rest)
+                if self._input:
+                    if not self._gzip:
+                        raise zlib.error("bytes after the end of the deflate stream")
+                    decoder = self._decoder = zlib.decompressobj(self._wbits)  # next member
+            if chunk:
+                out.append(chunk)
+                room -= len(chunk)
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def close(self) -> bytes:
+        """What zlib still holds once every input byte was read."""
+        return self._decoder.flush()

@@ -22,13 +22,14 @@ from multidict import CIMultiDict
 
 from proxy.config import Upstream
 from proxy.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
+from proxy.exchange import Answer, Trace, UpstreamRequest, upstream_error
 from proxy.plan import Plan
 from proxy.runtime import Runtime
 from proxy.sink import Sink, client_sink
 from proxy.slots import Place
 from proxy.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
-from proxy.upstream import Reply, Trace, UpstreamPool, UpstreamRequest, upstream_error
+from proxy.upstream import UpstreamPool
 
 T = TypeVar("T")
 # aiohttp stops reading a child's socket past twice this: with one read waiting in the mailbox,
@@ -68,10 +69,10 @@ class Fanout:
         headers["Content-Type"] = "application/json"
         return headers
 
-    def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Reply]:
+    def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Answer]:
         request = UpstreamRequest(
             "POST", self.path_qs, self.child_headers(pos), self.plan.children[pos].body,
-            decompress=True, read_bufsize=CHILD_READ_BUFFER,
+            inflate=True, read_bufsize=CHILD_READ_BUFFER,
         )  # fmt: skip
         return self.pool.send(self.upstream, url, request, self.trace)
 
@@ -90,10 +91,10 @@ async def respond_json(fanout: Fanout) -> web.Response:
     places = fanout.pool.join(fanout.upstream, len(plan.children))
 
     async def fetch(pos: int) -> dict[str, Any]:
-        async with places[pos], fanout.send(pos, urls[pos]) as reply:
-            raw = await reply.read()
-            if reply.response.status >= 300:
-                raise ChildFailed(reply.response.status, raw, reply.response.content_type)
+        async with places[pos], fanout.send(pos, urls[pos]) as answer:
+            raw = await answer.read()
+            if answer.response.status >= 300:
+                raise ChildFailed(answer.response.status, raw, answer.response.content_type)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -168,10 +169,10 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
     async def run_child(pos: int) -> None:
         answered = False
         try:
-            async with places[pos], fanout.send(pos, urls[pos]) as reply:
-                response = reply.response
+            async with places[pos], fanout.send(pos, urls[pos]) as answer:
+                response = answer.response
                 if response.status >= 300:
-                    raise ChildFailed(response.status, await reply.read(), response.content_type)
+                    raise ChildFailed(response.status, await answer.read(), response.content_type)
                 answered = True
                 start.answer(None)
                 decoder = SSEDecoder(max_event_bytes=fanout.max_event_bytes)
@@ -182,7 +183,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                     if events:
                         mailbox.put_nowait((pos, events))
 
-                await reply.relay(feed, mailbox.full, mailbox.room)
+                await answer.relay(feed, mailbox.full, mailbox.room)
                 await mailbox.put((pos, decoder.close_raw()))
             await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:

@@ -26,6 +26,7 @@ HOP_BY_HOP = frozenset(
 # The proxy holds the whole body before it sends anything, so `Expect` is answered here.
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+_INFLATED = frozenset({"gzip", "x-gzip", "deflate"})  # what proxy.encoding.Inflater undoes
 
 
 Headers = CIMultiDictProxy[str] | CIMultiDict[str]
@@ -53,6 +54,22 @@ def request_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDi
     out = _filtered(incoming, _REQUEST_DROP)
     for name, value in injected.items():
         out[name] = value
+    return out
+
+
+def child_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDict[str]:
+    """Request headers for fan-out children: they carry plain JSON (no ``Content-Encoding``)
+    and may answer only in codings the proxy inflates (gzip, deflate), or as they are."""
+    out = request_headers(incoming, injected)
+    out.popall("Content-Encoding", None)
+    accepted = [
+        token.strip()
+        for value in out.popall("Accept-Encoding", ())
+        for token in value.split(",")
+        if token.split(";", 1)[0].strip().lower() in _INFLATED
+    ]
+    if accepted:
+        out["Accept-Encoding"] = ", ".join(accepted)
     return out
 
 

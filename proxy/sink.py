@@ -1,13 +1,15 @@
-"""Writing a response body straight into the client's transport, past aiohttp's writer.
+"""Writing a response straight into the client's transport, past aiohttp's writer.
 
 The relay (pass-through) and the stitched stream (fan-out) both write here: one
 ``transport.write`` per piece, chunked framing done in place, no coroutine per chunk. The
-response's head is aiohttp's, sent first; its ``write_eof`` still ends the body.
+response's head is aiohttp's, sent first (``ExactHead``'s when its bytes are not UTF-8); its
+``write_eof`` still ends the body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
@@ -52,3 +54,30 @@ def client_sink(request: web.Request, transport: asyncio.Transport) -> Sink:
             send(data)
 
     return Sink(write, full, writer.drain)
+
+
+_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # as aiohttp's writer (RFC 9110 §5.5)
+
+
+class ExactHead(web.StreamResponse):
+    """A relayed response whose head holds bytes that are not UTF-8 (a Latin-1 header value).
+
+    Such bytes reach the proxy as surrogate escapes; aiohttp's writer encodes a head as UTF-8,
+    and its C writer drops surrogates. This head is written here instead, each byte as the
+    upstream sent it; the body then goes through ``client_sink`` as for any relay.
+    """
+
+    async def _write_headers(self) -> None:  # aiohttp's step that serialises the head
+        request = self._req
+        assert request is not None
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client left")
+        version = request.version
+        parts = [f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"]
+        parts += [f"{name}: {value}" for name, value in self.headers.items()]
+        for part in parts:
+            if _FORBIDDEN.search(part):
+                raise ValueError("a control character in a response header")
+        head = "\r\n".join(parts) + "\r\n\r\n"
+        transport.write(head.encode("utf-8", "surrogateescape"))

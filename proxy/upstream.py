@@ -1,11 +1,10 @@
 """The one owner of the upstream connections: replicas, placement, retries, health checks,
 DNS discovery, concurrency and timeouts.
 
-Every byte sent upstream goes through ``UpstreamPool.send``: on the lean client
-(``proxy.client``) for http replicas, on aiohttp's ``ClientSession`` for https ones, for health
-checks, and for everything when ``lean=False`` (the seam). Client errors are mapped here to the
-proxy's own errors (502 unreachable, 504 timeout). The replica state itself lives in
-``proxy.replicas``; this module does its I/O.
+Every byte sent upstream, health checks included, goes through one ``ConnectionPool``
+(``proxy.pool``), http and https alike; requests go through ``UpstreamPool.send``
+(``proxy.exchange``). The replica state itself lives in ``proxy.replicas``; this module does
+its I/O.
 """
 
 from __future__ import annotations
@@ -14,51 +13,29 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from collections.abc import Awaitable, Callable, Mapping
 from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
-from proxy.client import BodyTooLong, ClientPool, Response, read_capped
-from proxy.config import Config, Timeouts, Upstream
-from proxy.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
+from proxy.config import Config, Upstream
+from proxy.errors import Overloaded
+from proxy.exchange import Exchange, Trace, UpstreamRequest, failure_kind, upstream_error
 from proxy.log import log_event, logger
 from proxy.metrics import Metrics
+from proxy.pool import ConnectionPool
 from proxy.replicas import Ejection, Replica, ReplicaSet, resolved_addresses
+from proxy.response import BodyTooLong, UpstreamResponse
 from proxy.slots import Place, Slots
 
 # (host, port) -> every address it resolves to now; tests inject their own.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 _RELAY_BUFFER = 32 * 1024  # a pass-through body: bytes read ahead of the client at most
-Answer = aiohttp.ClientResponse | Response
 
 WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
 WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
-
-
-class UpstreamRequest(NamedTuple):
-    """What one upstream request carries: the same on every try, so the same seed and id."""
-
-    method: str
-    path_qs: str
-    headers: Mapping[str, str] | CIMultiDict[str]
-    body: bytes | None
-    decompress: bool = False  # undo a Content-Encoding of the answer (children parse it)
-    read_bufsize: int | None = None  # bytes read ahead of the consumer
-
-
-@dataclass
-class Trace:
-    """When a request first went upstream, when its last upstream body ended (``perf_counter``
-    seconds), how many retries."""
-
-    sent_at: float | None = None
-    done_at: float | None = None
-    retries: int = 0
 
 
 class _UpstreamState:
@@ -77,10 +54,6 @@ class _UpstreamState:
         self.in_flight = metrics.children_in_flight.labels(name)
         self.ttfb = metrics.upstream_ttfb.labels(name)
         self.duration = metrics.upstream_duration.labels(name)
-        timeouts = upstream.timeouts
-        self.timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=timeouts.connect, sock_read=timeouts.first_byte
-        )
         self.health_rounds = 0  # completed health checks of every replica
         # A fresh event per change, as the devserver does: waiters re-check their condition.
         self._changed = asyncio.Event()
@@ -111,33 +84,17 @@ class _UpstreamState:
 
 
 class UpstreamPool:
-    def __init__(
-        self,
-        config: Config,
-        metrics: Metrics,
-        resolver: Resolver | None = None,
-        *,
-        lean: bool = True,
-    ) -> None:
+    def __init__(self, config: Config, metrics: Metrics, resolver: Resolver | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.resolve = resolver or resolve
         self._states = {u.name: _UpstreamState(u, metrics) for u in config.upstreams}
         for state in self._states.values():
             state.publish()
-        self._session: aiohttp.ClientSession | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        self.lean = lean  # the seam: False sends every request through the ClientSession
-        self.client = ClientPool()
+        self.connections = ConnectionPool()
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            timeout=aiohttp.ClientTimeout(total=None),
-        )
         self._watchdog = asyncio.create_task(self._watch())
 
     async def close(self) -> None:
@@ -145,14 +102,7 @@ class UpstreamPool:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
-        await self.client.close()
-        if self._session is not None:
-            await self._session.close()
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "UpstreamPool.start() was not awaited"
-        return self._session
+        await self.connections.close()
 
     def state(self, upstream: Upstream) -> _UpstreamState:
         return self._states[upstream.name]
@@ -194,19 +144,22 @@ class UpstreamPool:
     def send(
         self, upstream: Upstream, url: str, request: UpstreamRequest, trace: Trace | None = None
     ) -> Exchange:
-        """Open one upstream request: ``async with pool.send(...) as reply``.
+        """Open one upstream request: ``async with pool.send(...) as answer``.
 
-        Failures listed in ``retry_on`` are retried before the reply is given out: nothing of a
+        Failures listed in ``retry_on`` are retried before the answer is given out: nothing of a
         retried answer can have reached the client (SPEC §10). The response is closed (never
         reused) if its body is left unread.
         """
         return Exchange(self, upstream, url, request, trace)
 
-    async def _answer(
+    async def answer(
         self, state: _UpstreamState, url: str, request: UpstreamRequest, trace: Trace | None
-    ) -> Answer:
+    ) -> UpstreamResponse:
         """The response to relay: up to ``retries`` further tries, each on another replica when
-        there is one, with the same body and headers (so the same seed and request id)."""
+        there is one, with the same body and headers (so the same seed and request id).
+
+        Only the failures in ``retry_on`` are retried (SPEC §10), each one counted and logged.
+        """
         upstream = state.upstream
         replicas = state.replicas
         tried: list[str] = []
@@ -218,7 +171,7 @@ class UpstreamPool:
             tried.append(replica.url)
             reason: str | None
             try:
-                response = await self._open(replica, request, state.timeout, upstream.timeouts)
+                response = await self._open(replica, request, upstream)
             except (TimeoutError, aiohttp.ClientError) as exc:
                 reason = failure_kind(exc)
                 if reason is not None:
@@ -238,61 +191,40 @@ class UpstreamPool:
             self.metrics.retries.labels(upstream.name, reason).inc()
             if trace is not None:
                 trace.retries += 1
+            log_event(
+                "upstream retry",
+                upstream=upstream.name,
+                replica=replica.url,
+                reason=reason,
+                attempt=len(tried),
+            )
             replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
 
     async def _open(
-        self,
-        replica: Replica,
-        request: UpstreamRequest,
-        timeout: aiohttp.ClientTimeout,
-        timeouts: Timeouts,
-    ) -> Answer:
+        self, replica: Replica, request: UpstreamRequest, upstream: Upstream
+    ) -> UpstreamResponse:
         """One HTTP request to one replica, up to its response headers."""
-        method, path_qs, headers, body, decompress, read_bufsize = request
-        headers = _with_host(headers, replica)
-        if self.lean and replica.url.startswith("http:"):
-            return await self.client.request(
-                replica.url, method, path_qs, headers, body,
-                connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
-                decompress=decompress, buffer=2 * (read_bufsize or _RELAY_BUFFER),
-            )  # fmt: skip
-        return await self.session.request(
-            method,
-            replica.url + path_qs,
-            headers=headers,
-            data=body,
-            timeout=timeout,
-            allow_redirects=False,
-            auto_decompress=decompress,
-            read_bufsize=read_bufsize,
-            server_hostname=_tls_name(replica),
-        )
+        method, path_qs, headers, body, inflate, read_bufsize = request
+        timeouts = upstream.timeouts
+        return await self.connections.request(
+            replica.url, method, path_qs, _with_host(headers, replica), body,
+            connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
+            inflate=inflate, buffer=2 * (read_bufsize or _RELAY_BUFFER),
+            tls_name=_tls_name(replica),
+        )  # fmt: skip
 
-    async def _discard(self, response: Answer, within: float) -> None:
-        """Be done with an answer that is retried: a small body is read so its connection can be
+    async def _discard(self, response: UpstreamResponse, within: float) -> None:
+        """Be done with an answer not relayed: a small body is read so its connection can be
         reused, anything else is closed."""
         try:
             length = response.content_length
             if length is not None and length <= _DISCARD_LIMIT:
                 async with asyncio.timeout(within):
-                    if isinstance(response, Response):
-                        await response.read(_DISCARD_LIMIT)
-                    else:
-                        await response.read()
+                    await response.read(_DISCARD_LIMIT)
         except (TimeoutError, aiohttp.ClientError, BodyTooLong):
             pass
         finally:
-            self._let_go(response)
-
-    def _let_go(self, response: Answer) -> None:
-        """A read answer's connection back to the pool; one left unread is closed, so the
-        upstream stops generating into it."""
-        if isinstance(response, Response):
-            self.client.release(response)  # the lean pool tells read from unread itself
-        elif response.content.at_eof():
-            response.release()
-        else:
-            response.close()
+            self.connections.release(response)
 
     async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
         """Check every replica (SPEC §10); the upstream is healthy when any replica is."""
@@ -311,14 +243,16 @@ class UpstreamPool:
     async def _check(self, upstream: Upstream, replica: Replica, timeout: float) -> bool:
         """A replica passes when its health path answers without a 5xx."""
         try:
-            async with self.session.get(
-                replica.url + upstream.health_path,
-                headers=_with_host(upstream.headers, replica),
-                timeout=aiohttp.ClientTimeout(total=timeout),
-                allow_redirects=False,
-                server_hostname=_tls_name(replica),
-            ) as response:
-                return response.status < 500
+            async with asyncio.timeout(timeout):
+                response = await self.connections.request(
+                    replica.url, "GET", upstream.health_path,
+                    _with_host(upstream.headers, replica), None,
+                    connect=timeout, first_byte=timeout, idle=timeout,
+                    tls_name=_tls_name(replica),
+                )  # fmt: skip
+                status = response.status
+                await self._discard(response, timeout)
+                return status < 500
         except (TimeoutError, aiohttp.ClientError):
             return False
 
@@ -365,18 +299,6 @@ async def resolve(host: str, port: int) -> list[str]:
     return [str(info[4][0]) for info in infos]
 
 
-def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
-    """``connect``: the request never reached a server. ``reset``: the connection closed before
-    a status line came back. Anything else (a timeout waiting for the answer) is neither."""
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return "connect"
-    if isinstance(exc, TimeoutError):
-        return None
-    if isinstance(exc, aiohttp.ClientConnectionError):  # disconnected, reset, broken pipe
-        return "reset"
-    return None
-
-
 def _with_host(
     headers: Mapping[str, str] | CIMultiDict[str], replica: Replica
 ) -> Mapping[str, str] | CIMultiDict[str]:
@@ -393,203 +315,3 @@ def _tls_name(replica: Replica) -> str | None:
     if replica.host is None or not replica.url.startswith("https:"):
         return None
     return urlsplit("//" + replica.host).hostname
-
-
-class Exchange:
-    """One upstream request, from sending it to the end of its body (``UpstreamPool.send``).
-
-    A class, not an ``asynccontextmanager``: it is on every request's path, and a generator
-    behind two awaits per request costs more than these few lines.
-    """
-
-    __slots__ = ("_answer", "_guard", "_pool", "_request", "_started", "_state", "_trace",
-                 "_upstream", "_url")  # fmt: skip
-
-    def __init__(
-        self,
-        pool: UpstreamPool,
-        upstream: Upstream,
-        url: str,
-        request: UpstreamRequest,
-        trace: Trace | None,
-    ) -> None:
-        self._pool = pool
-        self._upstream = upstream
-        self._state = pool.state(upstream)
-        self._url = url
-        self._request = request
-        self._trace = trace
-        self._started = 0.0
-        self._answer: Answer | None = None
-        self._guard: IdleGuard | None = None
-
-    async def __aenter__(self) -> Reply:
-        pool, state, upstream, trace = self._pool, self._state, self._upstream, self._trace
-        # Durations on perf_counter, the clock of Trace and of the request log: uvloop's
-        # loop.time() moves in whole milliseconds, coarser than most of what is measured here.
-        self._started = started = time.perf_counter()
-        if trace is not None and trace.sent_at is None:
-            trace.sent_at = started
-        state.in_flight.inc()
-        try:
-            response = await pool._answer(state, self._url, self._request, trace)
-        except BaseException:
-            self._ended(time.perf_counter())
-            raise
-        state.ttfb.observe(time.perf_counter() - started)
-        self._answer = response
-        max_bytes = pool.config.max_response_bytes
-        if isinstance(response, Response):
-            return Reply(response, response, upstream, max_bytes, response)
-        _stop_read_timer(response)
-        guard = self._guard = IdleGuard(response, upstream.timeouts.idle)
-        return Reply(response, guard, upstream, max_bytes)
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        try:
-            if self._guard is not None:
-                self._guard.close()
-            if self._answer is not None:
-                self._pool._let_go(self._answer)
-        finally:
-            self._ended(time.perf_counter())
-
-    def _ended(self, ended: float) -> None:
-        state, trace = self._state, self._trace
-        state.in_flight.dec()
-        state.duration.observe(ended - self._started)
-        if trace is not None:
-            trace.done_at = ended if trace.done_at is None else max(trace.done_at, ended)
-
-
-def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:
-    """Map an aiohttp client failure to the proxy's own error (SPEC §7: 502 or 504)."""
-    if isinstance(exc, TimeoutError):
-        return UpstreamTimeout(f"upstream {upstream.name} timed out")
-    return UpstreamUnavailable(f"upstream {upstream.name} failed: {type(exc).__name__}")
-
-
-def _stop_read_timer(response: aiohttp.ClientResponse) -> None:
-    """Hand the body's clock to ``IdleGuard``.
-
-    aiohttp's own sock_read timer only knew the first-byte value, and it can run on while
-    reading is paused for backpressure (a slow client is not a silent upstream).
-    """
-    connection = response.connection
-    protocol = connection.protocol if connection is not None else None
-    if protocol is not None:
-        protocol.read_timeout = None
-        protocol.start_timeout()  # with no timeout set, this cancels the running timer
-
-
-class IdleGuard:
-    """The body's bytes as they arrive; a timeout after ``idle`` seconds of waiting for any.
-
-    Only time spent waiting on the upstream counts: while the consumer is busy elsewhere
-    (blocked on a slow client), the clock is stopped.
-    """
-
-    def __init__(self, response: aiohttp.ClientResponse, idle: float) -> None:
-        self._content = response.content
-        self._idle = idle
-        self._loop = asyncio.get_running_loop()
-        self._waiting_since: float | None = None
-        self._timer = self._loop.call_later(idle, self._check)
-
-    def __aiter__(self) -> IdleGuard:
-        return self
-
-    async def __anext__(self) -> bytes:
-        self._waiting_since = self._loop.time()
-        try:
-            chunk = await self._content.readany()
-        finally:
-            self._waiting_since = None
-        if not chunk:
-            raise StopAsyncIteration
-        return chunk
-
-    async def read(self, limit: int) -> bytes:
-        return await read_capped(self, limit)
-
-    def _check(self) -> None:
-        since = self._waiting_since
-        now = self._loop.time()
-        if since is not None and now - since >= self._idle:
-            self._content.set_exception(
-                aiohttp.ServerTimeoutError(f"no data from upstream for {self._idle} s")
-            )
-            return
-        start = since if since is not None else now
-        self._timer = self._loop.call_at(start + self._idle, self._check)
-
-    def close(self) -> None:
-        self._timer.cancel()
-
-
-class Head(Protocol):
-    """What callers read of an upstream response's head (aiohttp's or the lean client's)."""
-
-    @property
-    def status(self) -> int: ...
-    @property
-    def reason(self) -> str | None: ...
-    @property
-    def headers(self) -> CIMultiDict[str] | CIMultiDictProxy[str]: ...
-    @property
-    def content_type(self) -> str: ...
-    @property
-    def content_length(self) -> int | None: ...
-
-
-class Body(Protocol):
-    def __aiter__(self) -> AsyncIterator[bytes]: ...
-    async def read(self, limit: int) -> bytes: ...
-
-
-@dataclass
-class Reply:
-    """An upstream response whose body is read through its idle guard.
-
-    ``direct`` is set on the lean client: the body can then be relayed from the upstream
-    protocol straight into a sink (``relay``), with no task or iterator per chunk.
-    """
-
-    response: Head
-    body: Body
-    upstream: Upstream
-    max_bytes: int  # config.max_response_bytes: what ``read`` holds in memory at most
-    direct: Response | None = None
-
-    async def relay(
-        self,
-        sink: Callable[[bytes], None],
-        paused: Callable[[], bool],
-        drain: Callable[[], Awaitable[None]],
-    ) -> None:
-        """The body into ``sink`` as it arrives; failures stay aiohttp's client errors."""
-        if self.direct is not None:
-            await self.direct.relay(sink, paused, drain)
-            return
-        async for chunk in self.body:
-            sink(chunk)
-            if paused():
-                await drain()
-
-    async def read(self) -> bytes:
-        """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7).
-
-        Past ``max_bytes`` the read stops at once and the request fails with 502; leaving the
-        body unread makes ``UpstreamPool.send`` drop the connection, so the upstream stops too.
-        """
-        length = self.response.content_length
-        try:
-            if length is not None and length > self.max_bytes:
-                raise BodyTooLong(length)
-            return await self.body.read(self.max_bytes)
-        except BodyTooLong:
-            raise UpstreamUnavailable(
-                f"upstream {self.upstream.name} sent a body larger than {self.max_bytes} bytes"
-            ) from None
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise upstream_error(exc, self.upstream) from None

@@ -1,4 +1,4 @@
-"""The lean upstream client against real loopback servers that answer with literal bytes."""
+"""The upstream connection pool against real loopback servers that answer with literal bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
-from proxy.client import BodyTooLong, ClientPool, Response
+from proxy.pool import ConnectionPool
+from proxy.response import BodyTooLong, UpstreamResponse
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 Serve = Callable[[Handler], Awaitable[tuple["Raw", str]]]
@@ -48,8 +49,8 @@ class Raw:
 
 
 @pytest.fixture
-async def pool() -> AsyncIterator[ClientPool]:
-    pool = ClientPool()
+async def pool() -> AsyncIterator[ConnectionPool]:
+    pool = ConnectionPool()
     yield pool
     await pool.close()
 
@@ -92,15 +93,17 @@ def answering(*answers: bytes, close: bool = False) -> Handler:
 
 
 async def get(
-    pool: ClientPool, url: str, method: str = "GET", *, idle: float = WAIT, **kw: float
-) -> Response:
+    pool: ConnectionPool, url: str, method: str = "GET", *, idle: float = WAIT, **kw: float
+) -> UpstreamResponse:
     return await pool.request(
         url, method, "/x", {"Accept": "*/*"}, None, connect=WAIT,
         first_byte=kw.get("first_byte", WAIT), idle=idle,
     )  # fmt: skip
 
 
-async def fetch(pool: ClientPool, url: str, method: str = "GET") -> tuple[Response, bytes]:
+async def fetch(
+    pool: ConnectionPool, url: str, method: str = "GET"
+) -> tuple[UpstreamResponse, bytes]:
     response = await get(pool, url, method)
     try:
         return response, await response.read(LIMIT)
@@ -108,7 +111,7 @@ async def fetch(pool: ClientPool, url: str, method: str = "GET") -> tuple[Respon
         pool.release(response)
 
 
-async def test_content_length_body_and_keep_alive_reuse(pool: ClientPool, serve: Serve) -> None:
+async def test_content_length_body_and_keep_alive_reuse(pool: ConnectionPool, serve: Serve) -> None:
     answer = (
         b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\n"
         b"Content-Length: 5\r\n\r\nhello"
@@ -124,7 +127,7 @@ async def test_content_length_body_and_keep_alive_reuse(pool: ClientPool, serve:
 
 
 async def test_read_stops_at_its_limit_and_the_connection_is_not_reused(
-    pool: ClientPool, serve: Serve
+    pool: ConnectionPool, serve: Serve
 ) -> None:
     chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"400\r\n" + b"x" * 1024
     _raw, url = await serve(answering(chunked + b"\r\n" * 1 + b"400\r\n" + b"y" * 1024 + b"\r\n"))
@@ -135,7 +138,7 @@ async def test_read_stops_at_its_limit_and_the_connection_is_not_reused(
     assert pool.idle_count() == 0
 
 
-async def test_request_carries_host_length_and_headers(pool: ClientPool, serve: Serve) -> None:
+async def test_request_carries_host_length_and_headers(pool: ConnectionPool, serve: Serve) -> None:
     seen: list[tuple[bytes, bytes]] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -162,7 +165,9 @@ async def test_request_carries_host_length_and_headers(pool: ClientPool, serve: 
 
 
 @pytest.mark.parametrize("split", [1, 2, 7, 16])
-async def test_heads_and_bodies_split_anywhere(pool: ClientPool, serve: Serve, split: int) -> None:
+async def test_heads_and_bodies_split_anywhere(
+    pool: ConnectionPool, serve: Serve, split: int
+) -> None:
     answer = (
         b"HTTP/1.1 200 OK\r\nX-Long: " + b"v" * 40 + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"3\r\nabc\r\n10\r\n0123456789abcdef\r\n0\r\n\r\n"
@@ -183,7 +188,7 @@ async def test_heads_and_bodies_split_anywhere(pool: ClientPool, serve: Serve, s
     assert pool.idle_count() == 1
 
 
-async def test_chunked_with_extensions_and_trailers(pool: ClientPool, serve: Serve) -> None:
+async def test_chunked_with_extensions_and_trailers(pool: ConnectionPool, serve: Serve) -> None:
     answer = (
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
         b'5;name=value;q="x"\r\nhello\r\n1;ext\r\n!\r\n0\r\nX-Trailer: yes\r\n\r\n'
@@ -196,7 +201,7 @@ async def test_chunked_with_extensions_and_trailers(pool: ClientPool, serve: Ser
 
 
 async def test_close_delimited_body_ends_at_close_and_is_not_reused(
-    pool: ClientPool, serve: Serve
+    pool: ConnectionPool, serve: Serve
 ) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it until the end"
     _, url = await serve(answering(answer, close=True))
@@ -206,7 +211,9 @@ async def test_close_delimited_body_ends_at_close_and_is_not_reused(
     assert pool.idle_count() == 0
 
 
-async def test_server_closing_mid_body_is_a_payload_error(pool: ClientPool, serve: Serve) -> None:
+async def test_server_closing_mid_body_is_a_payload_error(
+    pool: ConnectionPool, serve: Serve
+) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this"
     _, url = await serve(answering(answer, close=True))
     response = await get(pool, url)
@@ -216,7 +223,7 @@ async def test_server_closing_mid_body_is_a_payload_error(pool: ClientPool, serv
     assert pool.idle_count() == 0
 
 
-async def test_chunked_cut_mid_body_is_a_payload_error(pool: ClientPool, serve: Serve) -> None:
+async def test_chunked_cut_mid_body_is_a_payload_error(pool: ConnectionPool, serve: Serve) -> None:
     answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
     _, url = await serve(answering(answer, close=True))
     response = await get(pool, url)
@@ -227,7 +234,7 @@ async def test_chunked_cut_mid_body_is_a_payload_error(pool: ClientPool, serve: 
 
 
 async def test_closed_before_any_head_is_server_disconnected(
-    pool: ClientPool, serve: Serve
+    pool: ConnectionPool, serve: Serve
 ) -> None:
     _, url = await serve(answering(b"", close=True))
     with pytest.raises(aiohttp.ServerDisconnectedError):
@@ -235,37 +242,41 @@ async def test_closed_before_any_head_is_server_disconnected(
     assert not pool.in_use
 
 
-async def test_garbage_is_a_payload_error(pool: ClientPool, serve: Serve) -> None:
+async def test_garbage_is_a_payload_error(pool: ConnectionPool, serve: Serve) -> None:
     _, url = await serve(answering(b"NOT HTTP AT ALL\r\n\r\n"))
     with pytest.raises(aiohttp.ClientPayloadError):
         await get(pool, url)
     assert not pool.in_use
 
 
-async def test_stale_pooled_connection_is_replaced_without_an_error(
-    pool: ClientPool, serve: Serve
+async def test_reset_on_a_reused_connection_is_an_error_not_a_hidden_retry(
+    pool: ConnectionPool, serve: Serve
 ) -> None:
-    """The server drops a kept-alive connection just as the next request goes out on it."""
+    """The server drops a kept-alive connection as the next request goes out on it: the pool
+    does not send that request again behind the caller's back (``retry_on`` decides)."""
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    seen = 0
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        nonlocal seen
         await read_request(reader)
         writer.write(ok)
         await writer.drain()
-        if n == 1:
-            await read_request(reader)  # the reused request arrives: drop it unanswered
-            return
-        await reader.read()
+        await read_request(reader)  # the reused request arrives: drop it unanswered
+        seen += 1
+        writer.transport.abort()
 
     raw, url = await serve(handler)
-    for _ in range(2):
-        _, body = await fetch(pool, url)
-        assert body == b"ok"
-    assert raw.connections == 2
+    _, body = await fetch(pool, url)
+    assert body == b"ok"
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await get(pool, url)
+    assert (raw.connections, seen) == (1, 1)
+    assert not pool.in_use
 
 
 async def test_pooled_connection_closed_while_idle_is_not_reused(
-    pool: ClientPool, serve: Serve
+    pool: ConnectionPool, serve: Serve
 ) -> None:
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
     raw, url = await serve(answering(ok, close=True))
@@ -281,7 +292,7 @@ async def test_pooled_connection_closed_while_idle_is_not_reused(
     assert raw.connections == 2
 
 
-async def test_head_has_no_body_despite_its_length(pool: ClientPool, serve: Serve) -> None:
+async def test_head_has_no_body_despite_its_length(pool: ConnectionPool, serve: Serve) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n"
     _, url = await serve(answering(answer))
     response, body = await fetch(pool, url, "HEAD")
@@ -289,7 +300,7 @@ async def test_head_has_no_body_despite_its_length(pool: ClientPool, serve: Serv
 
 
 @pytest.mark.parametrize("status", [204, 304])
-async def test_no_body_statuses_then_reuse(pool: ClientPool, serve: Serve, status: int) -> None:
+async def test_no_body_statuses_then_reuse(pool: ConnectionPool, serve: Serve, status: int) -> None:
     empty = f"HTTP/1.1 {status} X\r\nETag: a\r\n\r\n".encode()
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
     raw, url = await serve(answering(empty, ok))
@@ -300,7 +311,7 @@ async def test_no_body_statuses_then_reuse(pool: ClientPool, serve: Serve, statu
     assert raw.connections == 1
 
 
-async def test_interim_1xx_responses_are_skipped(pool: ClientPool, serve: Serve) -> None:
+async def test_interim_1xx_responses_are_skipped(pool: ConnectionPool, serve: Serve) -> None:
     answer = (
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
         b"HTTP/1.1 201 Created\r\nContent-Length: 4\r\n\r\ndone"
@@ -311,7 +322,7 @@ async def test_interim_1xx_responses_are_skipped(pool: ClientPool, serve: Serve)
     assert "Link" not in response.headers
 
 
-async def test_gzip_body_is_decoded_when_asked(pool: ClientPool, serve: Serve) -> None:
+async def test_gzip_body_is_decoded_when_asked(pool: ConnectionPool, serve: Serve) -> None:
     packed = gzip.compress(b"data: x\n\n" * 100)
     answer = (
         b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(packed)
@@ -319,21 +330,23 @@ async def test_gzip_body_is_decoded_when_asked(pool: ClientPool, serve: Serve) -
     )
     _, url = await serve(answering(answer))
     response = await pool.request(
-        url, "GET", "/", {}, None, connect=WAIT, first_byte=WAIT, idle=WAIT, decompress=True
+        url, "GET", "/", {}, None, connect=WAIT, first_byte=WAIT, idle=WAIT, inflate=True
     )
     assert response.content_length is None  # the decoded length is not the header's
     assert await response.read(LIMIT) == b"data: x\n\n" * 100
     pool.release(response)
 
 
-async def test_refused_connection_is_a_connector_error(pool: ClientPool, serve: Serve) -> None:
+async def test_refused_connection_is_a_connector_error(pool: ConnectionPool, serve: Serve) -> None:
     raw, url = await serve(answering())
     await raw.stop()
     with pytest.raises(aiohttp.ClientConnectorError):
         await get(pool, url)
 
 
-async def test_silent_upstream_hits_the_first_byte_timeout(pool: ClientPool, serve: Serve) -> None:
+async def test_silent_upstream_hits_the_first_byte_timeout(
+    pool: ConnectionPool, serve: Serve
+) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await reader.read()
 
@@ -344,7 +357,7 @@ async def test_silent_upstream_hits_the_first_byte_timeout(pool: ClientPool, ser
     assert not pool.in_use
 
 
-async def test_body_going_silent_hits_the_idle_timeout(pool: ClientPool, serve: Serve) -> None:
+async def test_body_going_silent_hits_the_idle_timeout(pool: ConnectionPool, serve: Serve) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
     raw, url = await serve(answering(answer))
     response = await get(pool, url, idle=0.2)
@@ -355,7 +368,7 @@ async def test_body_going_silent_hits_the_idle_timeout(pool: ClientPool, serve: 
     await asyncio.wait_for(raw.closed.wait(), WAIT)
 
 
-async def test_abandoned_body_closes_the_connection(pool: ClientPool, serve: Serve) -> None:
+async def test_abandoned_body_closes_the_connection(pool: ConnectionPool, serve: Serve) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
     raw, url = await serve(answering(answer))
     response = await get(pool, url)
@@ -374,7 +387,7 @@ async def test_abandoned_body_closes_the_connection(pool: ClientPool, serve: Ser
     assert not pool.in_use
 
 
-async def test_iterator_pauses_reading_past_its_buffer(pool: ClientPool, serve: Serve) -> None:
+async def test_iterator_pauses_reading_past_its_buffer(pool: ConnectionPool, serve: Serve) -> None:
     size = 4 * 1024 * 1024
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + b"x" * size
     sent = asyncio.Event()
@@ -399,7 +412,7 @@ async def test_iterator_pauses_reading_past_its_buffer(pool: ClientPool, serve: 
 
 
 async def test_relay_writes_from_data_received_and_waits_for_drain(
-    pool: ClientPool, serve: Serve
+    pool: ConnectionPool, serve: Serve
 ) -> None:
     pieces = [b"data: %d\n\n" % i for i in range(20)]
     answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(
@@ -433,7 +446,7 @@ async def test_relay_writes_from_data_received_and_waits_for_drain(
     assert pool.idle_count() == 1
 
 
-async def test_relay_cancelled_closes_the_connection(pool: ClientPool, serve: Serve) -> None:
+async def test_relay_cancelled_closes_the_connection(pool: ConnectionPool, serve: Serve) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
     raw, url = await serve(answering(answer))
     response = await get(pool, url)
@@ -454,7 +467,7 @@ async def test_relay_cancelled_closes_the_connection(pool: ClientPool, serve: Se
 
 
 async def test_a_sink_that_raises_fails_the_relay_and_drops_the_connection(
-    pool: ClientPool, serve: Serve
+    pool: ConnectionPool, serve: Serve
 ) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"
     raw, url = await serve(answering(answer))

@@ -1,0 +1,288 @@
+"""One HTTP/1.1 connection to an upstream: an ``asyncio.Protocol`` around httptools' parser.
+
+At most one response is in flight, and the parser stops at its end: a byte past the final
+message (a Content-Length shorter than the body sent, a 204 with a body, a second response)
+is never delivered nor parsed as the next answer; it spoils the connection, which is closed,
+never pooled. The head is capped on raw bytes as they arrive, partial lines included.
+Failures are the exceptions aiohttp's client raises (see ``proxy.pool``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import cast
+
+import aiohttp
+import httptools
+from multidict import CIMultiDict
+
+from proxy.response import UpstreamResponse
+
+MAX_HEAD = 256 * 1024  # status line and headers together, interim (1xx) heads included
+_NO_BODY_STATUS = frozenset({204, 304})
+_CRLF = b"\r\n"
+_CHUNKED_END = 4  # a chunked body and a head both end in CRLF CRLF after a visible byte
+
+
+class _HeadDone(Exception):
+    """Raised from the parser's callback to stop after a HEAD response's headers."""
+
+
+class _Beyond(Exception):
+    """Raised from the parser's callback: a message began after the final one ended."""
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One keep-alive socket to one origin (``key``: host, port, TLS name)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int, str | None]) -> None:
+        self.loop = loop
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.paused = False
+        self.lost = False
+        self.closing = False  # the server sent its EOF, or this side aborted
+        self.reusable = False
+        self.idle_since = 0.0
+        self._head_room = MAX_HEAD
+        self._ended = False  # the final message ended: any byte after it spoils the connection
+        self._last_body = b""  # the last body piece parsed: how the message ends
+        self._recent = b""  # the last bytes received: at least 8, unless fewer came
+        self._chunked = False
+
+    def begin(self, response: UpstreamResponse) -> None:
+        """A new exchange on this connection; its request is about to be written."""
+        self.response = response
+        self.reusable = False
+        self._head_room = MAX_HEAD
+        self._ended = False
+        self._last_body = b""
+        self._recent = b""
+
+    # ---- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = self.closing = True
+        self.reusable = False
+        response = self.response
+        if response is None or response.ended or response.error is not None:
+            return
+        if response.until_close and exc is None and response.head.done():
+            response.on_end()  # a body delimited by the connection closing ended cleanly
+            response.after_read()
+        elif response.head.done():
+            response.fail(aiohttp.ClientPayloadError("upstream closed the connection mid-body"))
+        else:
+            response.fail(aiohttp.ServerDisconnectedError("upstream closed before a response"))
+
+    def eof_received(self) -> bool | None:
+        # The server is done with this connection: never hand it out again, whatever the
+        # response in flight still delivers. Narrows the keep-alive race to the wire's delay.
+        self.reusable = False
+        self.closing = True
+        return None  # close our side too
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None or self._ended:
+            self.spoil()  # bytes nobody asked for: this connection is not safe to reuse
+            return
+        if response.relaying:
+            response.last_data = self.loop.time()
+        # A message's end split over tiny reads is still told from CR/LF after it (below).
+        self._recent = data if len(data) >= 8 else self._recent[-8:] + data
+        error: BaseException | None = None
+        try:
+            if response.head.done():
+                self.parser.feed_data(data)
+            else:
+                error = self._feed_head(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _HeadDone):
+                self._ended = True  # bytes after a HEAD's head are not ours to reparse
+                response.on_end()
+            elif isinstance(cause, _Beyond):
+                self.spoil()
+            else:
+                error = aiohttp.ClientPayloadError(f"malformed upstream response: {exc}")
+        except httptools.HttpParserError as exc:
+            if self._ended:
+                self.spoil()  # what follows the message is not a message of ours
+            else:
+                error = aiohttp.ClientPayloadError(f"malformed upstream response: {exc}")
+        except httptools.HttpParserUpgrade:
+            error = aiohttp.ClientPayloadError("upstream switched protocols")
+        else:
+            if self._ended and self.reusable and _crlf_after_end(self._recent, self._own_crlf()):
+                self.spoil()
+        response.after_read()  # every valid byte of this read leaves first
+        if error is not None:
+            response.fail(error)
+
+    def _feed_head(self, data: bytes) -> BaseException | None:
+        """Feed no more than the head may still take; a head past the cap fails the response."""
+        room = self._head_room
+        if len(data) <= room:
+            self._head_room = room - len(data)
+            self.parser.feed_data(data)
+            return None
+        self._head_room = 0
+        self.parser.feed_data(data[:room])
+        response = self.response
+        if response is None or not response.head.done():
+            return aiohttp.ClientPayloadError(f"upstream response head is over {MAX_HEAD} bytes")
+        self.parser.feed_data(data[room:])
+        return None
+
+    def _own_crlf(self) -> int | None:
+        """How many CR and LF bytes the message itself ends with; None when not known."""
+        if self._chunked or not self._last_body:
+            return _CHUNKED_END
+        body = self._last_body
+        run = _crlf_run(body, len(body))
+        return None if run == len(body) else run
+
+    def pause_writing(self) -> None:
+        pass  # request bodies are written whole; the kernel buffer takes them
+
+    def resume_writing(self) -> None:
+        pass
+
+    # ---- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self._ended:
+            raise _Beyond
+        response = self.response
+        if response is not None:
+            response.headers = CIMultiDict()
+
+    def on_status(self, status: bytes) -> None:
+        if self.response is not None:
+            self.response.reason = self._text(status)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            self.response.headers.add(self._text(name), self._text(value))
+
+    def _text(self, raw: bytes) -> str:
+        """Header bytes as aiohttp's server writes them back unchanged: UTF-8. Bytes that are
+        not UTF-8 are kept as surrogate escapes and the head is marked for ``ExactHead``."""
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            if self.response is not None:
+                self.response.escaped = True
+            return raw.decode("utf-8", "surrogateescape")
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:
+                raise ValueError("upstream switched protocols")
+            return  # an interim response: the real head follows
+        headers = response.headers
+        self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        no_body = response.method == "HEAD" or status in _NO_BODY_STATUS
+        until_close = not no_body and not self._chunked and "Content-Length" not in headers
+        response.on_head(status, until_close)
+        if response.method == "HEAD":
+            raise _HeadDone
+
+    def on_body(self, body: bytes) -> None:
+        self._last_body = body
+        if self.response is not None:
+            self.response.on_body(body)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        if response is None or not response.head.done():
+            return  # the end of an interim (1xx) response
+        self._ended = True
+        self.reusable = (
+            self.parser.should_keep_alive() and not response.until_close and not self.closing
+        )
+        response.on_end()
+
+    # ---- flow control and teardown
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None and not self.closing:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closing:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def spoil(self) -> None:
+        """Never reuse this connection: close it now. The response in flight keeps what it
+        has already received."""
+        self.reusable = False
+        self.abort()
+
+    def abort(self) -> None:
+        self.reusable = False
+        if self.transport is not None and not self.closing:
+            self.closing = True
+            self.transport.abort()
+
+
+def _crlf_after_end(data: bytes, own: int | None) -> bool:
+    """Whether the bytes ending in the final message's end may hold CR or LF bytes after it.
+
+    llhttp skips CR and LF between messages without a callback (RFC 9112 §2.2 leniency), so
+    they are counted here: the run of them ending ``data`` must be the message's own (``own``
+    bytes). A run that fills all of ``data`` or an unknown ``own`` cannot be told apart:
+    treated as extra, since a spoiled connection costs one reconnect at most.
+    """
+    if not data or data[-1] not in _CRLF:
+        return False
+    if own is None:
+        return True
+    run = _crlf_run(data, own + 1)
+    return run > own or run == len(data)
+
+
+def _crlf_run(data: bytes, most: int) -> int:
+    """How many CR and LF bytes end ``data``, counting no further than ``most``."""
+    run = 0
+    end = len(data) - 1
+    while run < most and end >= 0 and data[end] in _CRLF:
+        run += 1
+        end -= 1
+    return run
+
+
+def request_head(
+    method: str,
+    target: str,
+    host: str,
+    headers: Mapping[str, str] | CIMultiDict[str],
+    body: bytes | None,
+) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1\r\n", ""]
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} has a line break")
+        lower = name.lower()
+        if lower == "host":
+            host = value  # a replica reached by address keeps the configured host name
+        elif lower not in ("content-length", "transfer-encoding", "connection"):
+            lines.append(f"{name}: {value}\r\n")
+    lines[1] = f"Host: {host}\r\n"
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}\r\n")
+    lines.append("\r\n")
+    # aiohttp's server decodes header bytes as UTF-8 with surrogate escapes: this is the inverse.
+    return "".join(lines).encode("utf-8", "surrogateescape")
