@@ -102,23 +102,22 @@ class Inflater:
     def read(self, room: int) -> bytes:
         """Up to ``room`` (> 0) inflated bytes; raises ``zlib.error`` on a corrupt body."""
         out: list[bytes] = []
-        decoder = self._decoder
         while room > 0 and self.pending:
+            decoder = self._decoder
+            if decoder.eof:  # input after the end of a stream: another gzip member, or junk
+                if not self._gzip:
+                    raise zlib.error("bytes after the end of the deflate stream")
+                decoder = self._decoder = zlib.decompressobj(self._wbits)
             data = self._input.popleft() if self._input else b""
             chunk = decoder.decompress(data, room)
-            tail = decoder.unconsumed_tail
-            if tail:
-                self._input.appendleft(tail)
-            self._full = len(chunk) == room
             if decoder.eof:
                 self._full = False
-                rest = decoder.unused_data
-                if rest:
-                    self._input.appendleft(rest)
-                if self._input:
-                    if not self._gzip:
-                        raise zlib.error("bytes after the end of the deflate stream")
-                    decoder = self._decoder = zlib.decompressobj(self._wbits)  # next member
+                if decoder.unused_data:  # (unconsumed_tail may repeat it: not read)
+                    self._input.appendleft(decoder.unused_data)
+            else:
+                if decoder.unconsumed_tail:
+                    self._input.appendleft(decoder.unconsumed_tail)
+                self._full = len(chunk) == room
             if chunk:
                 out.append(chunk)
                 room -= len(chunk)

@@ -10,17 +10,15 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import aiohttp
 from multidict import CIMultiDict
+from prometheus_client import Gauge, Histogram
 
 from proxy.config import Upstream
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.response import BodyTooLong, UpstreamResponse
-
-if TYPE_CHECKING:
-    from proxy.upstream import UpstreamPool
 
 
 class UpstreamRequest(NamedTuple):
@@ -44,6 +42,15 @@ class Trace:
     retries: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """One upstream's labelled metrics of its exchanges, looked up once."""
+
+    in_flight: Gauge
+    ttfb: Histogram
+    duration: Histogram
+
+
 class Exchange:
     """One upstream request, from sending it to the end of its body (``UpstreamPool.send``).
 
@@ -51,55 +58,56 @@ class Exchange:
     behind two awaits per request costs more than these few lines.
     """
 
-    __slots__ = ("_pool", "_request", "_response", "_started", "_state", "_trace", "_upstream",
-                 "_url")  # fmt: skip
+    __slots__ = ("_answer", "_max_bytes", "_release", "_response", "_started", "_timings",
+                 "_trace", "_upstream")  # fmt: skip
 
     def __init__(
         self,
-        pool: UpstreamPool,
+        answer: Callable[[], Awaitable[UpstreamResponse]],  # the response, retries done
+        release: Callable[[UpstreamResponse], None],  # read: pooled; unread: closed
+        timings: Timings,
         upstream: Upstream,
-        url: str,
-        request: UpstreamRequest,
+        max_bytes: int,
         trace: Trace | None,
     ) -> None:
-        self._pool = pool
+        self._answer = answer
+        self._release = release
+        self._timings = timings
         self._upstream = upstream
-        self._state = pool.state(upstream)
-        self._url = url
-        self._request = request
+        self._max_bytes = max_bytes
         self._trace = trace
         self._started = 0.0
         self._response: UpstreamResponse | None = None
 
     async def __aenter__(self) -> Answer:
-        pool, state, trace = self._pool, self._state, self._trace
+        timings, trace = self._timings, self._trace
         # Durations on perf_counter, the clock of Trace and of the request log: uvloop's
         # loop.time() moves in whole milliseconds, coarser than most of what is measured here.
         self._started = started = time.perf_counter()
         if trace is not None and trace.sent_at is None:
             trace.sent_at = started
-        state.in_flight.inc()
+        timings.in_flight.inc()
         try:
-            response = await pool.answer(state, self._url, self._request, trace)
+            response = await self._answer()
         except BaseException:
             self._ended(time.perf_counter())
             raise
-        state.ttfb.observe(time.perf_counter() - started)
+        timings.ttfb.observe(time.perf_counter() - started)
         self._response = response
-        return Answer(response, self._upstream, pool.config.max_response_bytes)
+        return Answer(response, self._upstream, self._max_bytes)
 
     async def __aexit__(self, *exc_info: object) -> None:
         try:
             if self._response is not None:
                 # Read to its end: back to the pool. Left unread: closed, so the upstream stops.
-                self._pool.connections.release(self._response)
+                self._release(self._response)
         finally:
             self._ended(time.perf_counter())
 
     def _ended(self, ended: float) -> None:
-        state, trace = self._state, self._trace
-        state.in_flight.dec()
-        state.duration.observe(ended - self._started)
+        timings, trace = self._timings, self._trace
+        timings.in_flight.dec()
+        timings.duration.observe(ended - self._started)
         if trace is not None:
             trace.done_at = ended if trace.done_at is None else max(trace.done_at, ended)
 

@@ -169,7 +169,7 @@ class ConnectionPool:
 
     def release(self, response: UpstreamResponse) -> None:
         """Back to the pool when its body was read to the end; closed (never reused) otherwise."""
-        connection = response._connection
+        connection = cast(UpstreamConnection, response._connection)  # the one request() made
         response._stop_idle()
         self.in_use.discard(connection)
         if (

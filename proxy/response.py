@@ -13,15 +13,12 @@ import asyncio
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import aiohttp
 from multidict import CIMultiDict
 
 from proxy.encoding import Inflater
-
-if TYPE_CHECKING:
-    from proxy.http1 import UpstreamConnection
 
 BodySink = Callable[[bytes], None]
 _INFLATED = ("gzip", "x-gzip", "deflate")
@@ -31,10 +28,19 @@ class BodyTooLong(Exception):
     """A body grew past the bytes the caller holds for one response."""
 
 
+class Reading(Protocol):
+    """What a response needs of its connection (``proxy.http1.UpstreamConnection``)."""
+
+    loop: asyncio.AbstractEventLoop
+    paused: bool
+
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def abort(self) -> None: ...
+
+
 class UpstreamResponse:
-    def __init__(
-        self, connection: UpstreamConnection, method: str, limit: int, inflate: bool
-    ) -> None:
+    def __init__(self, connection: Reading, method: str, limit: int, inflate: bool) -> None:
         self._connection = connection
         self._loop = connection.loop
         self.method = method

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -21,7 +22,14 @@ from multidict import CIMultiDict
 
 from proxy.config import Config, Upstream
 from proxy.errors import Overloaded
-from proxy.exchange import Exchange, Trace, UpstreamRequest, failure_kind, upstream_error
+from proxy.exchange import (
+    Exchange,
+    Timings,
+    Trace,
+    UpstreamRequest,
+    failure_kind,
+    upstream_error,
+)
 from proxy.log import log_event, logger
 from proxy.metrics import Metrics
 from proxy.pool import ConnectionPool
@@ -51,9 +59,11 @@ class _UpstreamState:
         self.retry_on = frozenset(upstream.retry_on)
         # Labelled children looked up once, not on every request.
         name = upstream.name
-        self.in_flight = metrics.children_in_flight.labels(name)
-        self.ttfb = metrics.upstream_ttfb.labels(name)
-        self.duration = metrics.upstream_duration.labels(name)
+        self.timings = Timings(
+            metrics.children_in_flight.labels(name),
+            metrics.upstream_ttfb.labels(name),
+            metrics.upstream_duration.labels(name),
+        )
         self.health_rounds = 0  # completed health checks of every replica
         # A fresh event per change, as the devserver does: waiters re-check their condition.
         self._changed = asyncio.Event()
@@ -150,7 +160,15 @@ class UpstreamPool:
         retried answer can have reached the client (SPEC §10). The response is closed (never
         reused) if its body is left unread.
         """
-        return Exchange(self, upstream, url, request, trace)
+        state = self.state(upstream)
+        return Exchange(
+            functools.partial(self.answer, state, url, request, trace),
+            self.connections.release,
+            state.timings,
+            upstream,
+            self.config.max_response_bytes,
+            trace,
+        )
 
     async def answer(
         self, state: _UpstreamState, url: str, request: UpstreamRequest, trace: Trace | None

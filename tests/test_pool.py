@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
+from proxy.http1 import _crlf_after_end
 from proxy.pool import ConnectionPool
 from proxy.response import BodyTooLong, UpstreamResponse
 
@@ -480,3 +481,43 @@ async def test_a_sink_that_raises_fails_the_relay_and_drops_the_connection(
         await asyncio.wait_for(response.relay(sink, lambda: False, lambda: asyncio.sleep(0)), WAIT)
     pool.release(response)
     await asyncio.wait_for(raw.closed.wait(), WAIT)
+
+
+async def test_bytes_after_the_end_in_a_later_read_are_nobodys_and_spoil_the_connection(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    """The answer ended; more bytes come while the caller still holds it (before release)."""
+    more = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        await writer.drain()
+        await asyncio.wait_for(more.wait(), WAIT)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled")
+        await reader.read()
+
+    raw, url = await serve(handler)
+    response = await get(pool, url)
+    more.set()
+    await asyncio.wait_for(raw.closed.wait(), WAIT)  # the client closed it at the extra bytes
+    assert await response.read(LIMIT) == b"hello"
+    pool.release(response)
+    assert pool.idle_count() == 0
+
+
+@pytest.mark.parametrize(
+    ("data", "own", "after"),
+    [
+        (b"hello", 0, False),
+        (b"0\r\n\r\n", 4, False),
+        (b"0\r\n\r\n\r\n", 4, True),
+        (b"x\n", 1, False),
+        (b"x\n\n", 1, True),
+        (b"\r\n", 4, True),  # all of it CR/LF: the message's end cannot be told apart
+        (b"x\r\n", None, True),
+        (b"", 4, False),
+    ],
+)
+def test_crlf_after_a_message_end_is_counted(data: bytes, own: int | None, after: bool) -> None:
+    assert _crlf_after_end(data, own) is after
