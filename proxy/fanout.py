@@ -32,8 +32,8 @@ from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.upstream import UpstreamPool
 
 T = TypeVar("T")
-# aiohttp stops reading a child's socket past twice this: with one read waiting in the mailbox,
-# a child behind a slow client holds about 64 KiB in the proxy.
+# The upstream client stops reading a child's socket past twice this (inflated bytes included):
+# with one read waiting in the mailbox, a child behind a slow client holds about 64 KiB.
 CHILD_READ_BUFFER = 16 * 1024
 Item = list[RawEvent] | BaseException | None  # events, a failure, or None: the child ended cleanly
 KEEPALIVE = b": keep-alive\n\n"

@@ -162,7 +162,7 @@ class UpstreamPool:
         """
         state = self.state(upstream)
         return Exchange(
-            functools.partial(self.answer, state, url, request, trace),
+            functools.partial(self.open_response, state, url, request, trace),
             self.connections.release,
             state.timings,
             upstream,
@@ -170,7 +170,7 @@ class UpstreamPool:
             trace,
         )
 
-    async def answer(
+    async def open_response(
         self, state: _UpstreamState, url: str, request: UpstreamRequest, trace: Trace | None
     ) -> UpstreamResponse:
         """The response to relay: up to ``retries`` further tries, each on another replica when
