@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from proxy.headers import request_headers, response_headers
+from proxy.headers import child_headers, request_headers, response_headers
 
 HOP_BY_HOP = [
     ("Connection", "keep-alive"),
@@ -142,3 +142,25 @@ def test_filtering_does_not_mutate_the_incoming_headers() -> None:
     request_headers(incoming, {"Authorization": "other"})
     response_headers(incoming)
     assert list(incoming.items()) == pairs
+
+
+@pytest.mark.parametrize(
+    ("sent", "asked"),
+    [
+        (["br, zstd"], None),
+        (["gzip, deflate, br, zstd"], "gzip, deflate"),
+        (["br;q=1.0, GZIP;q=0.5", "x-gzip"], "GZIP;q=0.5, x-gzip"),
+        (["identity", "*"], None),
+        ([], None),
+    ],
+)
+def test_children_ask_only_for_codings_the_proxy_inflates(
+    sent: list[str], asked: str | None
+) -> None:
+    incoming = CIMultiDict([("Content-Encoding", "gzip"), ("Authorization", "Bearer k")])
+    for value in sent:
+        incoming.add("Accept-Encoding", value)
+    out = child_headers(incoming, {})
+    assert out.getall("Accept-Encoding", []) == ([asked] if asked else [])
+    assert "Content-Encoding" not in out  # children carry plain JSON
+    assert out["Authorization"] == "Bearer k"
