@@ -52,6 +52,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._last_body = b""  # the last body piece parsed: how the message ends
         self._recent = b""  # the last bytes received: at least 8, unless fewer came
         self._chunked = False
+        self._in_body = False  # the final head is in: reads go straight to the parser
 
     def begin(self, response: UpstreamResponse) -> None:
         """A new exchange on this connection; its request is about to be written."""
@@ -61,6 +62,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._ended = False
         self._last_body = b""
         self._recent = b""
+        self._in_body = False
 
     # ---- asyncio.Protocol
 
@@ -93,38 +95,40 @@ class UpstreamConnection(asyncio.Protocol):
         if response is None or self._ended:
             self.spoil()  # bytes nobody asked for: this connection is not safe to reuse
             return
-        if response.relaying:
+        if response.sink is not None:
             response.last_data = self.loop.time()
         # A message's end split over tiny reads is still told from CR/LF after it (below).
         self._recent = data if len(data) >= 8 else self._recent[-8:] + data
         error: BaseException | None = None
         try:
-            if response.head.done():
+            if self._in_body:
                 self.parser.feed_data(data)
             else:
                 error = self._feed_head(data)
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            if isinstance(cause, _HeadDone):
-                self._ended = True  # bytes after a HEAD's head are not ours to reparse
-                response.on_end()
-            elif isinstance(cause, _Beyond):
-                self.spoil()
-            else:
-                error = aiohttp.ClientPayloadError(f"malformed upstream response: {exc}")
-        except httptools.HttpParserError as exc:
-            if self._ended:
-                self.spoil()  # what follows the message is not a message of ours
-            else:
-                error = aiohttp.ClientPayloadError(f"malformed upstream response: {exc}")
-        except httptools.HttpParserUpgrade:
-            error = aiohttp.ClientPayloadError("upstream switched protocols")
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            error = self._parse_failed(exc)
         else:
             if self._ended and self.reusable and _crlf_after_end(self._recent, self._own_crlf()):
                 self.spoil()
         response.after_read()  # every valid byte of this read leaves first
         if error is not None:
             response.fail(error)
+
+    def _parse_failed(self, exc: Exception) -> BaseException | None:
+        """What a parser error means: the end of a HEAD's head, bytes after the message (the
+        connection is spoiled, the response stands), or a malformed response (returned)."""
+        cause = exc.__context__
+        response = self.response
+        if isinstance(cause, _HeadDone) and response is not None:
+            self._ended = True  # bytes after a HEAD's head are not ours to reparse
+            response.on_end()
+            return None
+        if isinstance(cause, _Beyond) or self._ended:
+            self.spoil()  # what follows the message is not a message of ours
+            return None
+        if isinstance(exc, httptools.HttpParserUpgrade):
+            return aiohttp.ClientPayloadError("upstream switched protocols")
+        return aiohttp.ClientPayloadError(f"malformed upstream response: {exc}")
 
     def _feed_head(self, data: bytes) -> BaseException | None:
         """Feed no more than the head may still take; a head past the cap fails the response."""
@@ -194,6 +198,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
         no_body = response.method == "HEAD" or status in _NO_BODY_STATUS
         until_close = not no_body and not self._chunked and "Content-Length" not in headers
+        self._in_body = True
         response.on_head(status, until_close)
         if response.method == "HEAD":
             raise _HeadDone

@@ -60,7 +60,7 @@ class UpstreamResponse:
         self.ended = False  # every byte of the message arrived
         self.complete = False  # ... and every body byte was handed on
         self.error: BaseException | None = None
-        self._sink: BodySink | None = None
+        self.sink: BodySink | None = None  # set by ``relay``: bytes go there as they arrive
         self._sink_paused: Callable[[], bool] | None = None
         self._relay_done: asyncio.Future[None] | None = None
         self._out: list[bytes] = []
@@ -87,10 +87,6 @@ class UpstreamResponse:
         except ValueError:
             return None
 
-    @property
-    def relaying(self) -> bool:
-        return self._sink is not None
-
     # ---- parser side (called from UpstreamConnection.data_received)
 
     def on_head(self, status: int, until_close: bool) -> None:
@@ -109,7 +105,7 @@ class UpstreamResponse:
     def on_body(self, data: bytes) -> None:
         if self._inflater is not None:
             self._inflater.feed(data)  # inflated after this read, as far as there is room
-        elif self._sink is not None:
+        elif self.sink is not None:
             self._out.append(data)
         else:
             self._chunks.append(data)
@@ -128,17 +124,26 @@ class UpstreamResponse:
     def after_read(self) -> None:
         """After one ``data_received``: relayed pieces leave in one write, input is inflated."""
         out = self._out
-        if out and self._sink is not None:
+        if out:  # only a relay fills it; the sink call is inlined: it runs once per read
             data = out[0] if len(out) == 1 else b"".join(out)
             out.clear()
-            self._to_sink(data)
+            try:
+                self.sink(data)  # type: ignore[misc]
+            except Exception as exc:  # e.g. a malformed stream: the relay raises it
+                self.fail(exc)
+                return
+            paused = self._sink_paused
+            if paused is not None and paused():
+                self._connection.pause()
+                if self._relay_done is not None:
+                    _settle(self._relay_done)  # wakes the relay's task to wait for the drain
         if self._inflater is not None:
             self._pump()
 
     def _to_sink(self, data: bytes) -> None:
-        assert self._sink is not None
+        assert self.sink is not None
         try:
-            self._sink(data)
+            self.sink(data)
         except Exception as exc:  # e.g. a malformed stream: the relay raises it
             self.fail(exc)
             return
@@ -153,7 +158,7 @@ class UpstreamResponse:
         inflater = self._inflater
         assert inflater is not None
         try:
-            if self._sink is not None:
+            if self.sink is not None:
                 paused = self._sink_paused
                 while inflater.pending and self.error is None:
                     if paused is not None and paused():
@@ -173,7 +178,7 @@ class UpstreamResponse:
             elif self.ended and not self.complete and self.error is None:
                 tail = inflater.close()
                 if tail:
-                    if self._sink is not None:
+                    if self.sink is not None:
                         self._to_sink(tail)
                     else:
                         self._chunks.append(tail)
@@ -232,7 +237,7 @@ class UpstreamResponse:
         """When the idle clock started, or None while it is stopped."""
         if self.ended:
             return None  # the upstream said all it had: what is left is the consumer's
-        if self._sink is not None:
+        if self.sink is not None:
             return None if self._connection.paused else self.last_data
         if self._chunks or self._waiter is None:
             return None  # the consumer is busy elsewhere: not the upstream's silence
@@ -294,7 +299,7 @@ class UpstreamResponse:
         ``paused`` says the sink's buffer is full; this task then awaits ``drain()`` and
         resumes reading. Raises the body's failure; cancelling it aborts the connection.
         """
-        self._sink = sink
+        self.sink = sink
         self._sink_paused = paused
         if self._chunks:  # anything read before the relay began
             data = b"".join(self._chunks)
