@@ -124,19 +124,10 @@ class UpstreamResponse:
     def after_read(self) -> None:
         """After one ``data_received``: relayed pieces leave in one write, input is inflated."""
         out = self._out
-        if out:  # only a relay fills it; the sink call is inlined: it runs once per read
+        if out:  # only a relay fills it
             data = out[0] if len(out) == 1 else b"".join(out)
             out.clear()
-            try:
-                self.sink(data)  # type: ignore[misc]
-            except Exception as exc:  # e.g. a malformed stream: the relay raises it
-                self.fail(exc)
-                return
-            paused = self._sink_paused
-            if paused is not None and paused():
-                self._connection.pause()
-                if self._relay_done is not None:
-                    _settle(self._relay_done)  # wakes the relay's task to wait for the drain
+            self._to_sink(data)
         if self._inflater is not None:
             self._pump()
 
