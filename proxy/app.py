@@ -29,6 +29,7 @@ from proxy.errors import (
     RequestTimeout,
     UnsupportedEncoding,
     error_body,
+    status_type,
 )
 from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import request_headers, response_headers
@@ -322,8 +323,8 @@ def child_failed_response(exc: ChildFailed) -> web.Response:
             status=exc.status, body=exc.body, content_type=exc.content_type or "application/json"
         )
     message = f"upstream answered {exc.status} with an empty body"
-    type_ = "invalid_request_error" if exc.status < 500 else "server_error"
-    return web.json_response(error_body(message, type_, code=exc.status), status=exc.status)
+    body = error_body(message, status_type(exc.status), code=exc.status)
+    return web.json_response(body, status=exc.status)
 
 
 def error_response(exc: ProxyError, *, close: bool = False) -> web.Response:

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from proxy.configerrors import first_error, keyed
+from proxy.numbers import is_int
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
 DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -89,7 +90,7 @@ def _path(value: object) -> str:
 def _retry_condition(value: object) -> str | int:
     if value in ("connect", "reset"):
         return str(value)
-    if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+    if is_int(value) and 400 <= value <= 599:
         return value
     raise ValueError("must be connect, reset or an HTTP status from 400 to 599")
 

@@ -6,7 +6,7 @@ Hop-by-hop headers (``Proxy-*`` among them), and any named in ``Connection``, ne
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -58,9 +58,3 @@ def request_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDi
 
 def response_headers(incoming: Headers) -> CIMultiDict[str]:
     return _filtered(incoming, _RESPONSE_DROP)
-
-
-def with_request_id(headers: Iterable[tuple[str, str]], request_id: str) -> CIMultiDict[str]:
-    out = CIMultiDict(headers)
-    out["X-Request-Id"] = request_id
-    return out

@@ -25,7 +25,7 @@ from aiohttp.web_protocol import RequestHandler
 from proxy.admin import build_admin_app
 from proxy.app import SERVER, build_app
 from proxy.config import Config
-from proxy.errors import RequestTimeout, error_body
+from proxy.errors import RequestTimeout, error_body, status_type
 from proxy.log import log_event
 from proxy.metrics import Metrics
 from proxy.runtime import Runtime
@@ -197,11 +197,10 @@ class Connection(RequestHandler):
     ) -> web.StreamResponse:
         """aiohttp's own error pages (a malformed request line, bad headers) as OpenAI errors."""
         super().handle_error(request, status, exc, message)  # logs it; raises if too late
-        type_ = "invalid_request_error" if status < 500 else "server_error"
         text = message if status < 500 and message else HTTPStatus(status).phrase
         response = web.Response(
             status=status,
-            body=orjson.dumps(error_body(text, type_)),
+            body=orjson.dumps(error_body(text, status_type(status))),
             content_type="application/json",
             headers={"Server": SERVER},
         )

@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "proxy"
 
 # Planning, SSE, stitching, usage, headers and errors: literal bytes and dicts in and out.
-PURE = ("plan", "sse", "stitch", "usage", "headers", "errors", "encoding")
+PURE = ("plan", "sse", "stitch", "usage", "headers", "errors", "encoding", "numbers")
 # What a pure module may import from outside the package: the standard library's pure parts
 # and the JSON and multidict value types.
 ALLOWED = frozenset({
