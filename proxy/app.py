@@ -35,7 +35,7 @@ from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import request_headers, response_headers
 from proxy.log import log_request
 from proxy.memory import Trimmer
-from proxy.plan import parse_body, plan_request
+from proxy.plan import endpoint_of, parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.sink import client_sink
 from proxy.upstream import Resolver, Trace, UpstreamPool, UpstreamRequest
@@ -190,6 +190,7 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
     outcome.body_bytes = len(body)
     path = request.rel_url.path
     fanout_path = request.method == "POST" and path in config.fanout_paths
+    endpoint = endpoint_of(path) if fanout_path else None
     if fanout_path:
         outcome.route = path
     try:
@@ -202,13 +203,12 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
         model = parsed.get("model") if parsed is not None else None
         upstream = config.choose_upstream(path, model if isinstance(model, str) else None)
         outcome.upstream = upstream.name
-        if fanout_path and parsed is not None and not upstream.native_n:
+        if endpoint is not None and parsed is not None and not upstream.native_n:
             plan = plan_request(
                 parsed,
                 functools.partial(_parent_id, request),
                 config.max_n,
-                completions=path.endswith("/completions")
-                and not path.endswith("/chat/completions"),
+                endpoint=endpoint,
                 max_children=config.max_children,
             )
             if plan is not None:

@@ -29,6 +29,7 @@ from pydantic import (
 
 from proxy.configerrors import first_error, keyed
 from proxy.numbers import is_int
+from proxy.plan import endpoint_of
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
 DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -264,6 +265,13 @@ class Config(_Section):
                 raise keyed(f"routes[{i}].upstream", f"no upstream named {route.upstream!r}")
         if self.default_upstream not in names:
             raise keyed("default_upstream", f"no upstream named {self.default_upstream!r}")
+        for i, path in enumerate(self.fanout_paths):
+            if endpoint_of(path) is None:
+                raise keyed(
+                    f"fanout_paths[{i}]",
+                    f"{path!r} is neither a chat completions nor a completions path: n is fanned"
+                    " out only where the proxy knows how to stitch the answers",
+                )
         return self
 
     def upstream(self, name: str) -> Upstream:

@@ -10,7 +10,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -20,6 +20,18 @@ from proxy.numbers import is_int
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 RANDOM_SEED = -1  # llama.cpp's and vLLM's "random" sentinel: sent unchanged to every child
+
+Endpoint = Literal["chat", "completions"]
+
+
+def endpoint_of(path: str) -> Endpoint | None:
+    """The kind of a fan-out path, decided once from its last segments (SPEC §1): a prefix such
+    as ``/openai/v1`` may stand in front; any other path has no kind the proxy can stitch."""
+    if path.endswith("/chat/completions"):
+        return "chat"
+    if path.endswith("/completions"):
+        return "completions"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +45,7 @@ class Child:
 @dataclass(frozen=True, slots=True)
 class Plan:
     parent_id: str
+    endpoint: Endpoint
     n: int  # choices per prompt the client sees
     stream: bool
     include_usage: bool
@@ -76,9 +89,10 @@ def plan_request(
     parent_id: str | Callable[[], str],
     max_n: int,
     *,
-    completions: bool,
+    endpoint: Endpoint,
     max_children: int = 2048,
 ) -> Plan | None:
+    completions = endpoint == "completions"
     n = _requested_n(body, max_n)
     best_of = _requested_best_of(body, n, max_n) if completions else None
     stream = body.get("stream") is True
@@ -119,6 +133,7 @@ def plan_request(
     client_logprobs = body.get("logprobs")
     return Plan(
         parent_id=parent_id,
+        endpoint=endpoint,
         n=n,
         stream=stream,
         include_usage=stream and options.get("include_usage") is True,

@@ -251,6 +251,12 @@ def test_max_n_within_1_to_128_is_accepted(max_n: int) -> None:
             id="fanout-path-without-slash",
         ),
         pytest.param(
+            f"fanout_paths: [/v1/chat/completions, /v1/responses]\n{MINIMAL}",
+            "fanout_paths[1]",
+            "neither a chat completions nor a completions path",
+            id="fanout-path-of-unknown-kind",
+        ),
+        pytest.param(
             f"max_body_bytes: 0\n{MINIMAL}", "max_body_bytes", "", id="max-body-bytes-zero"
         ),
         pytest.param(

@@ -25,7 +25,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def plan(body: dict[str, Any], *, completions: bool = False, parent: str = "abc") -> Plan:
-    planned = plan_request(body, parent, 10, completions=completions)
+    planned = plan_request(body, parent, 10, endpoint="completions" if completions else "chat")
     assert planned is not None
     return planned
 
