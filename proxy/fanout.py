@@ -31,8 +31,8 @@ from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.upstream import Reply, Trace, UpstreamPool, UpstreamRequest, upstream_error
 
 T = TypeVar("T")
-# aiohttp stops reading a child's socket past twice this: with one read waiting in the mailbox,
-# a child behind a slow client holds about 64 KiB in the proxy.
+# The upstream client stops reading a child's socket past twice this: with one read waiting in
+# the mailbox, a child behind a slow client holds about 64 KiB in the proxy.
 CHILD_READ_BUFFER = 16 * 1024
 
 
