@@ -109,7 +109,7 @@ class ReplicaSet:
         """
         usable = self.usable(now)
         turn = next(self._turn)
-        size = self.placement.pack or count
+        size = self.placement.pack or max(count, 1)
         if size == 1 and self.placement.choose == "round_robin":  # the default, kept lean
             return [usable[(turn + j) % len(usable)].url for j in range(count)]
         added = [0] * len(usable)

@@ -279,13 +279,17 @@ _event = st.one_of(
 @given(
     events=st.lists(_event, max_size=40),
     failures=st.integers(0, 3),
-    pack=st.booleans(),
+    placement=st.sampled_from([Placement(), PACK, LEAST, Placement("least_outstanding", 2)]),
+    outstanding=st.lists(st.integers(0, 3), min_size=5, max_size=5),
     tried=st.lists(_url, max_size=4),
 )
 def test_placement_and_retries_keep_the_rules_after_any_events(
-    events: list[tuple[object, ...]], failures: int, pack: bool, tried: list[str]
+    events: list[tuple[object, ...]],
+    failures: int,
+    placement: Placement,
+    outstanding: list[int],
+    tried: list[str],
 ) -> None:
-    placement = PACK if pack else LEAST
     replicas = ReplicaSet(["http://svc:8000"], Ejection(failures, seconds=5), placement)
     now = 0.0
     for event in events:
@@ -302,6 +306,8 @@ def test_placement_and_retries_keep_the_rules_after_any_events(
             case ("tick", seconds):
                 assert isinstance(seconds, float)
                 now += seconds
+        for replica in replicas:
+            replica.outstanding = outstanding[POOL.index(replica.url)] if replica.url in POOL else 0
         current = set(replicas.urls)
         assert current  # never empty: an empty answer keeps the last set
         usable = {r.url for r in replicas if r.usable(now)}
@@ -310,11 +316,18 @@ def test_placement_and_retries_keep_the_rules_after_any_events(
         placed = replicas.place(3, now)
         assert len(placed) == 3
         assert set(placed) <= (usable or current)  # only usable ones, or all when none is
-        if pack:
+        if placement.pack is None:
             assert len(set(placed)) == 1
+        if placement.pack == 2:
+            assert placed[0] == placed[1]  # a group stays together
         retry = replicas.retry_to(tried, now)
         assert retry in current
         if usable - set(tried):
             assert retry in usable - set(tried)
         elif usable:
             assert retry in usable
+
+
+@pytest.mark.parametrize("placement", [Placement(), PACK, LEAST, Placement(pack=3)])
+def test_no_children_place_nothing(placement: Placement) -> None:
+    assert ReplicaSet([A, B], placement=placement).place(0, now=0) == []
