@@ -206,7 +206,7 @@ class Placement(_Section):
 
 
 _PLACEMENTS: dict[str, dict[str, Any]] = {
-    "spread": {"choose": "round_robin"},  # the presets of before least_outstanding existed
+    "spread": {"choose": "round_robin"},  # spread and pack keep the meaning they always had
     "pack": {"choose": "round_robin", "pack": "all"},
     "least_outstanding": {},
 }
