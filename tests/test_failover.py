@@ -762,11 +762,11 @@ async def test_a_backoff_wait_cancelled_by_the_client_leaves_nothing_behind(
 
     proxy.pool.sleep = long_wait
     before = len(asyncio.all_tasks())
-    for stream in (False, True):
+    for n, stream in ((1, False), (2, False), (2, True)):
         waiting.clear()
-        job = asyncio.ensure_future(post(client, proxy, chat(2, stream=stream)))
+        job = asyncio.ensure_future(post(client, proxy, chat(n, stream=stream)))
         await asyncio.wait_for(waiting.wait(), WITHIN)
-        assert (state.slots.in_use, state.slots.queued) == (1, 1)  # one child waits its turn
+        assert (state.slots.in_use, state.slots.queued) == (1, n - 1)  # a second child queues
         job.cancel()  # the client leaves during the wait
         with pytest.raises(asyncio.CancelledError):
             await job
@@ -774,6 +774,28 @@ async def test_a_backoff_wait_cancelled_by_the_client_leaves_nothing_behind(
         await until_true(lambda: state.slots.in_use == 0 and len(asyncio.all_tasks()) <= before)
         assert state.slots.queued == 0
         assert all(r.outstanding == 0 for r in state.replicas)
+
+
+async def test_a_client_leaving_a_fallback_stream_gives_back_the_fallbacks_places(
+    client: aiohttp.ClientSession, make_backend: MakeBackend, servers: Servers, free_port: int
+) -> None:
+    spare = await make_backend()
+    primary = Upstream(name="u", urls=(f"http://127.0.0.1:{free_port}",), fallback="spare")
+    proxy = await serve_proxy(
+        servers, Config(upstreams=(primary, Upstream(name="spare", urls=(spare.url,))))
+    )
+    record_waits(proxy)
+    other = proxy.pool.state(proxy.app[RUNTIME].config.upstream("spare"))
+    long = chat(2, stream=True, max_tokens=10_000, ignore_eos=True, x_demo={"token_delay": 0.05})
+    async with client.post(proxy.url + CHAT, json=long) as stream:
+        assert stream.status == 200
+        await spare.state.wait_for(lambda s: len(s.active) == 2, WITHIN)
+        assert other.slots.in_use == 2
+        assert [r.outstanding for r in other.replicas] == [2]
+    # the client left: both children aborted, their places in the fallback's line given back
+    await spare.state.wait_for(lambda s: not s.active, WITHIN)
+    await until_true(lambda: other.slots.in_use == 0)
+    assert [r.outstanding for r in other.replicas] == [0]
 
 
 async def until_true(predicate: Callable[[], bool]) -> None:
