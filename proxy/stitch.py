@@ -287,8 +287,8 @@ class _Template(NamedTuple):
     Learned from a chunk that took the full path, where that value was the only one to
     change since the child's previous plain chunk. Parsing a chunk of this form gives the
     learned payload with only that value replaced, and the full path's rewrite neither
-    touches that value nor looks at it, so the stitched chunk equals the full path's
-    (JSON-equal: the value keeps the child's own spelling). Anything else takes the full
+    touches that value nor looks at it, so the stitched chunk equals the full path's, byte
+    for byte (the value must be spelled as orjson spells it). Anything else takes the full
     path: ``[DONE]``, the finishing chunk, usage, a role, a second changed value.
     """
 
@@ -304,7 +304,9 @@ class _Template(NamedTuple):
 
 def _value_between(data: bytes, head: bytes, tail: bytes) -> bytes | None:
     """The bytes of ``data`` between ``head`` and ``tail`` when they are one JSON string or
-    number; None for anything else (more than one value, not UTF-8: the full path decides)."""
+    number spelled as orjson spells it; None for anything else (whitespace around it, as a
+    multi-line ``data:`` event has; an escape orjson would not write; ``1E2``; not UTF-8):
+    the full path re-serializes those, so a splice of the child's bytes would differ."""
     end = len(data) - len(tail)
     if end < len(head) or not data.startswith(head) or not data.endswith(tail):
         return None
@@ -315,7 +317,7 @@ def _value_between(data: bytes, head: bytes, tail: bytes) -> bytes | None:
         return None
     if not isinstance(parsed, (str, int, float)) or isinstance(parsed, bool):
         return None
-    return value
+    return value if orjson.dumps(parsed) == value else None
 
 
 def _loads(data: bytes) -> Any:

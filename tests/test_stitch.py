@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from proxy.plan import Plan, plan_request
+from proxy.sse import SSEDecoder
 from proxy.stitch import (
     StreamError,
     StreamStitcher,
@@ -679,9 +680,9 @@ def replay(p: Plan, steps: list[Step]) -> tuple[list[Any], list[Any]]:
             except StreamError as error:
                 out.append(("error", error.choice, error.reason))
                 break
-            out.append(None if raw is None else sse(raw))
+            out.append(raw)
         else:
-            out.append(sse(s.tail()))
+            out.append(s.tail())
         out.append((s.chunks, [s.finished(pos) for pos in range(len(p.children))]))
     return sent
 
@@ -830,6 +831,33 @@ def test_templates_equal_the_full_path_on_crafted_bytes_around_the_value() -> No
         assert fast == full
 
 
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        pytest.param(b'data: %s\ndata: "TOKEN"%s\n\n', id="multi-line-data-event"),
+        pytest.param(b'data: %s\r\ndata: "TOKEN"%s\r\n\r\n', id="multi-line-crlf"),
+        pytest.param(b'data: %s "TOKEN" %s\n\n', id="spaces-around-the-value"),
+        pytest.param(b'data: %s"TOK\\u0045N"%s\n\n', id="escaped-letter"),
+    ],
+)
+def test_a_token_the_template_cannot_splice_takes_the_full_path(spelling: bytes) -> None:
+    """Issue 17 item 8: a multi-line ``data:`` event once came out as a broken one-line event
+    (a newline inside it): the token was lost to the client's SSE parser, the event not JSON."""
+    p = plan({"n": 2, "stream": True})
+    cid = f"chatcmpl-{p.children[0].request_id}"
+    decoder, s = SSEDecoder(), StreamStitcher(p)
+    for token in "abc":  # teach child 0 its template
+        for data, event in decoder.feed_raw(b"data: " + chunk(cid, 9, token) + b"\n\n"):
+            s.chunk(0, data, event)
+    head, tail = chunk(cid, 9, "TOKEN").split(b'"TOKEN"')
+    out = b"".join(
+        s.chunk(0, data, event) or b"" for data, event in decoder.feed_raw(spelling % (head, tail))
+    )
+    assert out.count(b"\n") == 2
+    assert one_event(out)["choices"][0]["delta"] == {"content": "TOKEN"}
+    assert out == b"data: " + chunk("chatcmpl-abc", 9, "TOKEN") + b"\n\n"
+
+
 def test_templates_equal_the_full_path_on_non_canonical_json_and_continuous_usage() -> None:
     body = {
         "n": 2,
@@ -853,9 +881,10 @@ def test_the_pacer_chunk_is_stitched_from_a_template_equal_to_the_full_path(
     from bench.pacer import chunk as pacer_chunk
 
     p = plan({"n": 4, "stream": True})
+    # "%.6f" spells 1.050001 as orjson does; 0.050000 (orjson: 0.05) would take the full path
     streams = [
         [
-            pacer_chunk(i / 20)[6:-2].replace(
+            pacer_chunk(1 + i / 20 + 1e-6)[6:-2].replace(
                 b"chatcmpl-pacer", f"chatcmpl-{c.request_id}".encode()
             )
             for i in range(20)
