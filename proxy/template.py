@@ -27,11 +27,12 @@ class Template(NamedTuple):
     Learned from a chunk that took the full path, where that value was the only one to
     change since the child's previous plain chunk. Parsing a chunk of this form gives the
     learned payload with only that value replaced, and the full path's rewrite neither
-    touches that value nor looks at it; the value must be spelled as orjson spells it, the
-    rest is orjson's own bytes, so the stitched chunk equals the full path's byte for byte.
+    touches that value nor looks at it, so the full path would send ``head + v + tail`` with
+    ``v`` the value as orjson writes it. The template sends exactly that: the value is parsed
+    and written again, never copied, so JSON whitespace around it (the line breaks of a
+    multi-line ``data:`` event), escapes and number spellings come out as the full path's.
     Anything else takes the full path: ``[DONE]``, the finishing chunk, usage, a role, a
-    second changed value, a value spelled another way (whitespace around it, as the lines of
-    a multi-line ``data:`` event have; an escape or a number orjson would write differently).
+    second changed value, any byte around the value that is not the learned one.
     """
 
     child_head: bytes
@@ -40,7 +41,7 @@ class Template(NamedTuple):
     tail: bytes
 
     def fill(self, data: bytes) -> bytes | None:
-        value = _value_between(data, self.child_head, self.child_tail)
+        value = _respelled(data, self.child_head, self.child_tail)
         return None if value is None else self.head + value + self.tail
 
 
@@ -87,32 +88,28 @@ class Learner:
         child = None if slot is None else _split_at(payload, slot)
         if slot is None or child is None:
             return None
-        head, tail = child
-        if not (data.startswith(head) and data.endswith(tail)):
+        if _respelled(data, *child) is None:
             self._left = 0  # the child does not write JSON as orjson does: no template would match
             self._previous = None
             return None
-        if _value_between(data, head, tail) is None:
-            return None  # only this value is spelled another way; a later one may not be
-        return Lesson(slot, head, tail)
+        return Lesson(slot, *child)
 
 
-def _value_between(data: bytes, head: bytes, tail: bytes) -> bytes | None:
-    """The bytes of ``data`` between ``head`` and ``tail`` when they are one JSON string or
-    number spelled as orjson spells it; None for anything else (whitespace around it, an
-    escape orjson would not write, ``1E2``, not UTF-8, more than one value): the full path
-    re-serializes those, so a splice of the child's bytes would differ from it."""
+def _respelled(data: bytes, head: bytes, tail: bytes) -> bytes | None:
+    """The value between ``head`` and ``tail`` in ``data``, written as orjson writes it, when it
+    is one JSON string or number; None for anything else (more than one value, not UTF-8: the
+    full path decides). Never the child's own bytes: whitespace around the value, ``\\u00e9``
+    or ``1.500000`` would differ from what the full path sends."""
     end = len(data) - len(tail)
     if end < len(head) or not data.startswith(head) or not data.endswith(tail):
         return None
-    value = data[len(head) : end]
     try:
-        parsed = orjson.loads(value)
+        value = orjson.loads(data[len(head) : end])
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(parsed, (str, int, float)) or isinstance(parsed, bool):
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         return None
-    return value if orjson.dumps(parsed) == value else None
+    return orjson.dumps(value)
 
 
 def _plain(payload: dict[str, Any]) -> bool:
