@@ -88,11 +88,14 @@ class Learner:
         child = None if slot is None else _split_at(payload, slot)
         if slot is None or child is None:
             return None
-        if _respelled(data, *child) is None:
+        head, tail = child
+        if not (data.startswith(head) and data.endswith(tail)):
             self._left = 0  # the child does not write JSON as orjson does: no template would match
             self._previous = None
             return None
-        return Lesson(slot, *child)
+        if _respelled(data, head, tail) is None:
+            return None  # a value no template takes (not UTF-8): a later one may do
+        return Lesson(slot, head, tail)
 
 
 def _respelled(data: bytes, head: bytes, tail: bytes) -> bytes | None:

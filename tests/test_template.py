@@ -8,7 +8,7 @@ key orders orjson would not write, LF, CRLF and CR line ends, comments, ``id``/`
 and interleaved, go through the stitcher twice: with templates and the decoder's fast paths, and
 through the full path with the line-by-line decoder. What the client is sent must be the same.
 
-``N_PROXY_FUZZ_EXAMPLES=5000 pytest tests/test_template.py`` fuzzes longer than CI does.
+``N_PROXY_FUZZ_EXAMPLES=5000 pytest --timeout=0 tests/test_template.py`` fuzzes longer than CI does.
 """
 
 from __future__ import annotations
