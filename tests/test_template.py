@@ -37,7 +37,7 @@ from tests.test_stitch import (
     usage_chunk,
 )
 
-EXAMPLES = int(os.environ.get("N_PROXY_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("N_PROXY_FUZZ_EXAMPLES", "150"))
 
 
 class FullPath(StreamStitcher):
