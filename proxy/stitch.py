@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from proxy.numbers import is_number
 from proxy.plan import Child, Plan
 from proxy.template import Learner, Template
 from proxy.usage import merge_usage
@@ -88,7 +89,7 @@ def mean_logprob(choice: dict[str, Any]) -> float:
             values = logprobs["token_logprobs"]
         elif isinstance(logprobs.get("content"), list):
             values = [t.get("logprob") for t in logprobs["content"] if isinstance(t, dict)]
-    numbers = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    numbers = [float(v) for v in values if is_number(v)]
     return math.fsum(numbers) / len(numbers) if numbers else -math.inf
 
 
@@ -203,18 +204,15 @@ class StreamStitcher:
         first appear after choices 0..i-1; vLLM's native n opens chat streams this way. For
         completions the empty ``text`` does the same at no cost to any client.
         """
-        choices = first["choices"]
-        sample = choices[0] if isinstance(choices[0], dict) else {}
-        delta = sample.get("delta")
-        if isinstance(delta, dict):
-            role = delta.get("role")
-            body: dict[str, Any] = {
+        body: dict[str, Any] = {"text": ""}
+        if self.plan.endpoint == "chat":
+            choices = first["choices"]
+            sample = choices[0] if isinstance(choices[0], dict) else {}
+            delta = sample.get("delta")
+            role = delta.get("role") if isinstance(delta, dict) else None
+            body = {
                 "delta": {"role": role if isinstance(role, str) else "assistant", "content": ""}
             }
-        elif "text" in sample:
-            body = {"text": ""}
-        else:
-            return b""  # an unknown chunk shape: nothing to announce with
         envelope = {k: first[k] for k in _ENVELOPE if k in first}
         envelope.update(self._shared or {})
         usage = first.get("usage")

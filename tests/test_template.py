@@ -503,7 +503,7 @@ def streams(draw: st.DrawFn) -> tuple[Plan, list[tuple[int, bytes | None]]]:
     options = draw(st.sampled_from([{}, {"include_usage": True}, {"continuous_usage_stats": True}]))
     if options:
         body["stream_options"] = {"include_usage": True, **options}
-    planned = plan_request(body, "abc", 10, completions=not chat)
+    planned = plan_request(body, "abc", 10, endpoint="chat" if chat else "completions")
     assert planned is not None
     queues: list[list[bytes | None]] = [
         [*draw(child_stream(planned, pos, chat)), None] for pos in range(len(planned.children))
