@@ -159,16 +159,16 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_url(vllm_model: Path) -> Iterator[str]:
     assert PYTHON is not None
     log = vllm_model.parent / "vllm.log"
-    with vllm_server(PYTHON, vllm_model, log, ["--enable-per-request-metrics"]) as url:
-        yield url
+    with vllm_server(PYTHON, vllm_model, log, ["--enable-per-request-metrics"]) as server:
+        yield server.url
 
 
 @pytest.fixture(scope="module")
 def forced_usage_url(vllm_model: Path) -> Iterator[str]:
     assert PYTHON is not None
     log = vllm_model.parent / "vllm-forced.log"
-    with vllm_server(PYTHON, vllm_model, log, ["--enable-force-include-usage"]) as url:
-        yield url
+    with vllm_server(PYTHON, vllm_model, log, ["--enable-force-include-usage"]) as server:
+        yield server.url
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 PYTHON_ENV = "N_PROXY_VLLM_PYTHON"
@@ -24,6 +25,12 @@ MODEL_NAME = "tiny"
 READY_TIMEOUT_S = 240.0  # 35-45 s on 2 cores when idle; a busy machine takes longer
 STOP_TIMEOUT_S = 20.0
 BUILD_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    url: str
+    pid: int  # the API server; the engine core and its worker are its descendants
 
 
 def vllm_python() -> str | None:
@@ -63,8 +70,8 @@ def _healthy(url: str) -> bool:
 @contextlib.contextmanager
 def vllm_server(
     python: str, model: Path, log_path: Path, extra_args: Sequence[str] = ()
-) -> Iterator[str]:
-    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1; yields its base URL.
+) -> Iterator[VllmServer]:
+    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1, once it is healthy.
 
     It runs in a process group of its own (the engine core and worker are its children), and
     that group is stopped on the way out, whatever happened.
@@ -88,7 +95,7 @@ def vllm_server(
                     tail = "\n".join(log_path.read_text().splitlines()[-30:])
                     raise RuntimeError(f"vLLM did not start; log tail:\n{tail}")
                 time.sleep(1.0)
-            yield url
+            yield VllmServer(url, proc.pid)
         finally:
             _stop(proc)
 
