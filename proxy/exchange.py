@@ -18,7 +18,9 @@ from prometheus_client import Gauge, Histogram
 
 from proxy.config import Upstream
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
+from proxy.replicas import Replica
 from proxy.response import BodyTooLong, UpstreamResponse
+from proxy.slots import Place
 
 
 class UpstreamRequest(NamedTuple):
@@ -30,6 +32,15 @@ class UpstreamRequest(NamedTuple):
     body: bytes | None
     inflate: bool = False  # undo a gzip or deflate Content-Encoding (children parse the body)
     read_bufsize: int | None = None  # bytes read ahead of the consumer
+
+
+class Answered(NamedTuple):
+    """An answer to relay, the replica it came from (its ``outstanding`` counts it until the
+    exchange ends), and the fallback upstream's place in line when the fallback sent it."""
+
+    response: UpstreamResponse
+    replica: Replica
+    place: Place | None = None
 
 
 @dataclass
@@ -58,12 +69,12 @@ class Exchange:
     behind two awaits per request costs more than these few lines.
     """
 
-    __slots__ = ("_answer", "_max_bytes", "_release", "_response", "_started", "_timings",
+    __slots__ = ("_answer", "_answered", "_max_bytes", "_release", "_started", "_timings",
                  "_trace", "_upstream")  # fmt: skip
 
     def __init__(
         self,
-        answer: Callable[[], Awaitable[UpstreamResponse]],  # the response, retries done
+        answer: Callable[[], Awaitable[Answered]],  # the response, retries done
         release: Callable[[UpstreamResponse], None],  # read: pooled; unread: closed
         timings: Timings,
         upstream: Upstream,
@@ -77,7 +88,7 @@ class Exchange:
         self._max_bytes = max_bytes
         self._trace = trace
         self._started = 0.0
-        self._response: UpstreamResponse | None = None
+        self._answered: Answered | None = None
 
     async def __aenter__(self) -> Answer:
         timings, trace = self._timings, self._trace
@@ -88,24 +99,27 @@ class Exchange:
             trace.sent_at = started
         timings.in_flight.inc()
         try:
-            response = await self._answer()
+            answered = self._answered = await self._answer()
         except BaseException:
             self._ended(time.perf_counter())
             raise
         timings.ttfb.observe(time.perf_counter() - started)
-        self._response = response
-        return Answer(response, self._upstream, self._max_bytes)
+        return Answer(answered.response, self._upstream, self._max_bytes)
 
     async def __aexit__(self, *exc_info: object) -> None:
         try:
-            if self._response is not None:
+            if self._answered is not None:
                 # Read to its end: back to the pool. Left unread: closed, so the upstream stops.
-                self._release(self._response)
+                self._release(self._answered.response)
         finally:
             self._ended(time.perf_counter())
 
     def _ended(self, ended: float) -> None:
-        timings, trace = self._timings, self._trace
+        timings, trace, answered = self._timings, self._trace, self._answered
+        if answered is not None:
+            answered.replica.outstanding -= 1
+            if answered.place is not None:
+                answered.place.release()
         timings.in_flight.dec()
         timings.duration.observe(ended - self._started)
         if trace is not None:

@@ -6,7 +6,8 @@ Hop-by-hop headers (``Proxy-*`` among them), and any named in ``Connection``, ne
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -30,6 +31,10 @@ _INFLATED = frozenset({"gzip", "x-gzip", "deflate"})  # what proxy.encoding.Infl
 
 
 Headers = CIMultiDictProxy[str] | CIMultiDict[str]
+
+# Visible ASCII and inner spaces, as vLLM echoes: safe to send on, to prefix, to put in an id.
+# An edge space would not survive a header (parsers strip it), so it is not taken either.
+_REQUEST_ID = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,198}[\x21-\x7e])?")
 
 
 def _connection_tokens(headers: Headers) -> set[str]:
@@ -73,11 +78,33 @@ def child_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDict
     return out
 
 
+def rebased_headers(
+    sent: Mapping[str, str] | CIMultiDict[str],
+    configured: Mapping[str, str],
+    other: Mapping[str, str],
+) -> CIMultiDict[str]:
+    """Headers sent to one upstream, made for another (a fallback): what the first one's
+    configuration set is removed, so its credentials never reach the other, and the other's
+    configured headers are set."""
+    out = CIMultiDict(sent)
+    for name in configured:
+        out.popall(name, None)
+    for name, value in other.items():
+        out[name] = value
+    return out
+
+
 def response_headers(incoming: Headers) -> CIMultiDict[str]:
     return _filtered(incoming, _RESPONSE_DROP)
 
 
-def with_request_id(headers: Iterable[tuple[str, str]], request_id: str) -> CIMultiDict[str]:
-    out = CIMultiDict(headers)
-    out["X-Request-Id"] = request_id
-    return out
+def client_request_id(header: str | None, body_request_id: object) -> str | None:
+    """The client's id for its request, when it is safe to forward; None: make one up.
+
+    vLLM names a request by its ``X-Request-Id`` header, or else by the body's ``request_id``
+    (``_base_request_id``), so a native-n answer's id is built from that one.
+    """
+    chosen = header if header is not None else body_request_id
+    if isinstance(chosen, str) and _REQUEST_ID.fullmatch(chosen):
+        return chosen
+    return None

@@ -25,7 +25,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 def plan(body: dict[str, Any], *, completions: bool = False, parent: str = "abc") -> Plan:
-    planned = plan_request(body, parent, 10, completions=completions)
+    planned = plan_request(body, parent, 10, endpoint="completions" if completions else "chat")
     assert planned is not None
     return planned
 
@@ -151,6 +151,15 @@ def test_stitch_json_gives_native_n_body() -> None:
         "kv_transfer_params": {"child": 0},
         "x_vendor": {"child": 0},
     }
+
+
+def test_stitch_json_has_null_metrics_instead_of_child_zeros() -> None:
+    # vLLM --enable-per-request-metrics answers "metrics": null for n > 1.
+    bodies = [chat_body(i, "x", metrics={"ttft_s": 0.01 * (i + 1)}) for i in range(2)]
+    merged = stitch_json(plan({"n": 2}), bodies)
+    assert "metrics" in merged
+    assert merged["metrics"] is None
+    assert [b["metrics"] for b in bodies] == [{"ttft_s": 0.01}, {"ttft_s": 0.02}]
 
 
 def test_stitch_json_keeps_child_zeros_id_when_backend_did_not_echo_it() -> None:
@@ -491,6 +500,72 @@ def test_stream_usage_for_a_list_of_prompts_counts_each_prompt_once() -> None:
     assert final["usage"] == {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
 
 
+# A vLLM child under --enable-force-include-usage, asked for no usage: usage rides on every
+# chunk, the role chunk included, and a usage chunk ends the stream (should_include_usage).
+FORCED_ROLE = (
+    b'{"id":"chatcmpl-%d_abc","object":"chat.completion.chunk","created":9,"model":"tiny",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+    b'"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null,'
+    b'"usage":{"prompt_tokens":6,"total_tokens":6,"completion_tokens":0}}'
+)
+FORCED_TOKEN = (
+    b'{"id":"chatcmpl-%d_abc","object":"chat.completion.chunk","created":9,"model":"tiny",'
+    b'"choices":[{"index":0,"delta":{"content":"x"},"logprobs":null,"finish_reason":"length",'
+    b'"stop_reason":null}],"usage":{"prompt_tokens":6,"total_tokens":7,"completion_tokens":1}}'
+)
+FORCED_USAGE = (
+    b'{"id":"chatcmpl-%d_abc","object":"chat.completion.chunk","created":9,"model":"tiny",'
+    b'"choices":[],"usage":{"prompt_tokens":6,"total_tokens":7,"completion_tokens":1},'
+    b'"system_fingerprint":"fp"}'
+)
+
+
+def test_stream_usage_the_server_sends_unasked_is_streamed_as_the_server_does() -> None:
+    s = StreamStitcher(plan({"n": 2, "stream": True}))
+    opening = sse(s.chunk(0, FORCED_ROLE % 0) or b"")
+    assert [e["usage"] for e in opening] == [usage(6, 0), usage(6, 0)]
+    assert s.chunk(1, FORCED_ROLE % 1) is None
+    tokens = [one_event(s.chunk(pos, FORCED_TOKEN % pos)) for pos in (1, 0)]
+    assert [t["usage"] for t in tokens] == [usage(6, 1), usage(6, 1)]  # each child's own
+    assert [s.chunk(pos, FORCED_USAGE % pos) for pos in (0, 1)] == [None, None]
+    assert sse(s.tail()) == [
+        {
+            "id": "chatcmpl-abc",
+            "object": "chat.completion.chunk",
+            "created": 9,
+            "model": "tiny",
+            "choices": [],
+            "usage": usage(6, 2),
+            "system_fingerprint": "fp",
+        },
+        "[DONE]",
+    ]
+
+
+def test_stream_usage_chunk_sent_unasked_gives_one_merged_usage_chunk() -> None:
+    s = StreamStitcher(plan({"n": 2, "stream": True}))
+    s.chunk(0, chunk("chatcmpl-0_abc", 1, "a", "stop"))
+    s.chunk(1, chunk("chatcmpl-1_abc", 1, "b", "stop"))
+    assert s.chunk(0, usage_chunk("chatcmpl-0_abc", 4, 1)) is None
+    assert s.chunk(1, usage_chunk("chatcmpl-1_abc", 4, 3)) is None
+    [final, done] = sse(s.tail())
+    assert (final["choices"], final["usage"], done) == ([], usage(4, 4), "[DONE]")
+
+
+def test_stream_tail_drops_one_childs_per_request_metrics() -> None:
+    # vLLM --enable-per-request-metrics: n > 1 has no metrics (they describe one sequence).
+    s = StreamStitcher(plan(STREAM_WITH_USAGE))
+    s.chunk(0, chunk("chatcmpl-0_abc", 1, "a", "stop"))
+    s.chunk(1, chunk("chatcmpl-1_abc", 1, "b", "stop"))
+    timed = {"ttft_s": 0.01, "decode_s": 0.2}
+    for pos in (0, 1):
+        data = orjson.loads(usage_chunk(f"chatcmpl-{pos}_abc", 4, 1))
+        assert s.chunk(pos, orjson.dumps({**data, "metrics": timed})) is None
+    [final, _] = sse(s.tail())
+    assert "metrics" not in final
+    assert final["usage"] == usage(4, 2)
+
+
 @pytest.mark.parametrize(
     "events",
     [
@@ -631,9 +706,52 @@ def test_stream_role_announcement_with_content_keeps_the_content_without_the_rol
 def test_stream_role_chunk_carrying_vendor_fields_is_kept_without_its_role() -> None:
     s = StreamStitcher(plan({"n": 2, "stream": True}))
     s.chunk(0, role_chunk("chatcmpl-0_abc"))
-    kept = one_event(s.chunk(1, role_chunk("chatcmpl-1_abc", prompt_token_ids=[1, 2])))
-    assert kept["prompt_token_ids"] == [1, 2]
+    kept = one_event(s.chunk(1, role_chunk("chatcmpl-1_abc", x_vendor={"child": 1})))
+    assert kept["x_vendor"] == {"child": 1}
     assert kept["choices"][0]["delta"] == {"content": ""}
+
+
+# vLLM's own role chunk, as its server sends it (return_token_ids / return_prompt_text unset).
+VLLM_ROLE_CHUNK = (
+    b'{"id":"chatcmpl-%d_abc","object":"chat.completion.chunk","created":9,"model":"tiny",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+    b'"finish_reason":null}],"prompt_token_ids":%s,"prompt_text":null}'
+)
+
+
+def vllm_opening(prompt_token_ids: list[int] | None, n: int) -> list[dict[str, Any]]:
+    """vLLM's native-n opening: one role chunk per choice, each with the prompt fields."""
+    return [
+        {
+            "id": "chatcmpl-abc",
+            "object": "chat.completion.chunk",
+            "created": 9,
+            "model": "tiny",
+            "choices": [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            "prompt_token_ids": prompt_token_ids,
+            "prompt_text": None,
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("prompt_token_ids", [None, [1, 5, 7]], ids=["null", "asked-for"])
+def test_stream_vllm_role_chunks_with_prompt_fields_give_exactly_vllms_opening(
+    prompt_token_ids: list[int] | None,
+) -> None:
+    s = StreamStitcher(plan({"n": 2, "stream": True}))
+    ids = orjson.dumps(prompt_token_ids)
+    out = [s.chunk(1, VLLM_ROLE_CHUNK % (1, ids)), s.chunk(0, VLLM_ROLE_CHUNK % (0, ids))]
+    assert out[1] is None  # child 0's own announcement adds nothing to the opening
+    assert sse(out[0] or b"") == vllm_opening(prompt_token_ids, 2)
+    assert s.chunks == 2
 
 
 def test_stream_completions_open_with_an_empty_text_per_choice_in_index_order() -> None:
@@ -654,238 +772,3 @@ def test_stream_usage_only_chunk_first_does_not_open_the_stream() -> None:
     s = StreamStitcher(plan(STREAM_WITH_USAGE))
     assert s.chunk(0, usage_chunk("chatcmpl-0_abc", 3, 1)) is None
     after_opening(s.chunk(1, chunk("chatcmpl-1_abc", 5, "b")), 2)
-
-
-# --- the learned byte templates equal the full path (the reference) on every stream ---
-
-
-class FullPath(StreamStitcher):
-    """Every chunk parsed, rewritten and serialized: what the templates must equal."""
-
-    def chunk(self, pos: int, data: bytes, event: str = "message") -> bytes | None:
-        return self._rewrite(pos, data, event)
-
-
-Step = tuple[int, bytes, str]
-
-
-def replay(p: Plan, steps: list[Step]) -> tuple[list[Any], list[Any]]:
-    """Both stitchers through the same events: what each sent, chunk by chunk, then its tail."""
-    sent: tuple[list[Any], list[Any]] = ([], [])
-    for s, out in zip((StreamStitcher(p), FullPath(p)), sent, strict=True):
-        for pos, data, event in steps:
-            try:
-                raw = s.chunk(pos, data, event)
-            except StreamError as error:
-                out.append(("error", error.choice, error.reason))
-                break
-            out.append(None if raw is None else sse(raw))
-        else:
-            out.append(sse(s.tail()))
-        out.append((s.chunks, [s.finished(pos) for pos in range(len(p.children))]))
-    return sent
-
-
-def interleave(streams: list[list[bytes]]) -> list[Step]:
-    longest = max(len(s) for s in streams)
-    return [
-        (pos, s[i], "message")
-        for i in range(longest)
-        for pos, s in enumerate(streams)
-        if i < len(s)
-    ]
-
-
-def vllm_stream(p: Plan, pos: int, contents: list[Any], **extra: Any) -> list[bytes]:
-    cid = f"chatcmpl-{p.children[pos].request_id}"
-    return [
-        role_chunk(cid, **extra),
-        *(chunk(cid, 9, c, **extra) for c in contents),
-        chunk(cid, 9, None, "stop", **extra),
-        usage_chunk(cid, 4, len(contents)),
-        b"[DONE]",
-    ]
-
-
-ADVERSARIAL = [
-    "plain",
-    ' "quoted" ',
-    '","finish_reason":"stop"}],"usage":{"total_tokens":1}}',
-    '"},{"index":1,"delta":{"role":"assistant"',
-    "back\\slash\\",
-    "\\u0041 not an escape",
-    "caf\u00e9 \u2603 \U0001f600",
-    "\x00\x1f control",
-    "",
-    "id",
-    '"index"',
-    "\n\n data: [DONE]\n\n",
-    "\x00n-proxy template slot\x00",
-]
-
-
-@pytest.mark.parametrize(
-    "contents",
-    [
-        pytest.param([f" tok{i}" for i in range(12)], id="tokens"),
-        pytest.param(ADVERSARIAL, id="adversarial"),
-        pytest.param(
-            ["a", "b", 7, "c", 1.5, None, True, "d", {"x": 1}, ["e"], "f", "g"], id="types"
-        ),
-        pytest.param(["same"] * 6 + ["other", "more"], id="repeats"),
-    ],
-)
-@pytest.mark.parametrize(
-    "body",
-    [
-        pytest.param({"n": 3, "stream": True}, id="plain"),
-        pytest.param(STREAM_WITH_USAGE, id="include-usage"),
-    ],
-)
-def test_templates_equal_the_full_path_on_chat_streams(
-    body: dict[str, Any], contents: list[Any]
-) -> None:
-    p = plan(body)
-    streams = [
-        vllm_stream(p, pos, contents[pos:] + contents[:pos]) for pos in range(len(p.children))
-    ]
-    fast, full = replay(p, interleave(streams))
-    assert fast == full
-
-
-def test_templates_equal_the_full_path_with_vendor_fields_and_a_varying_one() -> None:
-    p = plan({"n": 2, "stream": True})
-    streams = []
-    for pos in range(2):
-        cid = f"chatcmpl-{p.children[pos].request_id}"
-        streams.append(
-            [chunk(cid, 9, " token", system_fingerprint="fp", ts=1.0 + i / 8) for i in range(10)]
-            + [chunk(cid, 9, " changed", system_fingerprint="fp", ts=3.0)]
-            + [chunk(cid, 9, " token", system_fingerprint="fp", ts=4 + i) for i in range(3)]
-        )
-    fast, full = replay(p, interleave(streams))
-    assert fast == full
-
-
-def test_templates_equal_the_full_path_on_completions_and_sorted_keys() -> None:
-    p = plan({"prompt": ["a", "b"], "n": 2, "stream": True}, completions=True)
-    streams = []
-    for pos in range(4):
-        cid = f"cmpl-{p.children[pos].request_id}"
-        streams.append(
-            [
-                orjson.dumps(
-                    {
-                        "choices": [
-                            {"finish_reason": None, "index": 0, "logprobs": None, "text": t}
-                        ],
-                        "created": 3,
-                        "id": cid,
-                        "model": "m",
-                        "object": "text_completion",
-                    }
-                )
-                for t in ["a", "b", "c", "d", "e"]
-            ]
-        )
-    fast, full = replay(p, interleave(streams))
-    assert fast == full
-
-
-def test_templates_equal_the_full_path_when_the_envelope_changes_mid_stream() -> None:
-    p = plan({"n": 2, "stream": True})
-    cid = f"chatcmpl-{p.children[0].request_id}"
-    steps: list[Step] = [(0, chunk(cid, 9, c), "message") for c in "abcd"]
-    steps += [
-        (0, chunk(cid, 10, "e"), "message"),
-        (0, chunk(cid, 9, "f", model="other"), "message"),
-    ]
-    steps += [(0, chunk("chatcmpl-other", 9, "g"), "message"), (0, chunk(cid, 9, "h"), "message")]
-    moved = orjson.loads(chunk(cid, 9, "i"))
-    moved["choices"][0]["index"] = 1
-    steps += [(0, orjson.dumps(moved), "message"), (0, chunk(cid, 9, "j"), "event-name")]
-    steps += [
-        (0, chunk(cid, 9, "k", usage=usage(1, 1)), "message"),
-        (1, chunk(cid, 9, "l"), "message"),
-    ]
-    fast, full = replay(p, steps)
-    assert fast == full
-
-
-def test_templates_equal_the_full_path_on_crafted_bytes_around_the_value() -> None:
-    p = plan({"n": 2, "stream": True})
-    cid = f"chatcmpl-{p.children[0].request_id}"
-    warm = [chunk(cid, 9, c) for c in "abc"]
-    head, tail = chunk(cid, 9, "SLOT").split(b'"SLOT"')
-    values = [
-        b'"x","role":"assistant"', b'"x"},"finish_reason":"stop","x":{"y":"z"', b'"x","index":5',
-        b' "spaced" ', b'"caf\xc3"', b'"\\u00e9"', b"1e3", b"-0", b"true", b"null", b"{}", b"[]",
-        b'"unterminated', b"", b'"a" "b"', b'"ok"',
-    ]  # fmt: skip
-    steps: list[Step] = [(0, data, "message") for data in warm]
-    steps += [(0, head + value + tail, "message") for value in values]
-    steps += [(0, head[:-3], "message")]
-    for step in steps:
-        fast, full = replay(p, steps[: steps.index(step) + 1])
-        assert fast == full
-
-
-def test_templates_equal_the_full_path_on_non_canonical_json_and_continuous_usage() -> None:
-    body = {
-        "n": 2,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    p = plan(body)
-    streams = []
-    for pos in range(2):
-        cid = f"chatcmpl-{p.children[pos].request_id}"
-        spaced = [orjson.loads(chunk(cid, 9, c)) for c in "abcdef"]
-        streams.append([f"{s}".replace("'", '"').replace("None", "null").encode() for s in spaced])
-        streams.append([chunk(cid, 9, c, usage=usage(3, i)) for i, c in enumerate("abcdef")])
-    fast, full = replay(p, [(pos % 2, data, event) for pos, data, event in interleave(streams)])
-    assert fast == full
-
-
-def test_the_pacer_chunk_is_stitched_from_a_template_equal_to_the_full_path(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from bench.pacer import chunk as pacer_chunk
-
-    p = plan({"n": 4, "stream": True})
-    streams = [
-        [
-            pacer_chunk(i / 20)[6:-2].replace(
-                b"chatcmpl-pacer", f"chatcmpl-{c.request_id}".encode()
-            )
-            for i in range(20)
-        ]
-        for c in p.children
-    ]
-    fast, full = replay(p, interleave(streams))
-    assert fast == full
-    # each child's first two chunks; the second teaches its template
-    assert full_path_chunks(p, interleave(streams), monkeypatch) == 2 * 4
-
-
-def test_a_vllm_stream_is_stitched_from_templates(monkeypatch: pytest.MonkeyPatch) -> None:
-    p = plan({"n": 2, "stream": True})
-    steps = interleave([vllm_stream(p, pos, [f" tok{i}" for i in range(10)]) for pos in (0, 1)])
-    # the role chunk, two content chunks, the finishing chunk, usage and [DONE] per child
-    assert full_path_chunks(p, steps, monkeypatch) == 6 * 2
-
-
-def full_path_chunks(p: Plan, steps: list[Step], monkeypatch: pytest.MonkeyPatch) -> int:
-    count = 0
-    rewrite = StreamStitcher._rewrite
-
-    def counted(self: StreamStitcher, pos: int, data: bytes, event: str) -> bytes | None:
-        nonlocal count
-        count += 1
-        return rewrite(self, pos, data, event)
-
-    monkeypatch.setattr(StreamStitcher, "_rewrite", counted)
-    s = StreamStitcher(p)
-    for pos, data, event in steps:
-        s.chunk(pos, data, event)
-    return count
