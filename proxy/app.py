@@ -12,7 +12,10 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from itertools import count
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -28,16 +31,23 @@ from proxy.errors import (
     ProxyError,
     RequestTimeout,
     UnsupportedEncoding,
+    UpstreamTimeout,
+    UpstreamUnavailable,
     error_body,
 )
 from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import request_headers, response_headers
-from proxy.log import log_request
+from proxy.log import log_enabled, log_request
 from proxy.memory import Trimmer
+from proxy.metrics import MULTIPROCESS, Metrics, failure_outcome, status_outcome
 from proxy.plan import parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.sink import client_sink
-from proxy.upstream import Resolver, Trace, UpstreamPool, UpstreamRequest
+from proxy.tracing import trace_id
+from proxy.upstream import Reply, Resolver, Trace, UpstreamPool, UpstreamRequest
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
@@ -47,6 +57,10 @@ SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohtt
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")  # visible ASCII: safe to echo and to prefix
+# The log line's request id when the client sent none: unique per process, cheap per request.
+_ID_PREFIX = os.urandom(6).hex()
+_ids = count(1)
+_SAMPLE_SECONDS = 1.0  # --workers: how often each worker writes its queue depths for /metrics
 
 
 def build_app(
@@ -77,7 +91,10 @@ async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterato
     pool = UpstreamPool(runtime.config, runtime.metrics, resolver)
     await pool.start()
     app[POOL] = pool
+    runtime.metrics.queues = functools.partial(_queues, pool)
     watchers = [asyncio.create_task(_check_health(pool, runtime, u)) for u in pool.config.upstreams]
+    if MULTIPROCESS:
+        watchers.append(asyncio.create_task(_sample(runtime.metrics)))
     watchers += [
         asyncio.create_task(_discover(pool, u)) for u in pool.config.upstreams if u.discovery.dns
     ]
@@ -99,6 +116,21 @@ async def _check_health(pool: UpstreamPool, runtime: Runtime, upstream: Upstream
         await asyncio.sleep(upstream.health_interval)
 
 
+def _queues(pool: UpstreamPool) -> dict[str, tuple[int, int]]:
+    """Each upstream's children queued and slots held, for /metrics."""
+    out = {}
+    for upstream in pool.config.upstreams:
+        slots = pool.state(upstream).slots
+        out[upstream.name] = (slots.queued, slots.in_use)
+    return out
+
+
+async def _sample(metrics: Metrics) -> None:
+    while True:
+        metrics.sample()
+        await asyncio.sleep(_SAMPLE_SECONDS)
+
+
 async def _discover(pool: UpstreamPool, upstream: Upstream) -> None:
     while True:
         await pool.discover(upstream)
@@ -107,10 +139,11 @@ async def _discover(pool: UpstreamPool, upstream: Upstream) -> None:
 
 @dataclass
 class _Outcome:
-    """What the request log line and the metrics say about one request."""
+    """What the request log line, the metrics and the spans say about one request."""
 
     route: str = "other"
     upstream: str = ""
+    model: str | None = None
     n: int = 1
     children: int = 0
     status: int = 499  # nginx's "client closed request", kept when the client leaves first
@@ -118,47 +151,98 @@ class _Outcome:
     trace: Trace = field(default_factory=Trace)
     fanout: Fanout | None = None
     body_bytes: int = 0
+    bytes_out: int | None = None  # the response body's length, where the proxy knows it
+    first_chunk_at: float | None = None  # streamed responses: the first body chunk written
+    span: Span | None = None  # the server span, when tracing
 
-    def overhead(self, started: float, ended: float) -> float | None:
+    def overhead(self, trace: Trace, started: float, ended: float) -> float | None:
         """Time before the first upstream request, plus stitching after the last body ended."""
-        if self.trace.sent_at is None:
+        if trace.sent_at is None:
             return None
         after = 0.0
-        if not self.streamed and self.trace.done_at is not None:
-            after = max(ended - self.trace.done_at, 0.0)
-        return self.trace.sent_at - started + after
+        if not self.streamed and trace.done_at is not None:
+            after = max(ended - trace.done_at, 0.0)
+        return trace.sent_at - started + after
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     started = time.perf_counter()  # not loop.time(): uvloop's has millisecond steps
     outcome = _Outcome()
+    tracing = runtime.tracing
+    if tracing is not None:
+        outcome.span = tracing.server_span(request.method, request.path, request.headers)
     runtime.enter()
     try:
         response = await _dispatch(request, outcome)
         outcome.status = response.status
+        if outcome.bytes_out is None and isinstance(response, web.Response):
+            outcome.bytes_out = response.content_length
         return response
     finally:
         runtime.leave()
         request.app[TRIMMER].request_ended(outcome.body_bytes, outcome.children)
         ended = time.perf_counter()
         fanout = outcome.fanout
-        runtime.metrics.answered(outcome.route, outcome.status, bool(outcome.children))
-        overhead = outcome.overhead(started, ended)
+        trace = outcome.trace
+        if fanout is not None:
+            trace = fanout.summary()
+            outcome.first_chunk_at = fanout.first_chunk_at
+            if fanout.bytes_out is not None:
+                outcome.bytes_out = fanout.bytes_out
+        first_at = outcome.first_chunk_at
+        first_chunk = first_at - started if first_at is not None else None
+        runtime.metrics.answered(
+            outcome.route, outcome.status, bool(outcome.children), ended - started, first_chunk
+        )
+        overhead = outcome.overhead(trace, started, ended)
         if overhead is not None:
             runtime.metrics.overhead.observe(overhead)
-        log_request(
-            request_id=fanout.plan.parent_id if fanout else _logged_id(request),
-            method=request.method,
-            route=outcome.route,
-            upstream=outcome.upstream,
-            n=outcome.n,
-            children=outcome.children,
-            children_aborted=fanout.aborted if fanout else 0,
-            retries=outcome.trace.retries,
-            status=outcome.status,
-            duration_ms=round((ended - started) * 1000, 3),
-        )
+        span = outcome.span
+        if span is not None and tracing is not None:
+            tracing.end_server(
+                span, outcome.route, outcome.upstream, outcome.n, outcome.children, outcome.status
+            )
+        if log_enabled():
+            _log(request, outcome, trace, ended - started, first_chunk)
+
+
+def _log(
+    request: web.Request,
+    outcome: _Outcome,
+    trace: Trace,
+    seconds: float,
+    first_chunk: float | None,
+) -> None:
+    """The request line (proxy.log): ids, where it went, sizes, times, tokens."""
+    fanout = outcome.fanout
+    usage = fanout.usage if fanout else None
+    if fanout:
+        replica: str | None = fanout.replicas()
+    else:
+        replica = trace.replica
+    span = outcome.span
+    log_request(
+        request_id=fanout.plan.parent_id if fanout else _logged_id(request),
+        trace_id=trace_id(span) if span is not None else _incoming_trace_id(request),
+        method=request.method,
+        path=request.path,
+        route=outcome.route,
+        model=outcome.model,
+        upstream=outcome.upstream,
+        replica=replica,
+        n=outcome.n,
+        children=outcome.children,
+        children_aborted=fanout.aborted if fanout else 0,
+        retries=trace.retries,
+        status=outcome.status,
+        bytes_in=outcome.body_bytes,
+        bytes_out=outcome.bytes_out,
+        duration_ms=round(seconds * 1000, 3),
+        ttft_ms=round(first_chunk * 1000, 3) if first_chunk is not None else None,
+        prompt_tokens=usage.get("prompt_tokens") if usage else None,
+        completion_tokens=usage.get("completion_tokens") if usage else None,
+    )
 
 
 async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamResponse:
@@ -199,6 +283,8 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
         else:
             parsed = _routing_json(request, body, codings, config)
         model = parsed.get("model") if parsed is not None else None
+        if isinstance(model, str):
+            outcome.model = model[:200]
         upstream = config.choose_upstream(path, model if isinstance(model, str) else None)
         outcome.upstream = upstream.name
         if fanout_path and parsed is not None and not upstream.native_n:
@@ -223,13 +309,14 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
                     plan=plan,
                     path_qs=request.rel_url.raw_path_qs,
                     headers=headers,
-                    trace=outcome.trace,
+                    tracing=runtime.tracing,
+                    span=outcome.span,
                 )
                 outcome.streamed = plan.stream
                 if plan.stream:
                     return await respond_stream(fanout, request)
                 return await respond_json(fanout)
-        return await pass_through(request, upstream, body, outcome.trace)
+        return await pass_through(request, upstream, body, outcome)
     except ProxyError as exc:
         return error_response(exc)
     except ChildFailed as exc:
@@ -256,9 +343,19 @@ def _routing_json(
     return parsed if isinstance(parsed, dict) else None
 
 
-def _logged_id(request: web.Request) -> str | None:
+def _logged_id(request: web.Request) -> str:
+    """The client's id, else one of the proxy's own (never sent upstream: a pass-through sends
+    exactly the client's request)."""
     incoming = request.headers.get("X-Request-Id")
-    return incoming[:200] if incoming is not None else None
+    return incoming[:200] if incoming is not None else f"{_ID_PREFIX}-{next(_ids):x}"
+
+
+def _incoming_trace_id(request: web.Request) -> str | None:
+    """The client's W3C trace id, logged even with tracing off, for finding the request."""
+    parent = request.headers.get("traceparent")
+    if parent is None or len(parent) < 55 or parent[2] != "-":
+        return None
+    return parent[3:35]
 
 
 def _parent_id(request: web.Request) -> str:
@@ -269,50 +366,84 @@ def _parent_id(request: web.Request) -> str:
 
 
 async def pass_through(
-    request: web.Request, upstream: Upstream, body: bytes, trace: Trace
+    request: web.Request, upstream: Upstream, body: bytes, outcome: _Outcome
 ) -> web.StreamResponse:
     pool = request.app[POOL]
+    metrics = request.app[RUNTIME].metrics
+    trace = outcome.trace
     (url,) = pool.place(upstream, 1)
     headers = request_headers(request.headers, upstream.headers)
     sent = UpstreamRequest(
         request.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
     )
+    joined = time.perf_counter()
     (place,) = pool.join(upstream, 1)
-    async with place, pool.send(upstream, url, sent, trace) as reply:
-        upstream_response = reply.response
-        if "Server" in upstream_response.headers:
-            request[UPSTREAM_SERVER] = True
-        length = upstream_response.content_length
-        if length is not None and length <= _WHOLE_BODY and request.method != "HEAD":
-            # A small body of known length leaves with its headers in one write: one syscall
-            # and one packet fewer on the most common pass-through answer.
-            data = await reply.read()
-            return web.Response(
-                status=upstream_response.status,
-                reason=upstream_response.reason,
-                headers=response_headers(upstream_response.headers),
-                body=data,
-            )
-        response = web.StreamResponse(
-            status=upstream_response.status,
+    exchange: AbstractAsyncContextManager[Reply]
+    try:
+        async with place:
+            metrics.queue_wait.labels(upstream.name).observe(time.perf_counter() - joined)
+            exchange = pool.send(upstream, url, sent, trace)
+            tracing, span = request.app[RUNTIME].tracing, outcome.span
+            if tracing is not None and span is not None:
+                exchange = tracing.traced(span, exchange, trace, request.method, upstream.name,
+                                          url, None, headers)  # fmt: skip
+            async with exchange as reply:
+                return await _relay(request, reply, metrics, upstream, outcome)
+    except (UpstreamTimeout, UpstreamUnavailable) as exc:
+        if outcome.bytes_out is None:  # no answer came: the upstream request's outcome
+            metrics.upstream_responses.labels(upstream.name, failure_outcome(exc)).inc()
+        raise
+
+
+async def _relay(
+    request: web.Request, reply: Reply, metrics: Metrics, upstream: Upstream, outcome: _Outcome
+) -> web.StreamResponse:
+    upstream_response = reply.response
+    status = upstream_response.status
+    metrics.upstream_responses.labels(upstream.name, status_outcome(status)).inc()
+    outcome.bytes_out = 0  # answered: a failure now is not the upstream request's outcome
+    if "Server" in upstream_response.headers:
+        request[UPSTREAM_SERVER] = True
+    length = upstream_response.content_length
+    if length is not None and length <= _WHOLE_BODY and request.method != "HEAD":
+        # A small body of known length leaves with its headers in one write: one syscall
+        # and one packet fewer on the most common pass-through answer.
+        data = await reply.read()
+        return web.Response(
+            status=status,
             reason=upstream_response.reason,
             headers=response_headers(upstream_response.headers),
+            body=data,
         )
-        if length is not None:
-            response.content_length = length
-        await response.prepare(request)
-        transport = request.transport
-        try:
-            if transport is None:
-                raise ConnectionResetError("the client left")
-            await reply.relay(*client_sink(request, transport))
-        except (TimeoutError, aiohttp.ClientError, ConnectionError):
-            # The status is sent already: cut the client's connection so it sees a truncated body.
-            if request.transport is not None:
-                request.transport.abort()
-            return response
-        await response.write_eof()
+    response = web.StreamResponse(
+        status=status,
+        reason=upstream_response.reason,
+        headers=response_headers(upstream_response.headers),
+    )
+    if length is not None:
+        response.content_length = length
+    await response.prepare(request)
+    transport = request.transport
+    try:
+        if transport is None:
+            raise ConnectionResetError("the client left")
+        write, full, drain = client_sink(request, transport)
+
+        def counted(data: bytes) -> None:
+            # The first chunk's time (time to first token, for an LLM stream) and the size.
+            if outcome.first_chunk_at is None:
+                outcome.first_chunk_at = time.perf_counter()
+            outcome.bytes_out += len(data)  # type: ignore[operator]
+            write(data)
+
+        await reply.relay(counted, full, drain)
+    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+        # The status is sent already: cut the client's connection so it sees a truncated body.
+        if request.transport is not None:
+            request.transport.abort()
         return response
+    await response.write_eof()
+    return response
 
 
 def child_failed_response(exc: ChildFailed) -> web.Response:

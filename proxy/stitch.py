@@ -252,9 +252,13 @@ class StreamStitcher:
     def finished(self, pos: int) -> bool:
         return self._finished[pos]
 
+    def usage(self) -> dict[str, Any] | None:
+        """The children's usage merged (SPEC §6), None when none sent any."""
+        return merge_usage(self._usage, prompt_heads(self.plan))
+
     def tail(self) -> bytes:
         """The merged usage chunk (when asked for) and the one ``[DONE]``."""
-        usage = merge_usage(self._usage, prompt_heads(self.plan))
+        usage = self.usage()
         if not self.plan.include_usage or usage is None:
             return DONE
         shared = self._shared or {}
