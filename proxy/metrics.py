@@ -128,6 +128,8 @@ class PlainCounter(_Family):
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, documentation, labelnames)
         self._children: dict[tuple[str, ...], _Count] = {}
+        if not self.labelnames:
+            self.labels()  # exported at zero from the start, as prometheus-client does
 
     def labels(self, *values: str) -> _Count:
         child = self._children.get(values)
@@ -162,6 +164,8 @@ class PlainHistogram(_Family):
         super().__init__(name, documentation, labelnames)
         self.bounds = tuple(float(b) for b in buckets)
         self._children: dict[tuple[str, ...], _Spread] = {}
+        if not self.labelnames:
+            self.labels()
 
     def labels(self, *values: str) -> _Spread:
         child = self._children.get(values)
@@ -366,6 +370,7 @@ class Metrics:
         for route in (*config.fanout_paths, "other"):
             for fanned in ("true", "false") if route != "other" else ("false",):
                 self.request_duration.labels(route, fanned)
+                self.first_chunk.labels(route, fanned)
         for upstream in config.upstreams:
             name = upstream.name
             self.children_in_flight.labels(name)

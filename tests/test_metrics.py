@@ -1,0 +1,290 @@
+"""Metrics: the plain families, what a scrape shows as requests flow, and the shipped dashboard
+and alert rules (deploy/observability), which may name only metrics the proxy exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.config import parse_config
+from proxy.metrics import PlainCounter, PlainHistogram
+from proxy.server import Server
+from tests.conftest import Backend
+
+ROOT = Path(__file__).resolve().parent.parent
+OBSERVABILITY = ROOT / "deploy" / "observability"
+MESSAGES = [{"role": "user", "content": "hello"}]
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def exposition(*families: PlainCounter | PlainHistogram) -> str:
+    class One:
+        def collect(self) -> Any:
+            return [f.collect() for f in families]
+
+    registry = CollectorRegistry()
+    registry.register(One())  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
+
+
+def test_plain_histogram_buckets_are_cumulative_with_prometheus_le() -> None:
+    family = PlainHistogram("t_seconds", "Test.", ["route"], buckets=(0.1, 1))
+    child = family.labels("/x")
+    for value in (0.05, 0.1, 0.5, 3):
+        child.observe(value)
+    text = exposition(family)
+    assert 't_seconds_bucket{le="0.1",route="/x"} 2.0' in text  # 0.1 itself is le 0.1
+    assert 't_seconds_bucket{le="1.0",route="/x"} 3.0' in text
+    assert 't_seconds_bucket{le="+Inf",route="/x"} 4.0' in text
+    assert 't_seconds_count{route="/x"} 4.0' in text
+    assert 't_seconds_sum{route="/x"} 3.65' in text
+
+
+def test_plain_counter_without_labels_is_exported_at_zero() -> None:
+    text = exposition(PlainCounter("t_things", "Test."))
+    assert "t_things_total 0.0" in text
+    assert "_created" not in text
+
+
+@pytest.fixture
+async def server(backend: Backend) -> AsyncIterator[Server]:
+    config = parse_config(
+        f"""
+listen: {{host: 127.0.0.1, port: 0}}
+admin: {{host: 127.0.0.1, port: 0}}
+upstreams:
+  - name: u
+    url: "{backend.url}"
+    max_concurrency: 1
+    retry_on: [connect, 503]
+""",
+        env={},
+    )
+    server = Server(config)
+    await server.start()
+    yield server
+    await server.close()
+
+
+async def scrape(http: aiohttp.ClientSession, server: Server) -> Samples:
+    async with http.get(f"http://127.0.0.1:{server.admin_port}/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def url(server: Server, path: str) -> str:
+    return f"http://127.0.0.1:{server.proxy_port}{path}"
+
+
+async def test_a_fresh_proxy_exports_labelled_counters_at_zero_and_process_metrics(
+    http: aiohttp.ClientSession, server: Server
+) -> None:
+    values = await scrape(http, server)
+    for outcome in ("2xx", "3xx", "4xx", "5xx", "timeout", "unreachable"):
+        assert (
+            values[("n_proxy_upstream_responses_total", (("outcome", outcome), ("upstream", "u")))]
+            == 0
+        )
+    for reason in ("connect", "503"):
+        assert values[("n_proxy_retries_total", (("reason", reason), ("upstream", "u")))] == 0
+    for name in ("n_proxy_children_aborted_total", "n_proxy_rejected_total"):
+        assert values[(name, (("upstream", "u"),))] == 0
+    assert values[("n_proxy_client_timeouts_total", (("phase", "headers"),))] == 0
+    assert values[("n_proxy_queue_depth", (("upstream", "u"),))] == 0
+    route = (("fanned_out", "true"), ("route", "/v1/chat/completions"))
+    assert values[("n_proxy_request_duration_seconds_count", route)] == 0
+    assert values[("n_proxy_request_n_count", ())] == 0
+    assert values[("process_cpu_seconds_total", ())] > 0
+    assert values[("process_resident_memory_bytes", ())] > 0
+    assert not [name for name, _ in values if name.endswith("_created")]
+
+
+async def test_client_seen_times_queue_and_outcomes_change_as_requests_flow(
+    http: aiohttp.ClientSession, server: Server, backend: Backend
+) -> None:
+    before = await scrape(http, server)
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "stream": True,
+        "max_tokens": 8,
+        "x_demo": {"token_delay": 0.02},
+    }
+    # max_concurrency 1: while child 0 streams, the other two wait in the queue.
+    async with http.post(url(server, "/v1/chat/completions"), json=body) as r:
+        assert r.status == 200
+        await r.content.readline()
+        during = await scrape(http, server)
+        await r.read()
+    async with http.post(
+        url(server, "/v1/completions"), json={"prompt": "x", "max_tokens": 2}
+    ) as r:
+        assert r.status == 200
+    after = await scrape(http, server)
+
+    def grew(name: str, *labels: tuple[str, str]) -> float:
+        key = (name, tuple(sorted(labels)))
+        return after[key] - before.get(key, 0)
+
+    assert during[("n_proxy_queue_depth", (("upstream", "u"),))] == 2
+    assert during[("n_proxy_slots_in_use", (("upstream", "u"),))] == 1
+    assert after[("n_proxy_queue_depth", (("upstream", "u"),))] == 0
+    fanned = (("route", "/v1/chat/completions"), ("fanned_out", "true"))
+    passed = (("route", "/v1/completions"), ("fanned_out", "false"))
+    assert grew("n_proxy_request_duration_seconds_count", *fanned) == 1
+    assert grew("n_proxy_time_to_first_chunk_seconds_count", *fanned) == 1
+    assert grew("n_proxy_request_duration_seconds_count", *passed) == 1
+    assert grew("n_proxy_time_to_first_chunk_seconds_count", *passed) == 0  # not streamed
+    # Streamed for ~8 tokens x 20 ms per child, children in turns: well past the first chunk.
+    assert grew("n_proxy_request_duration_seconds_sum", *fanned) > grew(
+        "n_proxy_time_to_first_chunk_seconds_sum", *fanned
+    )
+    assert grew("n_proxy_queue_wait_seconds_count", ("upstream", "u")) == 4
+    assert grew("n_proxy_queue_wait_seconds_sum", ("upstream", "u")) > 0.1  # two waited a stream
+    assert grew("n_proxy_upstream_responses_total", ("upstream", "u"), ("outcome", "2xx")) == 4
+
+
+async def test_unreachable_and_timed_out_upstreams_are_counted_as_such(
+    http: aiohttp.ClientSession, backend: Backend
+) -> None:
+    config = parse_config(
+        f"""
+listen: {{host: 127.0.0.1, port: 0}}
+admin: {{host: 127.0.0.1, port: 0}}
+upstreams:
+  - {{name: dead, url: "http://127.0.0.1:9", retries: 0}}
+  - name: slow
+    url: "{backend.url}"
+    timeouts: {{first_byte: 0.2}}
+routes:
+  - {{model: "slow", upstream: slow}}
+""",
+        env={},
+    )
+    server = Server(config)
+    await server.start()
+    try:
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+        async with http.post(url(server, "/v1/chat/completions"), json=body) as r:
+            assert r.status == 502
+        slow = {**body, "model": "slow", "n": 2, "x_demo": {"headers_delay": 1.0}}
+        async with http.post(url(server, "/v1/chat/completions"), json=slow) as r:
+            assert r.status == 504
+        values = await scrape(http, server)
+    finally:
+        await server.close()
+    assert (
+        values[
+            ("n_proxy_upstream_responses_total", (("outcome", "unreachable"), ("upstream", "dead")))
+        ]
+        == 1
+    )
+    assert (
+        values[("n_proxy_upstream_responses_total", (("outcome", "timeout"), ("upstream", "slow")))]
+        >= 1
+    )
+
+
+# --- deploy/observability ------------------------------------------------------------------------
+
+_METRIC = re.compile(r"\b((?:n_proxy|process|python)_[a-z0-9_]+)\b")
+_SUFFIX = re.compile(r"_(bucket|sum|count)$")
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads((OBSERVABILITY / "dashboard.json").read_text())
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    queries += [
+        v["query"]["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"
+    ]
+    return queries
+
+
+def rule_groups() -> list[dict[str, Any]]:
+    manifest = yaml.safe_load((OBSERVABILITY / "alerts.yaml").read_text())
+    assert manifest["apiVersion"] == "monitoring.coreos.com/v1"
+    assert manifest["kind"] == "PrometheusRule"
+    assert manifest["metadata"]["name"]
+    groups: list[dict[str, Any]] = manifest["spec"]["groups"]
+    return groups
+
+
+def named_metrics(query: str) -> set[str]:
+    return {_SUFFIX.sub("", name) for name in _METRIC.findall(query)}
+
+
+async def test_dashboard_and_alert_rules_name_only_metrics_the_proxy_exports(
+    http: aiohttp.ClientSession, server: Server
+) -> None:
+    body = {"model": "m", "messages": MESSAGES, "n": 2, "stream": True, "max_tokens": 2}
+    async with http.post(url(server, "/v1/chat/completions"), json=body) as r:
+        await r.read()
+    exported = {_SUFFIX.sub("", name) for name, _ in await scrape(http, server)}
+    queries = dashboard_queries()
+    queries += [rule["expr"] for group in rule_groups() for rule in group["rules"]]
+    assert len(queries) > 20
+    for query in queries:
+        named = named_metrics(query)
+        assert named, f"names no proxy metric: {query}"
+        assert named <= exported, f"{sorted(named - exported)} not exported: {query}"
+
+
+def test_dashboard_panels_are_well_formed() -> None:
+    dashboard = json.loads((OBSERVABILITY / "dashboard.json").read_text())
+    assert dashboard["uid"] == "n-proxy"
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 12
+    for panel in panels:
+        assert panel["title"]
+        assert panel["targets"]
+        assert {"x", "y", "w", "h"} <= panel["gridPos"].keys()
+        for target in panel["targets"]:
+            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+    refs = [t["refId"] for p in panels for t in p["targets"]]
+    assert all(re.fullmatch("[A-Z]", r) for r in refs)
+
+
+_DURATION = re.compile(r"\d+[smhd]")
+
+
+def test_alert_rules_are_well_formed() -> None:
+    alerts = [rule for group in rule_groups() for rule in group["rules"]]
+    assert len({rule["alert"] for rule in alerts}) == len(alerts) >= 8
+    for rule in alerts:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
+        assert rule["labels"]["severity"] in ("warning", "critical")
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        assert "for" not in rule or _DURATION.fullmatch(rule["for"]), rule["for"]
+        assert rule["expr"].count("(") == rule["expr"].count(")"), rule["expr"]
+
+
+def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip(
+            "promtool not installed (Debian: apt-get install prometheus); the rules' "
+            "structure is still checked by test_alert_rules_are_well_formed"
+        )
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": rule_groups()}))
+    done = subprocess.run(
+        [promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
