@@ -270,7 +270,8 @@ def test_alert_rules_are_well_formed() -> None:
     for rule in alerts:
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
         assert rule["labels"]["severity"] in ("warning", "critical")
-        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        assert rule["annotations"]["summary"]
+        assert rule["annotations"]["description"]
         assert "for" not in rule or _DURATION.fullmatch(rule["for"]), rule["for"]
         assert rule["expr"].count("(") == rule["expr"].count(")"), rule["expr"]
 
