@@ -153,16 +153,18 @@ class _Outcome:
     body_bytes: int = 0
     bytes_out: int | None = None  # the response body's length, where the proxy knows it
     first_chunk_at: float | None = None  # streamed responses: the first body chunk written
+    queued: float = 0.0  # seconds its first upstream request waited for a slot
     span: Span | None = None  # the server span, when tracing
 
     def overhead(self, trace: Trace, started: float, ended: float) -> float | None:
-        """Time before the first upstream request, plus stitching after the last body ended."""
+        """Time before the first upstream request, plus stitching after the last body ended;
+        not the wait for an upstream slot, which is the upstream's queue (queue_wait)."""
         if trace.sent_at is None:
             return None
         after = 0.0
         if not self.streamed and trace.done_at is not None:
             after = max(ended - trace.done_at, 0.0)
-        return trace.sent_at - started + after
+        return max(trace.sent_at - started - self.queued, 0.0) + after
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -188,6 +190,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         if fanout is not None:
             trace = fanout.summary()
             outcome.first_chunk_at = fanout.first_chunk_at
+            outcome.queued = fanout.first_wait or 0.0
             if fanout.bytes_out is not None:
                 outcome.bytes_out = fanout.bytes_out
         first_at = outcome.first_chunk_at
@@ -381,7 +384,8 @@ async def pass_through(
     exchange: AbstractAsyncContextManager[Reply]
     try:
         async with place:
-            metrics.queue_wait.labels(upstream.name).observe(time.perf_counter() - joined)
+            outcome.queued = waited = time.perf_counter() - joined
+            metrics.queue_wait.labels(upstream.name).observe(waited)
             exchange = pool.send(upstream, url, sent, trace)
             tracing, span = request.app[RUNTIME].tracing, outcome.span
             if tracing is not None and span is not None:

@@ -60,6 +60,7 @@ class Fanout:
     aborted: int = 0  # children cancelled before they finished
     traces: list[Trace] = field(init=False)  # each child's: its replica, retries, times
     joined_at: float = 0.0  # when the children joined their upstream's queue
+    first_wait: float | None = None  # how long the first child sent waited for its slot
     first_chunk_at: float | None = None  # streams: the first chunk written to the client
     bytes_out: int | None = None  # streams: body bytes written to the client
     usage: dict[str, Any] | None = None  # the merged usage, when the children sent one
@@ -91,7 +92,10 @@ class Fanout:
     def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Reply]:
         """Child ``pos``'s request, once its place is granted (inside its span when tracing)."""
         metrics = self.runtime.metrics
-        metrics.queue_wait.labels(self.upstream.name).observe(time.perf_counter() - self.joined_at)
+        waited = time.perf_counter() - self.joined_at
+        metrics.queue_wait.labels(self.upstream.name).observe(waited)
+        if self.first_wait is None:
+            self.first_wait = waited
         headers = self.child_headers(pos)
         request = UpstreamRequest(
             "POST", self.path_qs, headers, self.plan.children[pos].body,
