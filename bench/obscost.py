@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Observability's pass-through cost (issue 20)",
         "",
-        f"Proxy at {_git_version()}, baseline {args.baseline}; {args.rounds} alternating rounds"
-        f" of {args.seconds:g} s; Python load generator; canned Python upstream; {machine()['cpus']}"
-        " CPUs, shared.",
+        f"Proxy at {_git_version()}, baseline {args.baseline}; {args.rounds} alternating"
+        f" rounds of {args.seconds:g} s; Python load generator; canned Python upstream;"
+        f" {machine()['cpus']} CPUs, shared.",
         "",
         "| proxy | c | req/s | CPU µs/req | vs before |",
         "|---|---:|---:|---:|---:|",
