@@ -437,7 +437,7 @@ async def _relay(
             # The first chunk's time (time to first token, for an LLM stream) and the size.
             if outcome.first_chunk_at is None:
                 outcome.first_chunk_at = time.perf_counter()
-            outcome.bytes_out += len(data)  # type: ignore[operator]
+            outcome.bytes_out = (outcome.bytes_out or 0) + len(data)
             write(data)
 
         await reply.relay(counted, full, drain)

@@ -239,9 +239,10 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
     start = Start(count, wait_all)
 
     async def run_child(pos: int) -> None:
-        answered = False
+        replied = answered = False
         try:
             async with places[pos], fanout.send(pos, urls[pos]) as reply:
+                replied = True
                 response = reply.response
                 fanout.answered(response.status)
                 if response.status >= 300:
@@ -260,8 +261,8 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 await mailbox.put((pos, decoder.close_raw()))
             await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:
-            if isinstance(exc, ProxyError) and fanout.traces[pos].done_at is None:
-                fanout.unanswered(exc)  # the exchange never gave a reply out
+            if isinstance(exc, ProxyError) and not replied:
+                fanout.unanswered(exc)  # no status line came
             if answered or not start.answer(exc):
                 await mailbox.put((pos, exc))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -403,7 +404,7 @@ async def _merge(
 
     async def send(data: bytes) -> None:
         write(data)
-        fanout.bytes_out += len(data)  # type: ignore[operator]
+        fanout.bytes_out = (fanout.bytes_out or 0) + len(data)
         keepalive.wrote()
         if full():
             await drain()

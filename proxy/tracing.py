@@ -118,7 +118,8 @@ class Tracing:
     def end_server(
         self, span: Span, route: str, upstream: str, n: int, children: int, status: int
     ) -> None:
-        span.update_name(f"{span.name} {route}")  # type: ignore[attr-defined]
+        if route != "other":  # semantic conventions: "{method} {route}", else the method
+            span.update_name(f"{span.name} {route}")  # type: ignore[attr-defined]
         span.set_attributes(
             {
                 "http.route": route,
