@@ -7,7 +7,10 @@ import asyncio
 import json
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -292,3 +295,61 @@ def test_alert_rules_pass_promtool(tmp_path: Path) -> None:
         [promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def test_under_workers_the_new_series_add_up_over_the_workers(backend: Backend) -> None:
+    """Multiprocess mode: prometheus-client's files instead of plain counts, queues sampled."""
+    port, admin = free_port(), free_port()
+    command = [
+        sys.executable, "-m", "proxy", "--upstream", backend.url, "--workers", "2",
+        "--port", str(port), "--admin-port", str(admin),
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        assert process.stdout is not None
+        for _ in range(2):
+            await asyncio.wait_for(process.stdout.readline(), 30)  # each worker's banner
+        body = {"model": "m", "messages": MESSAGES, "n": 2, "stream": True, "max_tokens": 2}
+        async with aiohttp.ClientSession() as http:
+            for _ in range(10):
+                async with http.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json=body,
+                    headers={"Connection": "close"},  # spread over the workers
+                ) as r:
+                    assert r.status == 200
+                    await r.read()
+            await asyncio.sleep(1.5)  # a queue sample from each worker
+            async with http.get(f"http://127.0.0.1:{admin}/metrics") as r:
+                text = await r.text()
+        values = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        route = (("fanned_out", "true"), ("route", "/v1/chat/completions"))
+        upstream = (("upstream", "default"),)
+        assert values[("n_proxy_request_duration_seconds_count", route)] == 10
+        assert values[("n_proxy_time_to_first_chunk_seconds_count", route)] == 10
+        assert values[("n_proxy_queue_wait_seconds_count", upstream)] == 20
+        ok = (("outcome", "2xx"), ("upstream", "default"))
+        assert values[("n_proxy_upstream_responses_total", ok)] == 20
+        assert values[("n_proxy_queue_depth", upstream)] == 0
+        assert not [name for name, _ in values if name.endswith("_created")]
+        exported = {_SUFFIX.sub("", name) for name, _ in values}
+        queries = dashboard_queries() + [r["expr"] for g in rule_groups() for r in g["rules"]]
+        for query in queries:
+            named = {m for m in named_metrics(query) if not m.startswith("process_")}
+            assert named <= exported, f"{sorted(named - exported)} not exported: {query}"
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 15) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
