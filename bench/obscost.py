@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,21 @@ def _proxy(fleet: Fleet, work: Path, name: str, tree: Path, upstream: Server, **
     return fleet.launch(
         name, argv, port, "/health", env={**clean, "PYTHONPATH": str(tree), **env}, cwd=tree
     )
+
+
+def _paired(runs: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[float, float, float]]:
+    """(target, c) -> median, first and third quartile of its per-round CPU ratio to before."""
+    base = {(r["round"], r["concurrency"]): r["own_cpu_us"] for r in runs if r["target"] == BEFORE}
+    ratios: dict[tuple[str, int], list[float]] = {}
+    for r in runs:
+        b = base.get((r["round"], r["concurrency"]))
+        if r["target"] in (BEFORE, OFF, ON) and b:
+            ratios.setdefault((r["target"], r["concurrency"]), []).append(r["own_cpu_us"] / b)
+    out = {}
+    for key, values in ratios.items():
+        q1, q2, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+        out[key] = (q2, q1, q3)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             targets, loader, concurrencies, args.rounds, list(fleet.servers), tag="obscost"
         )
     rows = [r for r in result["summary"] if r["target"] != passthrough.DIRECT]
-    before = {r["concurrency"]: r["cpu_us_per_req"] for r in rows if r["target"] == BEFORE}
+    paired = _paired(result["runs"])
     lines = [
         "# Observability's pass-through cost (issue 20)",
         "",
@@ -80,16 +96,22 @@ def main(argv: list[str] | None = None) -> int:
         f" rounds of {args.seconds:g} s; Python load generator; canned Python upstream;"
         f" {machine()['cpus']} CPUs, shared.",
         "",
-        "| proxy | c | req/s | CPU µs/req | vs before |",
+        "| proxy | c | req/s | CPU µs/req | vs before (paired) |",
         "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        base = before.get(r["concurrency"])
-        ratio = f"{r['cpu_us_per_req'] / base:.3f}x" if base else "-"
+        ratio = paired.get((r["target"], r["concurrency"]))
+        shown = "-" if ratio is None else f"{ratio[0]:.3f}x ({ratio[1]:.3f}-{ratio[2]:.3f})"
         lines.append(
             f"| {r['target']} | {r['concurrency']} | {r['rps']:,.0f} | {r['cpu_us_per_req']:.1f}"
-            f" | {ratio} |"
+            f" | {shown} |"
         )
+    lines += [
+        "",
+        "CPU µs/req: median over rounds. vs before: each round's CPU µs/req over the before's in"
+        " the same round, median and interquartile range over rounds (on a shared machine,"
+        " neighbours' load moves both alike within a round).",
+    ]
     text = "\n".join(lines) + "\n"
     out: dict[str, Any] = {"summary": result["summary"], "runs": result["runs"]}
     args.out.mkdir(parents=True, exist_ok=True)

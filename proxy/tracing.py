@@ -120,9 +120,9 @@ class Tracing:
     ) -> None:
         if route != "other":  # semantic conventions: "{method} {route}", else the method
             span.update_name(f"{span.name} {route}")  # type: ignore[attr-defined]
+            span.set_attribute("http.route", route)
         span.set_attributes(
             {
-                "http.route": route,
                 "http.response.status_code": status,
                 "n_proxy.upstream": upstream,
                 "n_proxy.n": n,

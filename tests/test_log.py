@@ -1,4 +1,5 @@
-"""The request log line, both formats, on the direct path and through ``logging``."""
+"""The log: the request line in both formats, on the direct path and through ``logging``, with
+its fields; every library's line as one JSON object; ``--log-level``."""
 
 from __future__ import annotations
 
