@@ -29,6 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "observability" / "dashboard.json"
+_LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")  # Grafana's {{label}}
 RATE_WINDOW = "10s"  # $__rate_interval for a 1 s scrape
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
@@ -178,9 +179,9 @@ async def _query_panels(http: Any, api: str, start: float, end: float) -> list[d
             if answer.get("status") != "success":
                 raise RuntimeError(f"{panel['title']}: {answer}")
             for result in answer["data"]["result"]:
-                legend = re.sub(
-                    r"\{\{\s*(\w+)\s*\}\}",
-                    lambda m, labels=result["metric"]: labels.get(m.group(1), ""),
+                labels: dict[str, str] = result["metric"]
+                legend = _LEGEND.sub(
+                    lambda m, labels=labels: labels.get(m.group(1), ""),  # type: ignore[misc]
                     target.get("legendFormat", ""),
                 )
                 points = [[float(t) - start, float(v)] for t, v in result["values"]]
@@ -225,7 +226,7 @@ def render(data: dict[str, Any], png: Path) -> None:
     )
     fig.tight_layout()
     fig.savefig(png, dpi=72)
-    from PIL import Image  # matplotlib's own dependency
+    from PIL import Image  # type: ignore[import-not-found, unused-ignore]  # matplotlib's dependency
 
     with Image.open(png) as image:  # a palette of 64 colours: a third of the bytes, same look
         image.convert("RGB").quantize(64).save(png, optimize=True)
