@@ -13,8 +13,6 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
-from itertools import count
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -38,17 +36,16 @@ from proxy.errors import (
 )
 from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import request_headers, response_headers
-from proxy.log import log_enabled, log_request
 from proxy.memory import Trimmer
 from proxy.metrics import MULTIPROCESS, Metrics, failure_outcome, status_outcome
+from proxy.outcome import Outcome, record
 from proxy.plan import Endpoint, Plan, endpoint_of, parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.sink import client_sink
-from proxy.tracing import trace_id
-from proxy.upstream import Reply, Resolver, Trace, UpstreamPool, UpstreamRequest
+from proxy.upstream import Reply, Resolver, UpstreamPool, UpstreamRequest
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+    pass
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
@@ -58,9 +55,6 @@ SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohtt
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")  # visible ASCII: safe to echo and to prefix
-# The log line's request id when the client sent none: unique per process, cheap per request.
-_ID_PREFIX = os.urandom(6).hex()
-_ids = count(1)
 _SAMPLE_SECONDS = 1.0  # --workers: how often each worker writes its queue depths for /metrics
 
 
@@ -138,40 +132,10 @@ async def _discover(pool: UpstreamPool, upstream: Upstream) -> None:
         await asyncio.sleep(upstream.discovery.interval)
 
 
-@dataclass
-class _Outcome:
-    """What the request log line, the metrics and the spans say about one request."""
-
-    route: str = "other"
-    upstream: str = ""
-    model: str | None = None
-    n: int = 1
-    children: int = 0
-    status: int = 499  # nginx's "client closed request", kept when the client leaves first
-    streamed: bool = True  # the response body follows the upstream's as it arrives
-    trace: Trace = field(default_factory=Trace)
-    fanout: Fanout | None = None
-    body_bytes: int = 0
-    bytes_out: int | None = None  # the response body's length, where the proxy knows it
-    first_chunk_at: float | None = None  # streamed responses: the first body chunk written
-    queued: float = 0.0  # seconds its first upstream request waited for a slot
-    span: Span | None = None  # the server span, when tracing
-
-    def overhead(self, trace: Trace, started: float, ended: float) -> float | None:
-        """Time before the first upstream request, plus stitching after the last body ended;
-        not the wait for an upstream slot, which is the upstream's queue (queue_wait)."""
-        if trace.sent_at is None:
-            return None
-        after = 0.0
-        if not self.streamed and trace.done_at is not None:
-            after = max(ended - trace.done_at, 0.0)
-        return max(trace.sent_at - started - self.queued, 0.0) + after
-
-
 async def handle(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     started = time.perf_counter()  # not loop.time(): uvloop's has millisecond steps
-    outcome = _Outcome()
+    outcome = Outcome()
     tracing = runtime.tracing
     if tracing is not None:
         outcome.span = tracing.server_span(request.method, request.path, request.headers)
@@ -185,71 +149,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
     finally:
         runtime.leave()
         request.app[TRIMMER].request_ended(outcome.body_bytes, outcome.children)
-        ended = time.perf_counter()
-        fanout = outcome.fanout
-        trace = outcome.trace
-        if fanout is not None:
-            trace = fanout.summary()
-            outcome.first_chunk_at = fanout.first_chunk_at
-            outcome.queued = fanout.first_wait or 0.0
-            if fanout.bytes_out is not None:
-                outcome.bytes_out = fanout.bytes_out
-        first_at = outcome.first_chunk_at
-        first_chunk = first_at - started if first_at is not None else None
-        runtime.metrics.answered(
-            outcome.route, outcome.status, bool(outcome.children), ended - started, first_chunk
-        )
-        overhead = outcome.overhead(trace, started, ended)
-        if overhead is not None:
-            runtime.metrics.overhead.observe(overhead)
-        span = outcome.span
-        if span is not None and tracing is not None:
-            tracing.end_server(
-                span, outcome.route, outcome.upstream, outcome.n, outcome.children, outcome.status
-            )
-        if log_enabled():
-            _log(request, outcome, trace, ended - started, first_chunk)
+        record(request, outcome, runtime.metrics, tracing, started, time.perf_counter())
 
 
-def _log(
-    request: web.Request,
-    outcome: _Outcome,
-    trace: Trace,
-    seconds: float,
-    first_chunk: float | None,
-) -> None:
-    """The request line (proxy.log): ids, where it went, sizes, times, tokens."""
-    fanout = outcome.fanout
-    usage = fanout.usage if fanout else None
-    if fanout:
-        replica: str | None = fanout.replicas()
-    else:
-        replica = trace.replica
-    span = outcome.span
-    log_request(
-        request_id=fanout.plan.parent_id if fanout else _logged_id(request),
-        trace_id=trace_id(span) if span is not None else _incoming_trace_id(request),
-        method=request.method,
-        path=request.path,
-        route=outcome.route,
-        model=outcome.model,
-        upstream=outcome.upstream,
-        replica=replica,
-        n=outcome.n,
-        children=outcome.children,
-        children_aborted=fanout.aborted if fanout else 0,
-        retries=trace.retries,
-        status=outcome.status,
-        bytes_in=outcome.body_bytes,
-        bytes_out=outcome.bytes_out,
-        duration_ms=round(seconds * 1000, 3),
-        ttft_ms=round(first_chunk * 1000, 3) if first_chunk is not None else None,
-        prompt_tokens=usage.get("prompt_tokens") if usage else None,
-        completion_tokens=usage.get("completion_tokens") if usage else None,
-    )
-
-
-async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamResponse:
+async def _dispatch(request: web.Request, outcome: Outcome) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     config = runtime.config
     if request.version < aiohttp.HttpVersion10:
@@ -371,21 +274,6 @@ def _routing_json(
     return parsed if isinstance(parsed, dict) else None
 
 
-def _logged_id(request: web.Request) -> str:
-    """The client's id, else one of the proxy's own (never sent upstream: a pass-through sends
-    exactly the client's request)."""
-    incoming = request.headers.get("X-Request-Id")
-    return incoming[:200] if incoming is not None else f"{_ID_PREFIX}-{next(_ids):x}"
-
-
-def _incoming_trace_id(request: web.Request) -> str | None:
-    """The client's W3C trace id, logged even with tracing off, for finding the request."""
-    parent = request.headers.get("traceparent")
-    if parent is None or len(parent) < 55 or parent[2] != "-":
-        return None
-    return parent[3:35]
-
-
 def _parent_id(request: web.Request) -> str:
     incoming = request.headers.get("X-Request-Id")
     if incoming is not None and _REQUEST_ID.fullmatch(incoming):
@@ -394,7 +282,7 @@ def _parent_id(request: web.Request) -> str:
 
 
 async def pass_through(
-    request: web.Request, upstream: Upstream, body: bytes, outcome: _Outcome
+    request: web.Request, upstream: Upstream, body: bytes, outcome: Outcome
 ) -> web.StreamResponse:
     pool = request.app[POOL]
     metrics = request.app[RUNTIME].metrics
@@ -425,7 +313,7 @@ async def pass_through(
 
 
 async def _relay(
-    request: web.Request, reply: Reply, metrics: Metrics, upstream: Upstream, outcome: _Outcome
+    request: web.Request, reply: Reply, metrics: Metrics, upstream: Upstream, outcome: Outcome
 ) -> web.StreamResponse:
     upstream_response = reply.response
     status = upstream_response.status

@@ -89,9 +89,8 @@ class Fanout:
 
     def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Reply]:
         """Child ``pos``'s request, once its place is granted (inside its span when tracing)."""
-        metrics = self.runtime.metrics
         waited = time.perf_counter() - self.joined_at
-        metrics.queue_wait.labels(self.upstream.name).observe(waited)
+        self.runtime.metrics.queue_wait.labels(self.upstream.name).observe(waited)
         if self.first_wait is None:
             self.first_wait = waited
         headers = self.child_headers(pos)
@@ -108,27 +107,17 @@ class Fanout:
             self.span, exchange, trace, "POST", self.upstream.name, url, index, headers
         )
 
-    def answered(self, status: int) -> None:
-        """A child's status line (after any retries), for the per-upstream outcomes."""
-        self.runtime.metrics.upstream_responses.labels(
-            self.upstream.name, status_outcome(status)
-        ).inc()
-
-    def unanswered(self, exc: BaseException) -> None:
-        """A child that got no status line: out of time or unreachable."""
-        self.runtime.metrics.upstream_responses.labels(
-            self.upstream.name, failure_outcome(exc)
-        ).inc()
+    def answered(self, answer: int | BaseException) -> None:
+        """A child's status line after any retries, or the failure that left it without one."""
+        outcome = status_outcome(answer) if isinstance(answer, int) else failure_outcome(answer)
+        self.runtime.metrics.upstream_responses.labels(self.upstream.name, outcome).inc()
 
     def summary(self) -> Trace:
         """The children's traces as one: first sent, last done, retries summed."""
         sent = [t.sent_at for t in self.traces if t.sent_at is not None]
         done = [t.done_at for t in self.traces if t.done_at is not None]
-        return Trace(
-            sent_at=min(sent) if sent else None,
-            done_at=max(done) if done else None,
-            retries=sum(t.retries for t in self.traces),
-        )
+        retries = sum(t.retries for t in self.traces)
+        return Trace(min(sent, default=None), max(done, default=None), retries)
 
     def replicas(self) -> str | None:
         """The replicas that answered the children, each once, in child order."""
@@ -160,7 +149,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
                     raise ChildFailed(reply.response.status, raw, reply.response.content_type)
         except ProxyError as exc:
             if not answered:
-                fanout.unanswered(exc)
+                fanout.answered(exc)
             raise
         try:
             body = orjson.loads(raw)
@@ -260,7 +249,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:
             if isinstance(exc, ProxyError) and not replied:
-                fanout.unanswered(exc)  # no status line came
+                fanout.answered(exc)  # no status line came
             if answered or not start.answer(exc):
                 await mailbox.put((pos, exc))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from proxy.config import parse_config
-from proxy.metrics import PlainCounter, PlainHistogram
 from proxy.server import Server
+from proxy.tally import PlainCounter, PlainHistogram
 from tests.conftest import Backend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +57,7 @@ def test_plain_histogram_buckets_are_cumulative_with_prometheus_le() -> None:
 
 
 def test_plain_counter_without_labels_is_exported_at_zero() -> None:
-    text = exposition(PlainCounter("t_things", "Test."))
+    text = exposition(PlainCounter("t_things", "Test."))  # no labels
     assert "t_things_total 0.0" in text
     assert "_created" not in text
 
