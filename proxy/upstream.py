@@ -65,11 +65,12 @@ class Answered(NamedTuple):
 @dataclass
 class Trace:
     """When a request first went upstream, when its last upstream body ended (``perf_counter``
-    seconds), how many retries."""
+    seconds), how many retries, and the replica of the last try."""
 
     sent_at: float | None = None
     done_at: float | None = None
     retries: int = 0
+    replica: str | None = None
 
 
 class _UpstreamState:
@@ -248,6 +249,8 @@ class UpstreamPool:
                 replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
                 assert replica is not None
             tried.append(replica.url)
+            if trace is not None:
+                trace.replica = replica.url
             replica.outstanding += 1
             reason: Reason | None
             try:
