@@ -11,7 +11,8 @@ import functools
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -27,18 +28,24 @@ from proxy.errors import (
     ProxyError,
     RequestTimeout,
     UnsupportedEncoding,
+    UpstreamTimeout,
+    UpstreamUnavailable,
     error_body,
     status_type,
 )
-from proxy.exchange import Trace, UpstreamRequest
+from proxy.exchange import Answer, UpstreamRequest
 from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import child_headers, client_request_id, request_headers, response_headers
-from proxy.log import log_request
 from proxy.memory import Trimmer
+from proxy.metrics import MULTIPROCESS, Metrics, failure_outcome, status_outcome
+from proxy.outcome import Outcome, record
 from proxy.plan import Endpoint, Plan, endpoint_of, parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.sink import ExactHead, client_sink
 from proxy.upstream import Resolver, UpstreamPool
+
+if TYPE_CHECKING:
+    pass
 
 RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
@@ -46,6 +53,8 @@ TRIMMER = web.AppKey("trimmer", Trimmer)
 UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)  # a pass-through keeps that header
 SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohttp/x.y"
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
+
+_SAMPLE_SECONDS = 1.0  # --workers: how often each worker writes its queue depths for /metrics
 
 
 def build_app(
@@ -76,7 +85,10 @@ async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterato
     pool = UpstreamPool(runtime.config, runtime.metrics, resolver)
     await pool.start()
     app[POOL] = pool
+    runtime.metrics.queues = functools.partial(_queues, pool)
     watchers = [asyncio.create_task(_check_health(pool, runtime, u)) for u in pool.config.upstreams]
+    if MULTIPROCESS:
+        watchers.append(asyncio.create_task(_sample(runtime.metrics)))
     watchers += [
         asyncio.create_task(_discover(pool, u)) for u in pool.config.upstreams if u.discovery.dns
     ]
@@ -98,69 +110,48 @@ async def _check_health(pool: UpstreamPool, runtime: Runtime, upstream: Upstream
         await asyncio.sleep(upstream.health_interval)
 
 
+def _queues(pool: UpstreamPool) -> dict[str, tuple[int, int]]:
+    """Each upstream's children queued and slots held, for /metrics."""
+    out = {}
+    for upstream in pool.config.upstreams:
+        slots = pool.state(upstream).slots
+        out[upstream.name] = (slots.queued, slots.in_use)
+    return out
+
+
+async def _sample(metrics: Metrics) -> None:
+    while True:
+        metrics.sample()
+        await asyncio.sleep(_SAMPLE_SECONDS)
+
+
 async def _discover(pool: UpstreamPool, upstream: Upstream) -> None:
     while True:
         await pool.discover(upstream)
         await asyncio.sleep(upstream.discovery.interval)
 
 
-@dataclass
-class _Outcome:
-    """What the request log line and the metrics say about one request."""
-
-    route: str = "other"
-    upstream: str = ""
-    n: int = 1
-    children: int = 0
-    status: int = 499  # nginx's "client closed request", kept when the client leaves first
-    streamed: bool = True  # the response body follows the upstream's as it arrives
-    trace: Trace = field(default_factory=Trace)
-    fanout: Fanout | None = None
-    body_bytes: int = 0
-
-    def overhead(self, started: float, ended: float) -> float | None:
-        """Time before the first upstream request, plus stitching after the last body ended."""
-        if self.trace.sent_at is None:
-            return None
-        after = 0.0
-        if not self.streamed and self.trace.done_at is not None:
-            after = max(ended - self.trace.done_at, 0.0)
-        return self.trace.sent_at - started + after
-
-
 async def handle(request: web.Request) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     started = time.perf_counter()  # not loop.time(): uvloop's has millisecond steps
-    outcome = _Outcome()
+    outcome = Outcome()
+    tracing = runtime.tracing
+    if tracing is not None:
+        outcome.span = tracing.server_span(request.method, request.path, request.headers)
     runtime.enter()
     try:
         response = await _dispatch(request, outcome)
         outcome.status = response.status
+        if outcome.bytes_out is None and isinstance(response, web.Response):
+            outcome.bytes_out = response.content_length
         return response
     finally:
         runtime.leave()
         request.app[TRIMMER].request_ended(outcome.body_bytes, outcome.children)
-        ended = time.perf_counter()
-        fanout = outcome.fanout
-        runtime.metrics.answered(outcome.route, outcome.status, bool(outcome.children))
-        overhead = outcome.overhead(started, ended)
-        if overhead is not None:
-            runtime.metrics.overhead.observe(overhead)
-        log_request(
-            request_id=fanout.plan.parent_id if fanout else _logged_id(request),
-            method=request.method,
-            route=outcome.route,
-            upstream=outcome.upstream,
-            n=outcome.n,
-            children=outcome.children,
-            children_aborted=fanout.aborted if fanout else 0,
-            retries=outcome.trace.retries,
-            status=outcome.status,
-            duration_ms=round((ended - started) * 1000, 3),
-        )
+        record(request, outcome, runtime.metrics, tracing, started, time.perf_counter())
 
 
-async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamResponse:
+async def _dispatch(request: web.Request, outcome: Outcome) -> web.StreamResponse:
     runtime = request.app[RUNTIME]
     config = runtime.config
     if request.version < aiohttp.HttpVersion10:
@@ -175,10 +166,10 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
     if endpoint is not None:
         outcome.route = path
     try:
-        upstream, plan = _decide(request, config, endpoint, body)
+        upstream, plan, outcome.model = _decide(request, config, endpoint, body)
         outcome.upstream = upstream.name
         if plan is None:
-            return await pass_through(request, upstream, body, outcome.trace)
+            return await pass_through(request, upstream, body, outcome)
         outcome.n = plan.best_of or plan.n
         outcome.children = len(plan.children)
         runtime.metrics.n.observe(outcome.n)
@@ -190,7 +181,8 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
             plan=plan,
             path_qs=request.rel_url.raw_path_qs,
             headers=headers,
-            trace=outcome.trace,
+            tracing=runtime.tracing,
+            span=outcome.span,
         )
         outcome.streamed = plan.stream
         if plan.stream:
@@ -231,8 +223,9 @@ def _fans_out(request: web.Request, config: Config) -> bool:
 
 def _decide(
     request: web.Request, config: Config, endpoint: Endpoint | None, body: bytes
-) -> tuple[Upstream, Plan | None]:
-    """Where the request goes, and its children when it fans out (``None``: pass it through).
+) -> tuple[Upstream, Plan | None, str | None]:
+    """Where the request goes, its children when it fans out (``None``: pass it through), and
+    its model where the body was read (for the log line).
 
     Raises ``ProxyError`` for a body the proxy refuses (SPEC §2); reads nothing but the body and
     headers it is given.
@@ -243,12 +236,12 @@ def _decide(
         parsed: dict[str, object] | None = parse_body(plain)
     else:
         parsed = _routing_json(request, body, codings, config)
-    model = parsed.get("model") if parsed is not None else None
-    upstream = config.choose_upstream(
-        request.rel_url.path, model if isinstance(model, str) else None
-    )
+    found = parsed.get("model") if parsed is not None else None
+    model = found if isinstance(found, str) else None
+    upstream = config.choose_upstream(request.rel_url.path, model)
+    model = model[:200] if model is not None else None  # the log's: bounded
     if endpoint is None or parsed is None or upstream.native_n:
-        return upstream, None
+        return upstream, None, model
     plan = plan_request(
         parsed,
         functools.partial(_parent_id, request, parsed),
@@ -256,7 +249,7 @@ def _decide(
         endpoint=endpoint,
         max_children=config.max_children,
     )
-    return upstream, plan
+    return upstream, plan, model
 
 
 def _routing_json(
@@ -279,11 +272,6 @@ def _routing_json(
     return parsed if isinstance(parsed, dict) else None
 
 
-def _logged_id(request: web.Request) -> str | None:
-    incoming = request.headers.get("X-Request-Id")
-    return incoming[:200] if incoming is not None else None
-
-
 def _parent_id(request: web.Request, body: dict[str, object]) -> str:
     incoming = client_request_id(request.headers.get("X-Request-Id"), body.get("request_id"))
     if incoming is not None:
@@ -292,51 +280,86 @@ def _parent_id(request: web.Request, body: dict[str, object]) -> str:
 
 
 async def pass_through(
-    request: web.Request, upstream: Upstream, body: bytes, trace: Trace
+    request: web.Request, upstream: Upstream, body: bytes, outcome: Outcome
 ) -> web.StreamResponse:
     pool = request.app[POOL]
+    metrics = request.app[RUNTIME].metrics
+    trace = outcome.trace
     (url,) = pool.place(upstream, 1)
     headers = request_headers(request.headers, upstream.headers)
     sent = UpstreamRequest(
         request.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
     )
+    joined = time.perf_counter()
     (place,) = pool.join(upstream, 1)
-    async with place, pool.send(upstream, url, sent, trace) as answer:
-        upstream_response = answer.response
-        if "Server" in upstream_response.headers:
-            request[UPSTREAM_SERVER] = True
-        length = upstream_response.content_length
-        exact = upstream_response.escaped  # bytes aiohttp's writer would not write back
-        if length is not None and length <= _WHOLE_BODY and request.method != "HEAD" and not exact:
-            # A small body of known length leaves with its headers in one write: one syscall
-            # and one packet fewer on the most common pass-through answer.
-            data = await answer.read()
-            return web.Response(
-                status=upstream_response.status,
-                reason=upstream_response.reason,
-                headers=response_headers(upstream_response.headers),
-                body=data,
-            )
-        response = (ExactHead if exact else web.StreamResponse)(
-            status=upstream_response.status,
+    exchange: AbstractAsyncContextManager[Answer]
+    try:
+        async with place:
+            outcome.queued = waited = time.perf_counter() - joined
+            metrics.queue_wait.labels(upstream.name).observe(waited)
+            exchange = pool.send(upstream, url, sent, trace)
+            tracing, span = request.app[RUNTIME].tracing, outcome.span
+            if tracing is not None and span is not None:
+                exchange = tracing.traced(span, exchange, trace, request.method, upstream.name,
+                                          url, None, headers)  # fmt: skip
+            async with exchange as answer:
+                return await _relay(request, answer, metrics, upstream, outcome)
+    except (UpstreamTimeout, UpstreamUnavailable) as exc:
+        if outcome.bytes_out is None:  # no answer came: the upstream request's outcome
+            metrics.upstream_responses.labels(upstream.name, failure_outcome(exc)).inc()
+        raise
+
+
+async def _relay(
+    request: web.Request, answer: Answer, metrics: Metrics, upstream: Upstream, outcome: Outcome
+) -> web.StreamResponse:
+    upstream_response = answer.response
+    status = upstream_response.status
+    metrics.upstream_responses.labels(upstream.name, status_outcome(status)).inc()
+    outcome.bytes_out = 0  # answered: a failure now is not the upstream request's outcome
+    if "Server" in upstream_response.headers:
+        request[UPSTREAM_SERVER] = True
+    length = upstream_response.content_length
+    exact = upstream_response.escaped  # bytes aiohttp's writer would not write back
+    if length is not None and length <= _WHOLE_BODY and request.method != "HEAD" and not exact:
+        # A small body of known length leaves with its headers in one write: one syscall
+        # and one packet fewer on the most common pass-through answer.
+        data = await answer.read()
+        return web.Response(
+            status=status,
             reason=upstream_response.reason,
             headers=response_headers(upstream_response.headers),
+            body=data,
         )
-        if length is not None:
-            response.content_length = length
-        await response.prepare(request)
-        transport = request.transport
-        try:
-            if transport is None:
-                raise ConnectionResetError("the client left")
-            await answer.relay(*client_sink(request, transport))
-        except (TimeoutError, aiohttp.ClientError, ConnectionError):
-            # The status is sent already: cut the client's connection so it sees a truncated body.
-            if request.transport is not None:
-                request.transport.abort()
-            return response
-        await response.write_eof()
+    response = (ExactHead if exact else web.StreamResponse)(
+        status=status,
+        reason=upstream_response.reason,
+        headers=response_headers(upstream_response.headers),
+    )
+    if length is not None:
+        response.content_length = length
+    await response.prepare(request)
+    transport = request.transport
+    try:
+        if transport is None:
+            raise ConnectionResetError("the client left")
+        write, full, drain = client_sink(request, transport)
+
+        def counted(data: bytes) -> None:
+            # The first chunk's time (time to first token, for an LLM stream) and the size.
+            if outcome.first_chunk_at is None:
+                outcome.first_chunk_at = time.perf_counter()
+            outcome.bytes_out = (outcome.bytes_out or 0) + len(data)
+            write(data)
+
+        await answer.relay(counted, full, drain)
+    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+        # The status is sent already: cut the client's connection so it sees a truncated body.
+        if request.transport is not None:
+            request.transport.abort()
         return response
+    await response.write_eof()
+    return response
 
 
 def child_failed_response(exc: ChildFailed) -> web.Response:

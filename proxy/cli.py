@@ -21,7 +21,7 @@ from proxy.config import (
     load_config,
     single_upstream_config,
 )
-from proxy.log import setup_logging
+from proxy.log import LEVELS, setup_logging
 from proxy.server import Server, install_uvloop, run
 from proxy.workers import available_cpus, run_workers
 
@@ -45,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("n-proxy: --workers needs --upstream or --config", file=sys.stderr)
             return 2
         return run_workers(config, options.workers)
-    setup_logging(config.log_format)
+    setup_logging(config.log_format, config.log_level)
     install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config, demo=demo))
@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--log-format", choices=("json", "text"), help="request log format")
     parser.add_argument(
+        "--log-level", choices=LEVELS, help="least level logged (default info: a line per request)"
+    )
+    parser.add_argument(
         "--max-n", type=int, help=f"largest n accepted (default 10, at most {MAX_N_CEILING})"
     )
     return parser
@@ -126,8 +129,15 @@ def _config(options: argparse.Namespace) -> Config:
     if options.admin_port is not None:
         admin = Listen(host=admin.host if admin else listen.host, port=options.admin_port)
     log_format = options.log_format or config.log_format
+    log_level = options.log_level or config.log_level
     return config.model_copy(
-        update={"listen": listen, "max_n": max_n, "admin": admin, "log_format": log_format}
+        update={
+            "listen": listen,
+            "max_n": max_n,
+            "admin": admin,
+            "log_format": log_format,
+            "log_level": log_level,
+        }
     )
 
 

@@ -305,6 +305,7 @@ class Config(_Section):
     drain_seconds: Seconds = 25.0
     drain_grace_seconds: Seconds = 3.0
     log_format: Literal["json", "text"] = "json"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"  # info: a line per request
     routes: tuple[Route, ...] = ()
     default_upstream: str = ""  # "" before validation: the first upstream
     fanout_paths: tuple[UrlPath, ...] = DEFAULT_FANOUT_PATHS

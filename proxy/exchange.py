@@ -46,11 +46,12 @@ class Answered(NamedTuple):
 @dataclass
 class Trace:
     """When a request first went upstream, when its last upstream body ended (``perf_counter``
-    seconds), how many retries."""
+    seconds), how many retries, and the replica of the last try."""
 
     sent_at: float | None = None
     done_at: float | None = None
     retries: int = 0
+    replica: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,11 +8,12 @@ back) in a ``finally``, so nothing generates for a client that is gone.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import orjson
@@ -23,6 +24,7 @@ from proxy.config import Upstream
 from proxy.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
 from proxy.exchange import Answer, Trace, UpstreamRequest, upstream_error
 from proxy.mailbox import PING, Mailbox, PingTimer
+from proxy.metrics import failure_outcome, status_outcome
 from proxy.plan import Plan
 from proxy.runtime import Runtime
 from proxy.sink import Sink, client_sink
@@ -30,6 +32,11 @@ from proxy.slots import Place
 from proxy.sse import MAX_EVENT_BYTES, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.upstream import UpstreamPool
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from proxy.tracing import Tracing
 
 T = TypeVar("T")
 # The upstream client stops reading a child's socket past twice this (inflated bytes included):
@@ -39,7 +46,7 @@ CHILD_READ_BUFFER = 16 * 1024
 
 @dataclass
 class Fanout:
-    """One fan-out request: where its children go and what they carry."""
+    """One fan-out request: where its children go, what they carry, what came of them."""
 
     pool: UpstreamPool
     runtime: Runtime
@@ -47,8 +54,18 @@ class Fanout:
     plan: Plan
     path_qs: str
     headers: CIMultiDict[str]  # end-to-end headers shared by every child
-    trace: Trace = field(default_factory=Trace)
+    tracing: Tracing | None = None
+    span: Span | None = None  # the request's server span, when tracing
     aborted: int = 0  # children cancelled before they finished
+    traces: list[Trace] = field(init=False)  # each child's: its replica, retries, times
+    joined_at: float = 0.0  # when the children joined their upstream's queue
+    first_wait: float | None = None  # how long the first child sent waited for its slot
+    first_chunk_at: float | None = None  # streams: the first chunk written to the client
+    bytes_out: int | None = None  # streams: body bytes written to the client
+    usage: dict[str, Any] | None = None  # the merged usage, when the children sent one
+
+    def __post_init__(self) -> None:
+        self.traces = [Trace() for _ in self.plan.children]
 
     @property
     def max_event_bytes(self) -> int:
@@ -67,12 +84,46 @@ class Fanout:
         headers["Content-Type"] = "application/json"
         return headers
 
+    def join(self, count: int) -> list[Place]:
+        self.joined_at = time.perf_counter()
+        return self.pool.join(self.upstream, count)
+
     def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Answer]:
+        """Child ``pos``'s request, once its place is granted (inside its span when tracing)."""
+        waited = time.perf_counter() - self.joined_at
+        self.runtime.metrics.queue_wait.labels(self.upstream.name).observe(waited)
+        if self.first_wait is None:
+            self.first_wait = waited
+        headers = self.child_headers(pos)
         request = UpstreamRequest(
-            "POST", self.path_qs, self.child_headers(pos), self.plan.children[pos].body,
+            "POST", self.path_qs, headers, self.plan.children[pos].body,
             inflate=True, read_bufsize=CHILD_READ_BUFFER,
         )  # fmt: skip
-        return self.pool.send(self.upstream, url, request, self.trace)
+        trace = self.traces[pos]
+        exchange = self.pool.send(self.upstream, url, request, trace)
+        if self.tracing is None or self.span is None:
+            return exchange
+        index = self.plan.children[pos].index
+        return self.tracing.traced(
+            self.span, exchange, trace, "POST", self.upstream.name, url, index, headers
+        )
+
+    def answered(self, answer: int | BaseException) -> None:
+        """A child's status line after any retries, or the failure that left it without one."""
+        outcome = status_outcome(answer) if isinstance(answer, int) else failure_outcome(answer)
+        self.runtime.metrics.upstream_responses.labels(self.upstream.name, outcome).inc()
+
+    def summary(self) -> Trace:
+        """The children's traces as one: first sent, last done, retries summed."""
+        sent = [t.sent_at for t in self.traces if t.sent_at is not None]
+        done = [t.done_at for t in self.traces if t.done_at is not None]
+        retries = sum(t.retries for t in self.traces)
+        return Trace(min(sent, default=None), max(done, default=None), retries)
+
+    def replicas(self) -> str | None:
+        """The replicas that answered the children, each once, in child order."""
+        seen = dict.fromkeys(t.replica for t in self.traces if t.replica is not None)
+        return ",".join(seen) if seen else None
 
     async def cancel(self, tasks: Sequence[asyncio.Future[Any]]) -> None:
         aborted = await _cancel_all(tasks)
@@ -86,13 +137,21 @@ async def respond_json(fanout: Fanout) -> web.Response:
     plan = fanout.plan
     urls = fanout.pool.place(fanout.upstream, len(plan.children))
     # One slot per child, FIFO: a batch larger than max_concurrency runs in turns.
-    places = fanout.pool.join(fanout.upstream, len(plan.children))
+    places = fanout.join(len(plan.children))
 
     async def fetch(pos: int) -> dict[str, Any]:
-        async with places[pos], fanout.send(pos, urls[pos]) as answer:
-            raw = await answer.read()
-            if answer.response.status >= 300:
-                raise ChildFailed(answer.response.status, raw, answer.response.content_type)
+        answered = False
+        try:
+            async with places[pos], fanout.send(pos, urls[pos]) as answer:
+                answered = True
+                fanout.answered(answer.response.status)
+                raw = await answer.read()
+                if answer.response.status >= 300:
+                    raise ChildFailed(answer.response.status, raw, answer.response.content_type)
+        except ProxyError as exc:
+            if not answered:
+                fanout.answered(exc)
+            raise
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -111,8 +170,11 @@ async def respond_json(fanout: Fanout) -> web.Response:
             await fanout.cancel(tasks)
         finally:  # a second cancellation right here must not keep the places
             _release(places)
+    stitched = stitch_json(plan, bodies)
+    usage = stitched.get("usage")
+    fanout.usage = usage if isinstance(usage, dict) else None
     return web.Response(
-        body=orjson.dumps(stitch_json(plan, bodies)),
+        body=orjson.dumps(stitched),
         content_type="application/json",
         headers={"X-Request-Id": plan.parent_id},
     )
@@ -160,15 +222,17 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             param="prompt" if plan.prompts > 1 else "n",
         )
     urls = fanout.pool.place(fanout.upstream, count)
-    places = fanout.pool.join(fanout.upstream, count)
+    places = fanout.join(count)
     mailbox = Mailbox(count)
     start = Start(count, wait_all)
 
     async def run_child(pos: int) -> None:
-        answered = False
+        replied = answered = False
         try:
             async with places[pos], fanout.send(pos, urls[pos]) as answer:
+                replied = True
                 response = answer.response
+                fanout.answered(response.status)
                 if response.status >= 300:
                     raise ChildFailed(response.status, await answer.read(), response.content_type)
                 answered = True
@@ -185,6 +249,8 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 await mailbox.put((pos, decoder.close_raw()))
             await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:
+            if isinstance(exc, ProxyError) and not replied:
+                fanout.answered(exc)  # no status line came
             if answered or not start.answer(exc):
                 await mailbox.put((pos, exc))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -209,9 +275,10 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
         fanout.runtime.streams.add(mailbox)
         try:
             sink = client_sink(request, transport)
-            await _merge(stitcher, mailbox, sink, config.sse_keepalive_seconds)
+            await _merge(stitcher, mailbox, sink, config.sse_keepalive_seconds, fanout)
         finally:
             fanout.runtime.streams.discard(mailbox)
+            fanout.usage = stitcher.usage()
             fanout.runtime.metrics.stitched_chunks.inc(stitcher.chunks)
         await response.write_eof()
         return response
@@ -229,7 +296,9 @@ def _release(places: Sequence[Place]) -> None:
         place.release()
 
 
-async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds: float) -> None:
+async def _merge(
+    stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds: float, fanout: Fanout
+) -> None:
     """Write chunks as they arrive, then the merged tail or one error event.
 
     Everything one wake-up finds leaves in one write, straight into the client's transport;
@@ -243,8 +312,11 @@ async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds
     write, full, drain = sink
     keepalive = PingTimer(mailbox, seconds)
 
+    fanout.bytes_out = 0
+
     async def send(data: bytes) -> None:
         write(data)
+        fanout.bytes_out = (fanout.bytes_out or 0) + len(data)
         keepalive.wrote()
         if full():
             await drain()
@@ -277,6 +349,8 @@ async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds
                 await send(b"".join(out))
                 return
             if out:
+                if fanout.first_chunk_at is None:
+                    fanout.first_chunk_at = time.perf_counter()
                 await send(out[0] if len(out) == 1 else b"".join(out))
         await send(stitcher.tail())
     finally:

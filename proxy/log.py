@@ -1,4 +1,9 @@
-"""One log line per request, JSON for machines or text for people; never headers or bodies."""
+"""The proxy's log: one line per request and per event, JSON for machines or text for people;
+never headers or bodies.
+
+In JSON every line is one object, aiohttp's, asyncio's and warnings' included: a traceback is
+folded into the line's ``exc`` field instead of spilling lines into the stream.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +16,20 @@ from typing import Any
 import orjson
 
 logger = logging.getLogger("n_proxy")
+LEVELS = ("debug", "info", "warning", "error")
 
 
 class _Formatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        fields = getattr(record, "fields", {})
+        fields: dict[str, Any] = getattr(record, "fields", {})
+        if record.name != logger.name:  # another library's line: say whose
+            fields = {"logger": record.name, **fields}
+        if record.exc_info:
+            fields = {**fields, "exc": self.formatException(record.exc_info)}
+        elif record.exc_text:
+            fields = {**fields, "exc": record.exc_text}
+        if record.stack_info:
+            fields = {**fields, "stack": self.formatStack(record.stack_info)}
         return self.line(record.created, record.levelname.lower(), record.getMessage(), fields)
 
     def line(self, created: float, level: str, message: str, fields: dict[str, Any]) -> str:
@@ -25,13 +39,16 @@ class _Formatter(logging.Formatter):
 class _JsonFormatter(_Formatter):
     def line(self, created: float, level: str, message: str, fields: dict[str, Any]) -> str:
         return orjson.dumps(
-            {"ts": round(created, 3), "level": level, "msg": message, **fields}
+            {"ts": round(created, 3), "level": level, "msg": message, **fields},
+            default=str,  # an odd value in a library's fields must not lose the line
         ).decode()
 
 
 class _TextFormatter(_Formatter):
     def line(self, created: float, level: str, message: str, fields: dict[str, Any]) -> str:
-        extra = " ".join(f"{k}={v}" for k, v in fields.items())
+        extra = " ".join(f"{k}={v}" for k, v in fields.items() if k != "exc")
+        if "exc" in fields:  # for people: the traceback as Python prints it, after the line
+            extra += "\n" + fields["exc"]
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
         return f"{stamp},{int(created % 1 * 1000):03d} {level} {message} {extra}"
 
@@ -75,19 +92,31 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
 _direct: tuple[_BatchingHandler, _Formatter] | None = None
 
 
-def setup_logging(fmt: str) -> None:
+def setup_logging(fmt: str, level: str = "info") -> None:
+    """Our handler for the proxy's logger and for the root logger, so every library's records
+    (aiohttp's, asyncio's, ``warnings``) come out in the same format; ``level`` for all."""
     global _direct
     handler = _BatchingHandler()
     formatter = _JsonFormatter() if fmt == "json" else _TextFormatter()
     handler.setFormatter(formatter)
     _direct = (handler, formatter)
+    number = logging.getLevelName(level.upper())
     logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO)
+    logger.setLevel(number)
     logger.propagate = False
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(number)
+    logging.captureWarnings(True)
+
+
+def log_enabled() -> bool:
+    """Whether request lines are wanted (``--log-level`` info or debug)."""
+    return logger.isEnabledFor(logging.INFO)
 
 
 def log_request(**fields: Any) -> None:
-    """The per-request line: ids, route, upstream, n, status, durations, children aborted."""
+    """The per-request line (fields listed in the README's Operating section)."""
     if not logger.isEnabledFor(logging.INFO):
         return
     direct = _direct

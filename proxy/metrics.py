@@ -1,15 +1,43 @@
-"""Prometheus metrics of one proxy instance (its own registry, so tests can run several)."""
+"""Prometheus metrics of one proxy instance (its own registry, so tests can run several).
+
+What moves on every request is a plain Python number read at scrape time (``proxy.tally``,
+through one ``Collector``): prometheus-client's own metric objects take a lock per update.
+Under ``--workers`` (multiprocess mode) those families are prometheus-client's instead, so every
+worker's files add up. Labelled families start at zero for every label set known up front.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from proxy.errors import UpstreamTimeout
+from proxy.tally import Count, Observe, PlainCounter, PlainGauge, PlainHistogram
+
+if TYPE_CHECKING:
+    from proxy.config import Config
 
 # Set by ``--workers``: every worker writes its values there and /metrics adds them up.
 MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+# A `_created` twin of every counter and histogram doubles the series and helps no query.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 _LATENCY = (
     0.0005,
@@ -31,54 +59,93 @@ _LATENCY = (
     300,
 )
 
+# How an upstream answered a request or child, after any retries (SPEC §7, §10).
+UPSTREAM_OUTCOMES = ("2xx", "3xx", "4xx", "5xx", "timeout", "unreachable")
+_STATUS_CLASSES = ("other", "other", "2xx", "3xx", "4xx", "5xx", "other", "other", "other", "other")
+
+
+def status_outcome(status: int) -> str:
+    return _STATUS_CLASSES[status // 100 % 10]
+
+
+def failure_outcome(exc: BaseException) -> str:
+    """No status line came: out of time (a 504), or anything else (a 502)."""
+    return "timeout" if isinstance(exc, TimeoutError | UpstreamTimeout) else "unreachable"
+
+
+class _PlainCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._metrics.plain:
+            yield family.collect()
+        yield from self._metrics.sampled()
+
 
 class Metrics:
     def __init__(self) -> None:
-        self._answered: dict[tuple[str, int, bool], Any] = {}
+        self.plain: list[PlainCounter | PlainHistogram] = []
+        self._answered: dict[tuple[str, int, bool], tuple[Count, Observe, Observe]] = {}
+        # The proxy's queues, read at scrape time: upstream name -> (children queued, slots held).
+        self.queues: Callable[[], Mapping[str, tuple[int, int]]] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
+        self.requests = self._counter(
             "n_proxy_requests",
             "Requests answered, by route, status and whether they were fanned out.",
             ["route", "status", "fanned_out"],
-            registry=r,
         )
-        self.n = Histogram(
+        self.request_duration = self._histogram(
+            "n_proxy_request_duration_seconds",
+            "Time from a request's arrival to the end of its response, as the client sees it.",
+            ["route", "fanned_out"],
+        )
+        self.first_chunk = self._histogram(
+            "n_proxy_time_to_first_chunk_seconds",
+            "Streamed responses: time from the request's arrival to the first body chunk "
+            "written to the client (for an LLM stream, about the time to first token).",
+            ["route", "fanned_out"],
+        )
+        self.n = self._histogram(
             "n_proxy_request_n",
             "The n of fanned-out requests (choices per prompt, or best_of).",
             buckets=(2, 3, 4, 5, 8, 10, 16, 32, 64, 128),
-            registry=r,
         )
-        self.children_in_flight = Gauge(
+        self.children_in_flight = self._gauge(
             "n_proxy_children_in_flight",
             "Upstream requests in flight, per upstream.",
             ["upstream"],
-            registry=r,
-            multiprocess_mode="livesum",
         )
-        self.upstream_ttfb = Histogram(
+        self.queue_wait = self._histogram(
+            "n_proxy_queue_wait_seconds",
+            "Time a request or child waited for one of its upstream's max_concurrency slots.",
+            ["upstream"],
+        )
+        self.upstream_responses = self._counter(
+            "n_proxy_upstream_responses",
+            "Upstream requests and children by how they ended after any retries: a status "
+            "class, timeout or unreachable.",
+            ["upstream", "outcome"],
+        )
+        self.upstream_ttfb = self._histogram(
             "n_proxy_upstream_ttfb_seconds",
             "Time from sending an upstream request to its response headers.",
             ["upstream"],
-            buckets=_LATENCY,
-            registry=r,
         )
-        self.upstream_duration = Histogram(
+        self.upstream_duration = self._histogram(
             "n_proxy_upstream_duration_seconds",
             "Time from sending an upstream request to the end of its body.",
             ["upstream"],
-            buckets=_LATENCY,
-            registry=r,
         )
-        self.overhead = Histogram(
+        self.overhead = self._histogram(
             "n_proxy_overhead_seconds",
             "Time the proxy itself spends on a request: before its first upstream request and "
             "after its last upstream byte.",
             buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1),
-            registry=r,
         )
-        self.stitched_chunks = Counter(
-            "n_proxy_stitched_chunks", "SSE chunks written by fan-out streams.", registry=r
+        self.stitched_chunks = self._counter(
+            "n_proxy_stitched_chunks", "SSE chunks written by fan-out streams."
         )
         self.children_aborted = Counter(
             "n_proxy_children_aborted",
@@ -109,6 +176,8 @@ class Metrics:
             ["phase"],
             registry=r,
         )
+        for phase in ("headers", "body"):
+            self.client_timeouts.labels(phase)
 
         self.replica_up = Gauge(
             "n_proxy_replica_up",
@@ -147,15 +216,117 @@ class Metrics:
             ["upstream"],
             registry=r,
         )
+        if MULTIPROCESS:
+            # A sampler writes the queues into files for worker 0's /metrics (see ``sample``).
+            self._queue_depth = Gauge(
+                "n_proxy_queue_depth",
+                _QUEUE_DEPTH,
+                ["upstream"],
+                registry=r,
+                multiprocess_mode="livesum",
+            )
+            self._slots_in_use = Gauge(
+                "n_proxy_slots_in_use",
+                _SLOTS_IN_USE,
+                ["upstream"],
+                registry=r,
+                multiprocess_mode="livesum",
+            )
+        else:
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                # The default registry's own collectors, for this registry too.
+                r.register(_Shared(collector))
+            r.register(_PlainCollector(self))
 
-    def answered(self, route: str, status: int, fanned_out: bool) -> None:
-        """One request answered: ``requests`` by its labels, the labelled child looked up once."""
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+        if MULTIPROCESS:
+            return Counter(name, doc, labels, registry=self.registry)
+        family = PlainCounter(name, doc, labels)
+        self.plain.append(family)
+        return family
+
+    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+        if MULTIPROCESS:
+            return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livesum")
+        family = PlainGauge(name, doc, labels)
+        self.plain.append(family)
+        return family
+
+    def _histogram(
+        self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY
+    ) -> Any:
+        if MULTIPROCESS:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+        family = PlainHistogram(name, doc, labels, buckets)
+        self.plain.append(family)
+        return family
+
+    def known(self, config: Config) -> None:
+        """Every label set the config names, at zero, so rates and ratios exist from the start."""
+        for route in (*config.fanout_paths, "other"):
+            for fanned in ("true", "false") if route != "other" else ("false",):
+                self.request_duration.labels(route, fanned)
+                self.first_chunk.labels(route, fanned)
+        for upstream in config.upstreams:
+            name = upstream.name
+            self.children_in_flight.labels(name)
+            self.queue_wait.labels(name)
+            self.upstream_ttfb.labels(name)
+            self.upstream_duration.labels(name)
+            for outcome in UPSTREAM_OUTCOMES:
+                self.upstream_responses.labels(name, outcome)
+            for family in (self.children_aborted, self.rejected, self.slot_stalls):
+                family.labels(name)
+            for reason in upstream.retry_on:
+                self.retries.labels(name, str(reason))
+                self.retries_refused.labels(name, str(reason))
+            if upstream.fallback is not None:
+                self.fallbacks.labels(name, upstream.fallback)
+            for url in upstream.urls:
+                self.ejections.labels(name, url)
+
+    def answered(
+        self,
+        route: str,
+        status: int,
+        fanned_out: bool,
+        seconds: float,
+        first_chunk: float | None,
+    ) -> None:
+        """One request answered: its count, duration and first chunk, the children looked up
+        once per label set."""
         key = (route, status, fanned_out)
-        child = self._answered.get(key)
-        if child is None:
+        children = self._answered.get(key)
+        if children is None:
             fanned = "true" if fanned_out else "false"
-            child = self._answered[key] = self.requests.labels(route, str(status), fanned)
-        child.inc()
+            children = self._answered[key] = (
+                self.requests.labels(route, str(status), fanned),
+                self.request_duration.labels(route, fanned),
+                self.first_chunk.labels(route, fanned),
+            )
+        count, duration, first = children
+        count.inc()
+        duration.observe(seconds)
+        if first_chunk is not None:
+            first.observe(first_chunk)
+
+    def sampled(self) -> Iterator[Metric]:
+        """The queues as they are now (single process: read at scrape time)."""
+        depth = GaugeMetricFamily("n_proxy_queue_depth", _QUEUE_DEPTH, labels=["upstream"])
+        in_use = GaugeMetricFamily("n_proxy_slots_in_use", _SLOTS_IN_USE, labels=["upstream"])
+        if self.queues is not None:
+            for name, (queued, held) in self.queues().items():
+                depth.add_metric([name], queued)
+                in_use.add_metric([name], held)
+        yield depth
+        yield in_use
+
+    def sample(self) -> None:
+        """Multiprocess mode: this worker's queues into its files (a periodic task calls this)."""
+        if MULTIPROCESS and self.queues is not None:
+            for name, (queued, held) in self.queues().items():
+                self._queue_depth.labels(name).set(queued)
+                self._slots_in_use.labels(name).set(held)
 
     def render(self) -> bytes:
         if MULTIPROCESS:
@@ -163,3 +334,17 @@ class Metrics:
             MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+_QUEUE_DEPTH = "Children waiting for a max_concurrency slot, per upstream."
+_SLOTS_IN_USE = "max_concurrency slots held, per upstream."
+
+
+class _Shared(Collector):
+    """A collector of the default registry, for ours too (one registry per proxy instance)."""
+
+    def __init__(self, collector: Collector) -> None:
+        self._collector = collector
+
+    def collect(self) -> Iterable[Metric]:
+        return self._collector.collect()

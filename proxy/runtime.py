@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from proxy.config import Config
 from proxy.metrics import Metrics
+
+if TYPE_CHECKING:
+    from proxy.tracing import Tracing
 
 
 class Cuttable(Protocol):
@@ -24,10 +27,12 @@ class Runtime:
     replicas: dict[str, dict[str, bool]] = field(default_factory=dict)  # name -> url -> takes work
     streams: set[Cuttable] = field(default_factory=set)  # fan-out streams a drain can cut
     health_checked: asyncio.Event = field(default_factory=asyncio.Event)  # after the first round
+    tracing: Tracing | None = None  # None unless OTEL_* asks for traces (proxy.tracing)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self._idle.set()
+        self.metrics.known(self.config)
 
     @property
     def ready(self) -> bool:

@@ -29,6 +29,7 @@ from proxy.errors import RequestTimeout, error_body, status_type
 from proxy.log import log_event
 from proxy.metrics import Metrics
 from proxy.runtime import Runtime
+from proxy.tracing import tracing_from_env
 
 _CUT_GRACE = 1.0  # seconds for cut streams to write their last event before sockets close
 _SPARE_FDS = 256  # beyond client and upstream connections: admin, logs, DNS, health checks
@@ -38,7 +39,7 @@ class Server:
     def __init__(self, config: Config, *, reuse_port: bool = False) -> None:
         self.config = config
         self.reuse_port = reuse_port
-        self.runtime = Runtime(config)
+        self.runtime = Runtime(config, tracing=tracing_from_env())
         self._proxy = web.AppRunner(
             build_app(config, self.runtime),
             handler_cancellation=True,
@@ -83,6 +84,8 @@ class Server:
     async def close(self) -> None:
         await self._proxy.cleanup()
         await self._admin.cleanup()
+        if self.runtime.tracing is not None:
+            await asyncio.to_thread(self.runtime.tracing.close)  # flushes: off the loop
 
 
 async def run(

@@ -246,9 +246,13 @@ class StreamStitcher:
     def finished(self, pos: int) -> bool:
         return self._streams[pos].finished
 
+    def usage(self) -> dict[str, Any] | None:
+        """The children's usage merged (SPEC §6), None when none sent any."""
+        return merge_usage([s.usage for s in self._streams], prompt_heads(self.plan))
+
     def tail(self) -> bytes:
         """The merged usage chunk (when asked for, or sent unasked) and the one ``[DONE]``."""
-        usage = merge_usage([s.usage for s in self._streams], prompt_heads(self.plan))
+        usage = self.usage()
         # A child's usage chunk the client did not ask for: the server sends usage on every
         # stream (vLLM's --enable-force-include-usage), so the merged stream does too.
         if usage is None or not (self.plan.include_usage or self._usage_chunk is not None):

@@ -25,7 +25,6 @@ from proxy.errors import Overloaded
 from proxy.exchange import (
     Answered,
     Exchange,
-    Timings,
     Trace,
     UpstreamRequest,
     failure_kind,
@@ -35,10 +34,11 @@ from proxy.headers import rebased_headers
 from proxy.log import log_event, logger
 from proxy.metrics import Metrics
 from proxy.pool import ConnectionPool
-from proxy.replicas import Ejection, Placement, Replica, ReplicaSet, resolved_addresses
+from proxy.replicas import Replica, resolved_addresses
 from proxy.response import BodyTooLong, UpstreamResponse
-from proxy.retry import Backoff, Reason, RetryBudget, RetryPolicy, Verdict, parse_retry_after
-from proxy.slots import Place, Slots
+from proxy.retry import Reason, Verdict, parse_retry_after
+from proxy.slots import Place
+from proxy.upstreamstate import UpstreamState
 
 # (host, port) -> every address it resolves to now; tests inject their own.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -49,68 +49,12 @@ WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
 WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
 
 
-class _UpstreamState:
-    def __init__(self, upstream: Upstream, metrics: Metrics) -> None:
-        self.upstream = upstream
-        self.slots = Slots(upstream.max_concurrency, upstream.max_queue)
-        self.metrics = metrics
-        placement = upstream.placement
-        self.replicas = ReplicaSet(
-            upstream.urls,
-            Ejection(upstream.eject.failures, upstream.eject.seconds),
-            Placement(placement.choose, None if placement.pack == "all" else placement.pack),
-        )
-        self.retry_on = frozenset(upstream.retry_on)
-        backoff, budget = upstream.backoff, upstream.retry_budget
-        self.retry = RetryPolicy(
-            upstream.retries,
-            self.retry_on,
-            Backoff(backoff.base, backoff.cap),
-            backoff.retry_after_cap,
-            RetryBudget(budget.percent, budget.min_per_second, budget.window),
-        )
-        # Labelled children looked up once, not on every request.
-        name = upstream.name
-        self.timings = Timings(
-            metrics.children_in_flight.labels(name),
-            metrics.upstream_ttfb.labels(name),
-            metrics.upstream_duration.labels(name),
-        )
-        self.health_rounds = 0  # completed health checks of every replica
-        # A fresh event per change, as the devserver does: waiters re-check their condition.
-        self._changed = asyncio.Event()
-
-    def failed(self, url: str) -> None:
-        if self.replicas.failed(url, time.monotonic()):
-            self.metrics.ejections.labels(self.upstream.name, url).inc()
-            self.metrics.replica_up.labels(self.upstream.name, url).set(0)
-            log_event("replica ejected", upstream=self.upstream.name, replica=url)
-            self.notify()
-
-    def notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
-        """Until ``predicate()`` holds after a health round, a discovery or an ejection."""
-        async with asyncio.timeout(timeout):
-            while not predicate():
-                await self._changed.wait()
-
-    def publish(self) -> None:
-        """Each replica's ``n_proxy_replica_up``."""
-        now = time.monotonic()
-        for replica in self.replicas:
-            up = 1 if replica.usable(now) else 0
-            self.metrics.replica_up.labels(self.upstream.name, replica.url).set(up)
-
-
 class UpstreamPool:
     def __init__(self, config: Config, metrics: Metrics, resolver: Resolver | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.resolve = resolver or resolve
-        self._states = {u.name: _UpstreamState(u, metrics) for u in config.upstreams}
+        self._states = {u.name: UpstreamState(u, metrics) for u in config.upstreams}
         for state in self._states.values():
             state.publish()
         self._watchdog: asyncio.Task[None] | None = None
@@ -127,7 +71,7 @@ class UpstreamPool:
                 await self._watchdog
         await self.connections.close()
 
-    def state(self, upstream: Upstream) -> _UpstreamState:
+    def state(self, upstream: Upstream) -> UpstreamState:
         return self._states[upstream.name]
 
     def place(self, upstream: Upstream, count: int) -> list[str]:
@@ -151,7 +95,7 @@ class UpstreamPool:
             for state in self._states.values():
                 self.audit(state, loop.time())
 
-    def audit(self, state: _UpstreamState, now: float) -> None:
+    def audit(self, state: UpstreamState, now: float) -> None:
         stall = state.slots.audit(now, WATCHDOG_PATIENCE)
         if stall is None:
             return
@@ -185,7 +129,7 @@ class UpstreamPool:
 
     async def open_response(
         self,
-        state: _UpstreamState,
+        state: UpstreamState,
         url: str,
         request: UpstreamRequest,
         trace: Trace | None,
@@ -208,6 +152,8 @@ class UpstreamPool:
                 replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
                 assert replica is not None
             tried.append(replica.url)
+            if trace is not None:
+                trace.replica = replica.url
             replica.outstanding += 1
             reason: Reason | None
             try:
@@ -251,7 +197,7 @@ class UpstreamPool:
 
     def _judge(
         self,
-        state: _UpstreamState,
+        state: UpstreamState,
         replica: Replica,
         tries: int,
         reason: Reason | None,
@@ -276,7 +222,7 @@ class UpstreamPool:
             )
         return verdict
 
-    def _fallback_place(self, state: _UpstreamState, verdict: Verdict) -> Place | None:
+    def _fallback_place(self, state: UpstreamState, verdict: Verdict) -> Place | None:
         """A place in the fallback upstream's line, when it has one and is to be tried."""
         name = state.upstream.fallback
         if name is None or not verdict.falls_back:
@@ -290,7 +236,7 @@ class UpstreamPool:
 
     async def _fall_back(
         self,
-        state: _UpstreamState,
+        state: UpstreamState,
         place: Place,
         request: UpstreamRequest,
         trace: Trace | None,

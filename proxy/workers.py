@@ -90,7 +90,7 @@ def run_workers(config: Config, count: int) -> int:
 def _work(config: Config, index: int) -> None:
     if index > 0:
         config = config.model_copy(update={"admin": None})
-    setup_logging(config.log_format)
+    setup_logging(config.log_format, config.log_level)
     install_uvloop()
     # The parent decides when to stop; a terminal's Ctrl-C reaches us through it as SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
