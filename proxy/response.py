@@ -19,6 +19,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from proxy.encoding import Inflater
+from proxy.futures import settle, wake
 
 BodySink = Callable[[bytes], None]
 _INFLATED = ("gzip", "x-gzip", "deflate")
@@ -112,7 +113,7 @@ class UpstreamResponse:
             self._buffered += len(data)
             if self._buffered > self._limit:
                 self._connection.pause()
-            _wake(self._waiter)
+            wake(self._waiter)
 
     def on_end(self) -> None:
         """The message's last byte arrived (the connection's end, for a close-delimited body)."""
@@ -142,7 +143,7 @@ class UpstreamResponse:
         if paused is not None and paused():
             self._connection.pause()
             if self._relay_done is not None:
-                _settle(self._relay_done)  # wakes the relay's task to wait for the drain
+                settle(self._relay_done)  # wakes the relay's task to wait for the drain
 
     def _pump(self) -> None:
         """Inflate what the consumer has room for; reading waits while input is left over."""
@@ -163,7 +164,7 @@ class UpstreamResponse:
                     if data:
                         self._chunks.append(data)
                         self._buffered += len(data)
-                        _wake(self._waiter)
+                        wake(self._waiter)
             if inflater.pending:
                 self._connection.pause()
             elif self.ended and not self.complete and self.error is None:
@@ -184,8 +185,8 @@ class UpstreamResponse:
         self.complete = True
         self._stop_idle()
         if self._relay_done is not None:
-            _settle(self._relay_done)
-        _wake(self._waiter)
+            settle(self._relay_done)
+        wake(self._waiter)
 
     def fail(self, exc: BaseException) -> None:
         if self.complete or self.error is not None:
@@ -196,8 +197,8 @@ class UpstreamResponse:
             self.head.set_exception(exc)
             self.head.exception()  # retrieved here: the caller may have stopped waiting
         if self._relay_done is not None:
-            _settle(self._relay_done, exc)
-        _wake(self._waiter)
+            settle(self._relay_done, exc)
+        wake(self._waiter)
         self._connection.abort()
 
     # ---- head and timeouts
@@ -329,17 +330,3 @@ async def read_capped(body: AsyncIterator[bytes], limit: int) -> bytes:
             raise BodyTooLong(size)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _wake(future: asyncio.Future[None] | None) -> None:
-    if future is not None and not future.done():
-        future.set_result(None)
-
-
-def _settle(future: asyncio.Future[None], exc: BaseException | None = None) -> None:
-    if not future.done():
-        if exc is None:
-            future.set_result(None)
-        else:
-            future.set_exception(exc)
-            future.exception()
