@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import importlib.metadata
 import json
 import re
 import shutil
@@ -18,6 +19,9 @@ from typing import Any
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -490,7 +494,8 @@ def test_dockerfile_builds_wheels_then_installs_them_with_the_fast_extra() -> No
     assert preamble == [("ARG", "PYTHON_IMAGE=python:3.12-slim-trixie")]
     assert build[0] == ("FROM", "${PYTHON_IMAGE} AS build")
     assert runtime[0] == ("FROM", "${PYTHON_IMAGE} AS runtime")
-    assert 'pip wheel --wheel-dir /wheels ".[fast]"' in _dockerfile_directive(1, "RUN")
+    wheel = 'pip wheel --wheel-dir /wheels --constraint constraints.txt ".[fast]"'
+    assert wheel in _dockerfile_directive(1, "RUN")
     install = _dockerfile_directive(2, "RUN")
     assert "--mount=type=bind,from=build,source=/wheels" in install
     assert 'pip install --no-index --find-links /wheels "n-proxy[fast]"' in install
@@ -525,10 +530,91 @@ def test_build_context_holds_and_lets_in_every_copied_path() -> None:
     allowed = (DEPLOY / "Dockerfile.dockerignore").read_text("utf-8").splitlines()
     copied = [a.split()[:-1] for k, a in _dockerfile_stages()[1] if k == "COPY"]
     sources = [s for group in copied for s in group]
-    assert sources == ["pyproject.toml", "README.md", "proxy"]
+    assert sources == ["pyproject.toml", "README.md", "LICENSE", "deploy/constraints.txt", "proxy"]
     for source in sources:
         assert (ROOT / source).exists(), f"{source} is missing from the repository"
         assert f"!{source}" in allowed
+
+
+# The image's Python: markers in the pinned packages' requirements are evaluated for it.
+_IMAGE_ENVIRONMENT = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.1",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
+
+
+def _pins() -> dict[str, Version]:
+    pins = {}
+    for line in (DEPLOY / "constraints.txt").read_text("utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not an exact pin"
+            pins[canonicalize_name(name)] = Version(version)
+    return pins
+
+
+def _applies(requirement: Requirement) -> bool:
+    marker = requirement.marker
+    return marker is None or marker.evaluate(_IMAGE_ENVIRONMENT)
+
+
+def test_constraints_pin_every_runtime_dependency_within_the_declared_ranges() -> None:
+    pins = _pins()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
+    direct = [Requirement(r) for r in project["dependencies"]]
+    direct += [Requirement(r) for r in project["optional-dependencies"]["fast"]]
+    for requirement in filter(_applies, direct):
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not pinned"
+        assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]}: {requirement}"
+    assert "n-proxy" not in pins  # the project itself is built from the context
+
+
+def test_constraints_are_closed_under_the_pinned_packages_requirements() -> None:
+    """What pip freeze wrote: every package that a pinned one needs is pinned, and nothing else.
+    Read from the installed metadata, which must be of the pinned versions to say anything."""
+    pins = _pins()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
+    todo = [
+        Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["fast"]
+    ]
+    reached: set[str] = set()
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if not _applies(requirement) or name in reached:
+            continue
+        assert name in pins, f"{name} ({requirement}) is needed but not pinned"
+        assert requirement.specifier.contains(pins[name], prereleases=True), requirement
+        reached.add(name)
+        try:
+            installed = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip(f"{name} is not installed here: its requirements are unknown")
+        if Version(installed.version) != pins[name]:
+            pytest.skip(f"{name} {installed.version} is installed here, {pins[name]} is pinned")
+        todo += [Requirement(r) for r in installed.requires or []]
+    assert reached == set(pins)
+
+
+def test_base_image_is_pinned_by_digest_or_the_dockerfile_says_how() -> None:
+    """Never a made-up digest: either the default names a real-looking sha256 digest, or the
+    Dockerfile explains that none was looked up and how to pass one as a build argument."""
+    (preamble,) = _dockerfile_stages()[0]
+    reference = preamble[1].removeprefix("PYTHON_IMAGE=")
+    text = (DEPLOY / "Dockerfile").read_text("utf-8")
+    if "@" in reference:
+        assert re.fullmatch(r"[\w.:/-]+@sha256:[0-9a-f]{64}", reference)
+    else:
+        assert "--build-arg PYTHON_IMAGE=" + reference + "@sha256:<that digest>" in text
+        assert "could not be looked up" in text
+        assert "imagetools inspect " + reference in text
 
 
 # --- The gateway overlay: n-proxy as its own Deployment in front of a fleet (SPEC §10) ----------
