@@ -35,12 +35,14 @@ _SPARE_FDS = 256  # beyond client and upstream connections: admin, logs, DNS, he
 
 
 class Server:
-    def __init__(self, config: Config, *, reuse_port: bool = False) -> None:
+    def __init__(
+        self, config: Config, *, reuse_port: bool = False, notice: str | None = None
+    ) -> None:
         self.config = config
         self.reuse_port = reuse_port
         self.runtime = Runtime(config)
         self._proxy = web.AppRunner(
-            build_app(config, self.runtime),
+            build_app(config, self.runtime, notice=notice),
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=_CUT_GRACE,
