@@ -291,6 +291,16 @@ def test_each_worker_enforces_its_share_of_the_limits_and_the_shares_add_up(
         ) == with_upstream(config, **strip).model_copy(update={"max_connections": 1, "admin": None})
 
 
+def test_schema_says_the_divided_limits_are_the_proxys_totals() -> None:
+    from proxy.config import config_schema
+
+    schema = config_schema()
+    upstream = schema["$defs"]["Upstream"]["properties"]
+    for described in (upstream["max_concurrency"], upstream["max_queue"]):
+        assert "with --workers N each worker" in described["description"]
+    assert "with --workers N each worker" in schema["properties"]["max_connections"]["description"]
+
+
 def test_more_workers_than_a_limit_can_be_divided_among_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
