@@ -197,8 +197,8 @@ async def serve(config: Config, *, demo: bool = False) -> None:
         upstreams = ", ".join(f"{u.name}={'|'.join(u.urls)}" for u in config.upstreams)
         where = f"http://{config.listen.host}:{server.proxy_port}"
         admin = f", admin on port {server.admin_port}" if config.admin else ""
-        print(f"n-proxy: listening on {where} -> {upstreams}{admin}", flush=True)
-        await run(server)
+        banner = f"n-proxy: listening on {where} -> {upstreams}{admin}"
+        await run(server, ready=lambda: print(banner, flush=True))
     finally:
         if dev_runner is not None:
             await dev_runner.cleanup()

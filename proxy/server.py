@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import resource
 import signal
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -88,13 +89,21 @@ class Server:
 
 
 async def run(
-    server: Server, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+    server: Server,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+    ready: Callable[[], None] | None = None,
 ) -> None:
-    """Serve until one of ``signals``, then drain and stop."""
+    """Serve until one of ``signals``, then drain and stop.
+
+    ``ready`` runs once the signals are ours: a banner printed before that would let a SIGTERM
+    that follows it at once kill the process undrained (the default action).
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready()
     try:
         await stop.wait()
         await server.drain()

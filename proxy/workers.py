@@ -187,7 +187,7 @@ def _work(config: Config, index: int, count: int) -> None:
         server = Server(config, reuse_port=True)
         await server.start()
         where = f"http://{config.listen.host}:{server.proxy_port}"
-        print(f"n-proxy: worker {index} (pid {os.getpid()}) listening on {where}", flush=True)
-        await run(server, signals=(signal.SIGTERM,))
+        banner = f"n-proxy: worker {index} (pid {os.getpid()}) listening on {where}"
+        await run(server, signals=(signal.SIGTERM,), ready=lambda: print(banner, flush=True))
 
     asyncio.run(serve())
