@@ -99,10 +99,11 @@ def _ranged(lo: int, hi: int, description: str | None = None) -> Any:
 
 
 # --workers N divides these among the workers (proxy.workers.worker_config); said once, here.
-_DIVIDED = (
+_SHARED = (
     " The proxy's total: with --workers N each worker enforces its share (the shares add up to "
-    "this value, every worker gets at least 1), so N may not exceed it."
+    "this value)."
 )
+_DIVIDED = _SHARED + " Every worker needs at least 1, so N may not exceed it."
 
 
 Url = Annotated[str, BeforeValidator(_url), WithJsonSchema({"type": "string", "format": "uri"})]
@@ -192,9 +193,7 @@ class Upstream(_Section):
         _ranged(
             0,
             1_000_000,
-            "Children waiting for a slot; a request arriving past it gets 429. "
-            "The proxy's total: with --workers N each worker takes its share (the shares add up to "
-            "this value).",
+            "Children waiting for a slot; a request arriving past it gets 429." + _SHARED,
         ),
     ] = 4096
     placement: Literal["spread", "pack"] = "spread"
