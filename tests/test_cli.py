@@ -89,6 +89,38 @@ async def test_a_configured_upstream_answers_without_the_demo_notice(
         assert (await response.json())["model"] == "my-model"
 
 
+async def test_demo_notice_is_on_every_kind_of_answer(
+    make_backend: Any, http: aiohttp.ClientSession
+) -> None:
+    """Fan-out JSON and SSE (built by the proxy), pass-through (the backend's), and errors."""
+    from proxy.app import build_app
+    from proxy.cli import DEMO_MODEL, DEMO_NOTICE
+    from proxy.config import single_upstream_config
+
+    backend = await make_backend(model=DEMO_MODEL, model_override=True)
+    runner = web.AppRunner(build_app(single_upstream_config(backend.url), notice=DEMO_NOTICE))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+    chat = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    try:
+        for body, status in [
+            ({**chat, "n": 2}, 200),
+            ({**chat, "n": 2, "stream": True}, 200),
+            (chat, 200),
+            ({**chat, "n": 0}, 400),
+        ]:
+            async with http.post(url, json=body) as response:
+                assert response.status == status
+                assert response.headers.getall("X-N-Proxy-Demo") == [DEMO_NOTICE]
+                text = await response.text()
+            if status == 200:
+                assert f'"model":"{DEMO_MODEL}"' in text.replace(" ", "")
+                assert "gpt-4o" not in text
+    finally:
+        await runner.cleanup()
+
+
 def test_version_flag_prints_the_package_version() -> None:
     import proxy
 
