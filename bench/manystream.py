@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import re
@@ -62,7 +63,7 @@ class _StreamClient(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        transport.write(self.request)
+        self.transport.write(self.request)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.first.done():
@@ -131,9 +132,7 @@ async def _client(
             firsts.append(first)
             opening.append(
                 loop.create_connection(
-                    lambda f=first: _StreamClient(request, tally, f),
-                    "127.0.0.1",
-                    port,  # type: ignore[misc]
+                    functools.partial(_StreamClient, request, tally, first), "127.0.0.1", port
                 )
             )
         for transport, _ in await asyncio.gather(*opening):

@@ -29,12 +29,13 @@ from proxy.errors import (
     RequestTimeout,
     UnsupportedEncoding,
     error_body,
+    status_type,
 )
 from proxy.fanout import Fanout, respond_json, respond_stream
 from proxy.headers import request_headers, response_headers
 from proxy.log import log_request
 from proxy.memory import Trimmer
-from proxy.plan import parse_body, plan_request
+from proxy.plan import Endpoint, Plan, endpoint_of, parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.sink import client_sink
 from proxy.upstream import Resolver, Trace, UpstreamPool, UpstreamRequest
@@ -179,12 +180,51 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
     if request.version < aiohttp.HttpVersion10:
         # An HTTP/0.9-style request line ("GET /"): nothing of it goes upstream.
         return error_response(InvalidRequest("malformed request line: no HTTP version"), close=True)
+    body = await _read_body(request, runtime)
+    if isinstance(body, web.StreamResponse):
+        return body
+    outcome.body_bytes = len(body)
+    path = request.rel_url.path
+    endpoint = endpoint_of(path) if _fans_out(request, config) else None
+    if endpoint is not None:
+        outcome.route = path
+    try:
+        upstream, plan = _decide(request, config, endpoint, body)
+        outcome.upstream = upstream.name
+        if plan is None:
+            return await pass_through(request, upstream, body, outcome.trace)
+        outcome.n = plan.best_of or plan.n
+        outcome.children = len(plan.children)
+        runtime.metrics.n.observe(outcome.n)
+        headers = request_headers(request.headers, upstream.headers)
+        headers.popall("Content-Encoding", None)  # children carry plain JSON
+        fanout = outcome.fanout = Fanout(
+            pool=request.app[POOL],
+            runtime=runtime,
+            upstream=upstream,
+            plan=plan,
+            path_qs=request.rel_url.raw_path_qs,
+            headers=headers,
+            trace=outcome.trace,
+        )
+        outcome.streamed = plan.stream
+        if plan.stream:
+            return await respond_stream(fanout, request)
+        return await respond_json(fanout)
+    except ProxyError as exc:
+        return error_response(exc)
+    except ChildFailed as exc:
+        return child_failed_response(exc)
+
+
+async def _read_body(request: web.Request, runtime: Runtime) -> bytes | web.StreamResponse:
+    """The whole request body, or the answer that ends the request instead (413, 408)."""
+    config = runtime.config
     try:
         if request.content.is_eof():  # the whole body came with the head: nothing to wait for
-            body = await request.read()
-        else:
-            async with asyncio.timeout(config.client_timeouts.body):
-                body = await request.read()
+            return await request.read()
+        async with asyncio.timeout(config.client_timeouts.body):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         return error_response(
             BodyTooLarge(f"request body is larger than {config.max_body_bytes} bytes")
@@ -198,54 +238,40 @@ async def _dispatch(request: web.Request, outcome: _Outcome) -> web.StreamRespon
         # The rest of the body may still trickle in: close now rather than linger reading it.
         request.protocol.force_close()
         return response
-    outcome.body_bytes = len(body)
-    path = request.rel_url.path
-    fanout_path = request.method == "POST" and path in config.fanout_paths
-    if fanout_path:
-        outcome.route = path
-    try:
-        codings = content_codings(request.headers.get("Content-Encoding"))
-        if fanout_path:
-            plain = inflate(body, codings, config.max_body_bytes) if codings else body
-            parsed: dict[str, object] | None = parse_body(plain)
-        else:
-            parsed = _routing_json(request, body, codings, config)
-        model = parsed.get("model") if parsed is not None else None
-        upstream = config.choose_upstream(path, model if isinstance(model, str) else None)
-        outcome.upstream = upstream.name
-        if fanout_path and parsed is not None and not upstream.native_n:
-            plan = plan_request(
-                parsed,
-                functools.partial(_parent_id, request),
-                config.max_n,
-                completions=path.endswith("/completions")
-                and not path.endswith("/chat/completions"),
-                max_children=config.max_children,
-            )
-            if plan is not None:
-                outcome.n = plan.best_of or plan.n
-                outcome.children = len(plan.children)
-                runtime.metrics.n.observe(outcome.n)
-                headers = request_headers(request.headers, upstream.headers)
-                headers.popall("Content-Encoding", None)  # children carry plain JSON
-                fanout = outcome.fanout = Fanout(
-                    pool=request.app[POOL],
-                    runtime=runtime,
-                    upstream=upstream,
-                    plan=plan,
-                    path_qs=request.rel_url.raw_path_qs,
-                    headers=headers,
-                    trace=outcome.trace,
-                )
-                outcome.streamed = plan.stream
-                if plan.stream:
-                    return await respond_stream(fanout, request)
-                return await respond_json(fanout)
-        return await pass_through(request, upstream, body, outcome.trace)
-    except ProxyError as exc:
-        return error_response(exc)
-    except ChildFailed as exc:
-        return child_failed_response(exc)
+
+
+def _fans_out(request: web.Request, config: Config) -> bool:
+    return request.method == "POST" and request.rel_url.path in config.fanout_paths
+
+
+def _decide(
+    request: web.Request, config: Config, endpoint: Endpoint | None, body: bytes
+) -> tuple[Upstream, Plan | None]:
+    """Where the request goes, and its children when it fans out (``None``: pass it through).
+
+    Raises ``ProxyError`` for a body the proxy refuses (SPEC §2); reads nothing but the body and
+    headers it is given.
+    """
+    codings = content_codings(request.headers.get("Content-Encoding"))
+    if endpoint is not None:
+        plain = inflate(body, codings, config.max_body_bytes) if codings else body
+        parsed: dict[str, object] | None = parse_body(plain)
+    else:
+        parsed = _routing_json(request, body, codings, config)
+    model = parsed.get("model") if parsed is not None else None
+    upstream = config.choose_upstream(
+        request.rel_url.path, model if isinstance(model, str) else None
+    )
+    if endpoint is None or parsed is None or upstream.native_n:
+        return upstream, None
+    plan = plan_request(
+        parsed,
+        functools.partial(_parent_id, request),
+        config.max_n,
+        endpoint=endpoint,
+        max_children=config.max_children,
+    )
+    return upstream, plan
 
 
 def _routing_json(
@@ -334,8 +360,8 @@ def child_failed_response(exc: ChildFailed) -> web.Response:
             status=exc.status, body=exc.body, content_type=exc.content_type or "application/json"
         )
     message = f"upstream answered {exc.status} with an empty body"
-    type_ = "invalid_request_error" if exc.status < 500 else "server_error"
-    return web.json_response(error_body(message, type_, code=exc.status), status=exc.status)
+    body = error_body(message, status_type(exc.status), code=exc.status)
+    return web.json_response(body, status=exc.status)
 
 
 def error_response(exc: ProxyError, *, close: bool = False) -> web.Response:

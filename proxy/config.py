@@ -28,6 +28,8 @@ from pydantic import (
 )
 
 from proxy.configerrors import first_error, keyed
+from proxy.numbers import is_int
+from proxy.plan import endpoint_of
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
 DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -89,7 +91,7 @@ def _path(value: object) -> str:
 def _retry_condition(value: object) -> str | int:
     if value in ("connect", "reset"):
         return str(value)
-    if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+    if is_int(value) and 400 <= value <= 599:
         return value
     raise ValueError("must be connect, reset or an HTTP status from 400 to 599")
 
@@ -166,16 +168,81 @@ class Discovery(_Section):
     interval: Seconds = 10.0
 
 
-def _url_or_urls(schema: dict[str, Any]) -> None:
-    """The schema says what the loader takes: ``url: X`` or ``urls: [X, ...]``, exactly one."""
+class Backoff(_Section):
+    """The wait before retry ``r``: a random time between half and all of
+    ``min(cap, base * 2 ** (r - 1))`` seconds, or the retried answer's ``Retry-After`` when
+    longer; an answer asking for more than ``retry_after_cap`` is not retried."""
+
+    base: Seconds = 0.05
+    cap: Seconds = 2.0
+    retry_after_cap: Annotated[float, Field(strict=True, ge=0)] = 10.0
+
+    @model_validator(mode="after")
+    def _cap_not_below_base(self) -> Backoff:
+        if self.cap < self.base:
+            raise ValueError(f"cap ({self.cap}) must be at least base ({self.base})")
+        return self
+
+
+class RetryBudget(_Section):
+    """Retries (of tries a server saw: not ``connect``) allowed per ``window`` seconds: ``percent``
+    of the requests in it, and at least ``min_per_second`` a second (as Envoy's retry budget)."""
+
+    percent: Annotated[float, Field(strict=True, ge=0, le=1000)] = 20.0
+    min_per_second: Annotated[float, Field(strict=True, ge=0)] = 3.0
+    window: Seconds = 10.0
+
+
+def _pack(value: object) -> int | Literal["all"]:
+    if value == "all":
+        return "all"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError("must be an integer of at least 1, or all")
+
+
+class Placement(_Section):
+    """Where a request's children go: ``pack`` of them per replica (``all``: one replica per
+    request), each group to the next replica in turn (``round_robin``) or to the less busy of
+    two (``least_outstanding``). Or a preset's name: ``spread`` (round_robin, 1), ``pack``
+    (round_robin, all), ``least_outstanding`` (least_outstanding, 1)."""
+
+    choose: Literal["round_robin", "least_outstanding"] = "least_outstanding"
+    pack: Annotated[
+        int | Literal["all"],
+        PlainValidator(_pack),
+        WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1}, {"const": "all"}]}),
+    ] = 1
+
+
+_PLACEMENTS: dict[str, dict[str, Any]] = {
+    "spread": {"choose": "round_robin"},  # spread and pack keep the meaning they always had
+    "pack": {"choose": "round_robin", "pack": "all"},
+    "least_outstanding": {},
+}
+
+
+def _placement(value: object) -> object:
+    if isinstance(value, str):
+        if value not in _PLACEMENTS:
+            raise ValueError(f"must be one of {', '.join(_PLACEMENTS)}, or {{choose, pack}}")
+        return _PLACEMENTS[value]
+    return value
+
+
+def _upstream_schema(schema: dict[str, Any]) -> None:
+    """The schema says what the loader takes: ``url: X`` or ``urls: [X, ...]``, exactly one;
+    ``placement`` as a preset's name or a mapping."""
     properties = schema["properties"]
     properties["url"] = {"type": "string", "format": "uri", "title": "Url"}
     schema["required"] = [r for r in schema["required"] if r != "urls"]
     schema["oneOf"] = [{"required": ["url"]}, {"required": ["urls"]}]
+    mapping = {k: v for k, v in properties["placement"].items() if k != "default"}
+    properties["placement"] = {"anyOf": [{"enum": list(_PLACEMENTS)}, mapping], "default": "spread"}
 
 
 class Upstream(_Section):
-    model_config = ConfigDict(json_schema_extra=_url_or_urls)
+    model_config = ConfigDict(json_schema_extra=_upstream_schema)
 
     name: Annotated[str, Field(min_length=1)]
     urls: Annotated[tuple[Url, ...], Field(min_length=1)]
@@ -196,7 +263,7 @@ class Upstream(_Section):
             "Children waiting for a slot; a request arriving past it gets 429." + _SHARED,
         ),
     ] = 4096
-    placement: Literal["spread", "pack"] = "spread"
+    placement: Annotated[Placement, BeforeValidator(_placement)] = Placement(choose="round_robin")
     headers: dict[str, HeaderValue] = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
     health_path: UrlPath = "/health"
@@ -206,6 +273,10 @@ class Upstream(_Section):
     child_request_id: Literal["prefixed", "uuid", "omit"] = "prefixed"
     retries: Annotated[int, _ranged(0, 10)] = 2
     retry_on: tuple[RetryCondition, ...] = ("connect",)
+    backoff: Backoff = Backoff()
+    retry_budget: RetryBudget = RetryBudget()
+    # Another upstream's name: tried once every try here failed in a way retry_on lists.
+    fallback: str | None = None
     eject: Eject = Eject()
     discovery: Discovery = Discovery()
 
@@ -287,11 +358,32 @@ class Config(_Section):
         for i, name in enumerate(names):
             if name in names[:i]:
                 raise keyed(f"upstreams[{i}].name", f"duplicate name {name!r}")
+        for i, upstream in enumerate(self.upstreams):
+            fallback = upstream.fallback
+            if fallback is None:
+                continue
+            key = f"upstreams[{i}].fallback"
+            if fallback not in names:
+                raise keyed(key, f"no upstream named {fallback!r}")
+            if fallback == upstream.name:
+                raise keyed(key, "must name another upstream")
+            if self.upstream(fallback).fallback is not None:
+                # One hop: no chains, and no two upstreams each holding slots the other waits on.
+                raise keyed(key, f"{fallback!r} has a fallback of its own")
+            if upstream.native_n and not self.upstream(fallback).native_n:
+                raise keyed(key, f"{fallback!r} must be native_n too: n reaches it unsplit")
         for i, route in enumerate(self.routes):
             if route.upstream not in names:
                 raise keyed(f"routes[{i}].upstream", f"no upstream named {route.upstream!r}")
         if self.default_upstream not in names:
             raise keyed("default_upstream", f"no upstream named {self.default_upstream!r}")
+        for i, path in enumerate(self.fanout_paths):
+            if endpoint_of(path) is None:
+                raise keyed(
+                    f"fanout_paths[{i}]",
+                    f"{path!r} is neither a chat completions nor a completions path: n is fanned"
+                    " out only where the proxy knows how to stitch the answers",
+                )
         return self
 
     def upstream(self, name: str) -> Upstream:

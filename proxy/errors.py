@@ -24,6 +24,11 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def status_type(status: int) -> str:
+    """The OpenAI error type of an HTTP status the proxy has no more specific error for."""
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
 class ProxyError(Exception):
     status = 500
     type_ = "server_error"

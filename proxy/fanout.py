@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections import deque
 from collections.abc import Awaitable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -22,20 +21,19 @@ from multidict import CIMultiDict
 
 from proxy.config import Upstream
 from proxy.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
+from proxy.mailbox import PING, Mailbox, PingTimer
 from proxy.plan import Plan
 from proxy.runtime import Runtime
 from proxy.sink import Sink, client_sink
 from proxy.slots import Place
-from proxy.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
+from proxy.sse import MAX_EVENT_BYTES, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.upstream import Reply, Trace, UpstreamPool, UpstreamRequest, upstream_error
 
 T = TypeVar("T")
-# aiohttp stops reading a child's socket past twice this: with one read waiting in the mailbox,
-# a child behind a slow client holds about 64 KiB in the proxy.
+# The upstream client stops reading a child's socket past twice this: with one read waiting in
+# the mailbox, a child behind a slow client holds about 64 KiB in the proxy.
 CHILD_READ_BUFFER = 16 * 1024
-Item = list[RawEvent] | BaseException | None  # events, a failure, or None: the child ended cleanly
-KEEPALIVE = b": keep-alive\n\n"
 
 
 @dataclass
@@ -230,82 +228,6 @@ def _release(places: Sequence[Place]) -> None:
         place.release()
 
 
-class Mailbox:
-    """A bounded hand-off from the child tasks to the one writer.
-
-    Bounded so a slow client stalls the children's reads (backpressure reaches the upstream);
-    ``cut`` wakes the writer at once, for a drain that has run out of time.
-    """
-
-    def __init__(self, size: int) -> None:
-        self._items: deque[tuple[int, Item]] = deque()
-        self._size = size
-        self._getter: asyncio.Future[None] | None = None
-        self._putters: deque[asyncio.Future[None]] = deque()
-        self.cut_reason: str | None = None
-        self._pinged = False
-
-    async def put(self, item: tuple[int, Item]) -> None:
-        while len(self._items) >= self._size:
-            await self._taken()
-        self.put_nowait(item)
-
-    def full(self) -> bool:
-        """Over the bound: as ``put`` blocks, one item per child may wait without a pause."""
-        return len(self._items) > self._size
-
-    def put_nowait(self, item: tuple[int, Item]) -> None:
-        """Past the bound by at most one item per child: its reader pauses until ``room``,
-        so a child behind a slow client still holds about one read in the proxy."""
-        self._items.append(item)
-        _wake(self._getter)
-
-    async def room(self) -> None:
-        """Until the mailbox is back within its bound."""
-        while self.full():
-            await self._taken()
-
-    async def _taken(self) -> None:
-        """Until the writer next takes what is waiting."""
-        putter = asyncio.get_running_loop().create_future()
-        self._putters.append(putter)
-        try:
-            await putter
-        finally:
-            if putter in self._putters:
-                self._putters.remove(putter)
-
-    async def take(self) -> list[tuple[int, Item]] | None:
-        """Everything waiting (at least one item), [] once cut, None when woken by ``ping``."""
-        if not self._items and self.cut_reason is None and not self._pinged:
-            getter = self._getter = asyncio.get_running_loop().create_future()
-            await getter
-        if self.cut_reason is not None:
-            return []
-        self._pinged = False
-        if not self._items:
-            return None
-        items = list(self._items)
-        self._items.clear()
-        while self._putters:
-            _wake(self._putters.popleft())
-        return items
-
-    def ping(self) -> None:
-        """Wake the writer with nothing to take (its keep-alive is due)."""
-        self._pinged = True
-        _wake(self._getter)
-
-    def cut(self, reason: str) -> None:
-        self.cut_reason = reason
-        _wake(self._getter)
-
-
-def _wake(future: asyncio.Future[None] | None) -> None:
-    if future is not None and not future.done():
-        future.set_result(None)
-
-
 async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds: float) -> None:
     """Write chunks as they arrive, then the merged tail or one error event.
 
@@ -318,7 +240,7 @@ async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds
     plan = stitcher.plan
     running = len(plan.children)
     write, full, drain = sink
-    keepalive = KeepAlive(mailbox, seconds)
+    keepalive = PingTimer(mailbox, seconds)
 
     async def send(data: bytes) -> None:
         write(data)
@@ -332,7 +254,7 @@ async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds
             try:
                 items = await mailbox.take()
                 if items is None:
-                    await send(KEEPALIVE)
+                    await send(PING)
                     continue
                 if not items:
                     raise StreamError(None, mailbox.cut_reason or "cut")
@@ -358,38 +280,6 @@ async def _merge(stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds
         await send(stitcher.tail())
     finally:
         keepalive.close()
-
-
-class KeepAlive:
-    """Pings the mailbox after ``seconds`` with nothing written (0: never).
-
-    One timer per stream, moved on lazily when it fires: a write costs a clock read, not a
-    timer of its own.
-    """
-
-    def __init__(self, mailbox: Mailbox, seconds: float) -> None:
-        self._mailbox = mailbox
-        self._seconds = seconds
-        self._loop = asyncio.get_running_loop()
-        self._written_at = self._loop.time()
-        self._timer: asyncio.TimerHandle | None = None
-        if seconds:
-            self._timer = self._loop.call_at(self._written_at + seconds, self._check)
-
-    def wrote(self) -> None:
-        self._written_at = self._loop.time()
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        due = self._written_at + self._seconds
-        if now >= due:
-            self._mailbox.ping()
-            due = now + self._seconds
-        self._timer = self._loop.call_at(due, self._check)
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
 
 
 def _reason(exc: BaseException) -> str:

@@ -6,7 +6,7 @@ Hop-by-hop headers (``Proxy-*`` among them), and any named in ``Connection``, ne
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -56,11 +56,21 @@ def request_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDi
     return out
 
 
+def rebased_headers(
+    sent: Mapping[str, str] | CIMultiDict[str],
+    configured: Mapping[str, str],
+    other: Mapping[str, str],
+) -> CIMultiDict[str]:
+    """Headers sent to one upstream, made for another (a fallback): what the first one's
+    configuration set is removed, so its credentials never reach the other, and the other's
+    configured headers are set."""
+    out = CIMultiDict(sent)
+    for name in configured:
+        out.popall(name, None)
+    for name, value in other.items():
+        out[name] = value
+    return out
+
+
 def response_headers(incoming: Headers) -> CIMultiDict[str]:
     return _filtered(incoming, _RESPONSE_DROP)
-
-
-def with_request_id(headers: Iterable[tuple[str, str]], request_id: str) -> CIMultiDict[str]:
-    out = CIMultiDict(headers)
-    out["X-Request-Id"] = request_id
-    return out

@@ -123,6 +123,18 @@ class Metrics:
             ["upstream", "reason"],
             registry=r,
         )
+        self.retries_refused = Counter(
+            "n_proxy_retries_refused",
+            "Failed tries not tried again because the upstream's retry budget was used up.",
+            ["upstream", "reason"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "n_proxy_fallbacks",
+            "Upstream requests sent to the fallback upstream after every try failed.",
+            ["upstream", "fallback"],
+            registry=r,
+        )
         self.ejections = Counter(
             "n_proxy_ejections",
             "Times a replica was taken out after consecutive failures.",

@@ -10,15 +10,28 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, Literal
 
 import orjson
 
 from proxy.errors import InvalidRequest
+from proxy.numbers import is_int
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 RANDOM_SEED = -1  # llama.cpp's and vLLM's "random" sentinel: sent unchanged to every child
+
+Endpoint = Literal["chat", "completions"]
+
+
+def endpoint_of(path: str) -> Endpoint | None:
+    """The kind of a fan-out path, decided once from its last segments (SPEC §1): a prefix such
+    as ``/openai/v1`` may stand in front; any other path has no kind the proxy can stitch."""
+    if path.endswith("/chat/completions"):
+        return "chat"
+    if path.endswith("/completions"):
+        return "completions"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +45,7 @@ class Child:
 @dataclass(frozen=True, slots=True)
 class Plan:
     parent_id: str
+    endpoint: Endpoint
     n: int  # choices per prompt the client sees
     stream: bool
     include_usage: bool
@@ -75,9 +89,10 @@ def plan_request(
     parent_id: str | Callable[[], str],
     max_n: int,
     *,
-    completions: bool,
+    endpoint: Endpoint,
     max_children: int = 2048,
 ) -> Plan | None:
+    completions = endpoint == "completions"
     n = _requested_n(body, max_n)
     best_of = _requested_best_of(body, n, max_n) if completions else None
     stream = body.get("stream") is True
@@ -91,7 +106,7 @@ def plan_request(
     seed = body.get("seed")
     # orjson reads integer literals beyond 64 bits as floats: those are out of range too.
     out_of_range = isinstance(seed, float) and abs(seed) >= 2**63
-    if out_of_range or (_is_int(seed) and not INT64_MIN <= seed <= INT64_MAX - (per_prompt - 1)):
+    if out_of_range or (is_int(seed) and not INT64_MIN <= seed <= INT64_MAX - (per_prompt - 1)):
         raise InvalidRequest(
             f"seed must satisfy {INT64_MIN} <= seed and seed + {per_prompt - 1} <= {INT64_MAX}",
             param="seed",
@@ -118,6 +133,7 @@ def plan_request(
     client_logprobs = body.get("logprobs")
     return Plan(
         parent_id=parent_id,
+        endpoint=endpoint,
         n=n,
         stream=stream,
         include_usage=stream and options.get("include_usage") is True,
@@ -132,7 +148,7 @@ def _requested_n(body: dict[str, Any], max_n: int) -> int:
     n = body.get("n")
     if n is None:
         return 1
-    if not _is_int(n):
+    if not is_int(n):
         raise InvalidRequest("n must be an integer", param="n")
     if not 1 <= n <= max_n:
         raise InvalidRequest(f"n must be between 1 and {max_n}, got {n}", param="n")
@@ -144,7 +160,7 @@ def _requested_best_of(body: dict[str, Any], n: int, max_n: int) -> int | None:
     best_of = body.get("best_of")
     if best_of is None:
         return None
-    if not _is_int(best_of):
+    if not is_int(best_of):
         raise InvalidRequest("best_of must be an integer", param="best_of")
     if best_of < n:
         raise InvalidRequest(f"best_of must be >= n ({n}), got {best_of}", param="best_of")
@@ -177,7 +193,7 @@ def _child(shape: _Shape, p: int, i: int, prompt: object) -> Child:
     child.pop("n", None)
     suffix = f"-{p}" if shape.batched else ""
     seed = child.get("seed")
-    if _is_int(seed) and seed != RANDOM_SEED:
+    if is_int(seed) and seed != RANDOM_SEED:
         child["seed"] = seed + i
     if shape.batched:
         child["prompt"] = prompt
@@ -192,7 +208,7 @@ def _child(shape: _Shape, p: int, i: int, prompt: object) -> Child:
         child.pop("best_of", None)
     if shape.ranking:
         logprobs = child.get("logprobs")
-        child["logprobs"] = max(logprobs, 1) if _is_int(logprobs) else 1
+        child["logprobs"] = max(logprobs, 1) if is_int(logprobs) else 1
     return Child(
         index=p * shape.per_prompt + i,
         prompt=p,
@@ -210,7 +226,3 @@ def _dumps(body: dict[str, Any]) -> bytes:
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     except (ValueError, RecursionError):
         raise InvalidRequest("request body is nested too deeply") from None
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)

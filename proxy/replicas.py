@@ -3,6 +3,7 @@ each child and each retry goes (SPEC §10). Pure: the caller passes the time in;
 
 A replica is usable when its last health check passed and it is not ejected. Placement and
 retries use usable replicas only; when none is usable, every replica is tried (fail open).
+Load is the proxy's own count of requests in flight on each replica (``outstanding``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import math
+import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 
@@ -34,6 +37,7 @@ class Replica:
     healthy: bool = True  # optimistic until the first check: a fresh proxy serves at once
     failures: int = 0  # consecutive, since the last success
     ejected_until: float = -math.inf
+    outstanding: int = 0  # upstream requests in flight there, from this proxy
 
     def usable(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until
@@ -43,6 +47,19 @@ class Replica:
 class Ejection:
     failures: int = 3  # consecutive failures that eject a replica; 0 never ejects
     seconds: float = 10.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's children go: in groups of ``pack`` (None: all of them in one), each
+    group to the next replica in turn (``round_robin``), or to the less busy of that one and
+    one other drawn at random (``least_outstanding``: the power of two choices).
+
+    At equal load, ``least_outstanding`` places exactly as ``round_robin`` does.
+    """
+
+    choose: Literal["round_robin", "least_outstanding"] = "round_robin"
+    pack: int | None = 1
 
 
 @dataclass(frozen=True)
@@ -59,7 +76,8 @@ class ReplicaSet:
 
     sources: Sequence[str]  # the configured URLs, each standing for one or more replicas
     ejection: Ejection = Ejection()
-    pack: bool = False  # one replica per request instead of children round-robin
+    placement: Placement = Placement()
+    rng: random.Random = field(default_factory=random.Random)  # the second choice's draw
     _by_source: dict[str, tuple[Address, ...]] = field(init=False)
     _replicas: dict[str, Replica] = field(init=False)
     _turn: itertools.count[int] = field(init=False, default_factory=itertools.count)
@@ -84,32 +102,53 @@ class ReplicaSet:
         return [r for r in replicas if r.usable(now)] or replicas
 
     def place(self, count: int, now: float) -> list[str]:
-        """Replica URLs for ``count`` children: round-robin (spread) or all on one (pack).
+        """Replica URLs for ``count`` children, over the usable replicas (see ``Placement``).
 
-        Requests rotate over the usable replicas either way.
+        Requests take turns: each starts its groups one replica further on. A group placed by
+        this call counts as load for the next group's choice.
         """
         usable = self.usable(now)
-        start = next(self._turn)
-        if self.pack:
-            return [usable[start % len(usable)].url] * count
-        return [usable[(start + j) % len(usable)].url for j in range(count)]
+        turn = next(self._turn)
+        size = self.placement.pack or max(count, 1)
+        if size == 1 and self.placement.choose == "round_robin":  # the default, kept lean
+            return [usable[(turn + j) % len(usable)].url for j in range(count)]
+        added = [0] * len(usable)
+        out: list[str] = []
+        for group, first in enumerate(range(0, count, size)):
+            pos = self._choose(usable, turn + group, added)
+            taken = min(size, count - first)
+            added[pos] += taken
+            out += [usable[pos].url] * taken
+        return out
+
+    def _choose(self, replicas: Sequence[Replica], turn: int, added: Sequence[int]) -> int:
+        """The position of the replica whose turn it is, or of a random other one less busy."""
+        mine = turn % len(replicas)
+        if self.placement.choose == "round_robin" or len(replicas) == 1:
+            return mine
+        other = self.rng.randrange(len(replicas) - 1)
+        other += other >= mine  # any position but mine
+        if replicas[other].outstanding + added[other] < replicas[mine].outstanding + added[mine]:
+            return other
+        return mine
 
     def retry_to(self, tried: Sequence[str], now: float) -> str:
         """Where a retry goes: a usable replica not tried yet, else any usable one, else one not
         tried yet, else the last one tried that is still in the set (the only one there is).
+        Within the first of these that has any, ``placement.choose`` picks.
 
         Always a replica of the set as it is now: discovery may have dropped those tried.
         """
         replicas = list(self._replicas.values())
         usable = [r for r in replicas if r.usable(now)]
-        start = next(self._turn)
+        turn = next(self._turn)
         for group in (
             [r for r in usable if r.url not in tried],
             usable,
             [r for r in replicas if r.url not in tried],
         ):
             if group:
-                return group[start % len(group)].url
+                return group[self._choose(group, turn, [0] * len(group))].url
         return next(url for url in reversed(tried) if url in self._replicas)
 
     def succeeded(self, url: str) -> None:

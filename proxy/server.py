@@ -4,7 +4,7 @@ Drain: readiness fails at once; new connections are still served for ``drain_gra
 (load balancers take a moment to notice); in-flight requests then get up to ``drain_seconds`` in
 all, after which fan-out streams are cut cleanly (one error event and ``[DONE]``).
 
-Each client connection is a ``Connection``: aiohttp's own handler plus a cap on open
+Each client connection is a ``ClientConnection``: aiohttp's own handler plus a cap on open
 connections (``max_connections``), a deadline for request headers (``client_timeouts.headers``)
 and OpenAI error bodies on the error pages aiohttp writes itself.
 """
@@ -26,7 +26,7 @@ from aiohttp.web_protocol import RequestHandler
 from proxy.admin import build_admin_app
 from proxy.app import SERVER, build_app
 from proxy.config import Config
-from proxy.errors import RequestTimeout, error_body
+from proxy.errors import RequestTimeout, error_body, status_type
 from proxy.log import log_event
 from proxy.metrics import Metrics
 from proxy.runtime import Runtime
@@ -159,7 +159,7 @@ def _timeout_page() -> bytes:
 _TIMEOUT_PAGE = _timeout_page()
 
 
-class Connection(RequestHandler):
+class ClientConnection(RequestHandler):
     """One client connection: aiohttp's handler, refused past the cap, cut if headers trickle.
 
     The header clock runs from the connection's first byte, and again from the first byte of
@@ -208,11 +208,10 @@ class Connection(RequestHandler):
     ) -> web.StreamResponse:
         """aiohttp's own error pages (a malformed request line, bad headers) as OpenAI errors."""
         super().handle_error(request, status, exc, message)  # logs it; raises if too late
-        type_ = "invalid_request_error" if status < 500 else "server_error"
         text = message if status < 500 and message else HTTPStatus(status).phrase
         response = web.Response(
             status=status,
-            body=orjson.dumps(error_body(text, type_)),
+            body=orjson.dumps(error_body(text, status_type(status))),
             content_type="application/json",
             headers={"Server": SERVER},
         )
@@ -238,7 +237,7 @@ class Connection(RequestHandler):
 
 
 class _Site(web.BaseSite):
-    """A TCP listener whose connections are ``Connection``s sharing one ``Gate``."""
+    """A TCP listener whose connections are ``ClientConnection``s sharing one ``Gate``."""
 
     __slots__ = ("_gate", "_host", "_port", "_reuse_port")
 
@@ -264,7 +263,7 @@ class _Site(web.BaseSite):
         options = {"loop": loop, **server._kwargs}
         gate = self._gate
         self._server = await loop.create_server(
-            lambda: Connection(gate, server, **options),
+            lambda: ClientConnection(gate, server, **options),
             self._host,
             self._port,
             backlog=self._backlog,

@@ -107,12 +107,6 @@ class Slots:
                 places.append(place)
         return places
 
-    async def acquire(self) -> Place:
-        """One held place (pass-through): join, then wait for the grant."""
-        (place,) = self.join(1)
-        await place.wait()
-        return place
-
     def _release(self, place: Place) -> None:
         if place.state == "held":
             place.state = "gone"

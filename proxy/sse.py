@@ -77,7 +77,8 @@ def _split_cr(lf_lines: list[bytes], rest: bytes) -> tuple[list[bytes], bytes]:
 
 
 class _LineSplitter:
-    """Cuts a byte stream into lines ended by CRLF, LF or CR, wherever the chunks are split.
+    """Cuts a byte stream into lines ended by CRLF, LF or CR, wherever the chunks are split;
+    a line longer than ``limit`` (its end not counted) is an `SSEError`, however it is split.
 
     Lines stay bytes: UTF-8 is decoded later, on whole values, so a character split across
     chunks is never seen half-way.
@@ -124,6 +125,10 @@ class _LineSplitter:
             # that may open the next chunk, so a split CRLF never counts as two line ends.
             self._cr_pending = chunk.endswith(b"\r")
         if len(rest) > self._limit:
+            raise _too_big(self._limit)
+        if len(chunk) > self._limit and any(len(line) > self._limit for line in lines):
+            # Whole lines are held to the cap on the unended one: however the reads fall, a
+            # line past it fails the stream (a read that ends the line used to let it pass).
             raise _too_big(self._limit)
         self._tail[:] = rest
         return lines
@@ -246,8 +251,6 @@ class SSEDecoder:
                 continue
             if line.startswith(b":"):
                 continue  # comment, e.g. a `: ping` keep-alive
-            if len(line) > limit:
-                raise _too_big(limit)
             name, _, value = line.partition(b":")
             if value.startswith(b" "):
                 value = value[1:]

@@ -25,9 +25,11 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from proxy.client import BodyTooLong, ClientPool, Response, read_capped
 from proxy.config import Config, Timeouts, Upstream
 from proxy.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
+from proxy.headers import rebased_headers
 from proxy.log import log_event, logger
 from proxy.metrics import Metrics
-from proxy.replicas import Ejection, Replica, ReplicaSet, resolved_addresses
+from proxy.replicas import Ejection, Placement, Replica, ReplicaSet, resolved_addresses
+from proxy.retry import Backoff, Reason, RetryBudget, RetryPolicy, Verdict, parse_retry_after
 from proxy.slots import Place, Slots
 
 # (host, port) -> every address it resolves to now; tests inject their own.
@@ -51,6 +53,15 @@ class UpstreamRequest(NamedTuple):
     read_bufsize: int | None = None  # bytes read ahead of the consumer
 
 
+class Answered(NamedTuple):
+    """An answer to relay, the replica it came from (its ``outstanding`` counts it until the
+    exchange ends), and the fallback upstream's place in line when the fallback sent it."""
+
+    response: Answer
+    replica: Replica
+    place: Place | None = None
+
+
 @dataclass
 class Trace:
     """When a request first went upstream, when its last upstream body ended (``perf_counter``
@@ -66,12 +77,21 @@ class _UpstreamState:
         self.upstream = upstream
         self.slots = Slots(upstream.max_concurrency, upstream.max_queue)
         self.metrics = metrics
+        placement = upstream.placement
         self.replicas = ReplicaSet(
             upstream.urls,
             Ejection(upstream.eject.failures, upstream.eject.seconds),
-            pack=upstream.placement == "pack",
+            Placement(placement.choose, None if placement.pack == "all" else placement.pack),
         )
         self.retry_on = frozenset(upstream.retry_on)
+        backoff, budget = upstream.backoff, upstream.retry_budget
+        self.retry = RetryPolicy(
+            upstream.retries,
+            self.retry_on,
+            Backoff(backoff.base, backoff.cap),
+            backoff.retry_after_cap,
+            RetryBudget(budget.percent, budget.min_per_second, budget.window),
+        )
         # Labelled children looked up once, not on every request.
         name = upstream.name
         self.in_flight = metrics.children_in_flight.labels(name)
@@ -129,6 +149,7 @@ class UpstreamPool:
         self._watchdog: asyncio.Task[None] | None = None
         self.lean = lean  # the seam: False sends every request through the ClientSession
         self.client = ClientPool()
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # between tries
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
@@ -158,8 +179,8 @@ class UpstreamPool:
         return self._states[upstream.name]
 
     def place(self, upstream: Upstream, count: int) -> list[str]:
-        """Replica URLs for ``count`` children: round-robin (spread) or one replica (pack), over
-        the healthy replicas that are not ejected (SPEC §10)."""
+        """Replica URLs for ``count`` children by the upstream's ``placement``, over the healthy
+        replicas that are not ejected (SPEC §10)."""
         return self.state(upstream).replicas.place(count, time.monotonic())
 
     def join(self, upstream: Upstream, count: int) -> list[Place]:
@@ -203,42 +224,140 @@ class UpstreamPool:
         return Exchange(self, upstream, url, request, trace)
 
     async def _answer(
-        self, state: _UpstreamState, url: str, request: UpstreamRequest, trace: Trace | None
-    ) -> Answer:
+        self,
+        state: _UpstreamState,
+        url: str,
+        request: UpstreamRequest,
+        trace: Trace | None,
+        fallback: bool = True,
+    ) -> Answered:
         """The response to relay: up to ``retries`` further tries, each on another replica when
-        there is one, with the same body and headers (so the same seed and request id)."""
+        there is one, with the same body and headers (so the same seed and request id), spaced
+        by the backoff and within the retry budget (``proxy.retry``). When every try failed in
+        a way ``retry_on`` lists, the fallback upstream is tried (not its own fallback).
+
+        Each wait is a cancellation point that holds nothing: the failed try's connection and
+        its replica's ``outstanding`` count are let go before it."""
         upstream = state.upstream
         replicas = state.replicas
         tried: list[str] = []
         replica = replicas.get(url)
+        state.retry.budget.requested(time.monotonic())
         while True:
             if replica is None:  # discovery dropped it since placement: a current one instead
                 replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
                 assert replica is not None
             tried.append(replica.url)
-            reason: str | None
+            replica.outstanding += 1
+            reason: Reason | None
             try:
                 response = await self._open(replica, request, state.timeout, upstream.timeouts)
             except (TimeoutError, aiohttp.ClientError) as exc:
+                replica.outstanding -= 1
                 reason = failure_kind(exc)
                 if reason is not None:
                     state.failed(replica.url)
-                if reason not in state.retry_on or len(tried) > upstream.retries:
-                    raise upstream_error(exc, upstream) from None
+                verdict = self._judge(state, replica, len(tried), reason, None, trace)
+                if verdict.outcome != "retry":
+                    place = self._fallback_place(state, verdict) if fallback else None
+                    if place is None:
+                        raise upstream_error(exc, upstream) from None
+                    return await self._fall_back(state, place, request, trace, None)
+            except BaseException:
+                replica.outstanding -= 1
+                raise
             else:
                 status = response.status
                 if status >= 500:
                     state.failed(replica.url)
                 else:
                     replicas.succeeded(replica.url)
-                if status not in state.retry_on or len(tried) > upstream.retries:
-                    return response
-                reason = str(status)
+                if status not in state.retry_on:
+                    return Answered(response, replica)
+                reason = status
+                header = response.headers.get("Retry-After")
+                wait = None if header is None else parse_retry_after(header, time.time())
+                verdict = self._judge(state, replica, len(tried), status, wait, trace)
+                if verdict.outcome != "retry":
+                    place = self._fallback_place(state, verdict) if fallback else None
+                    if place is None:
+                        return Answered(response, replica)
+                    replica.outstanding -= 1
+                    return await self._fall_back(state, place, request, trace, response)
+                replica.outstanding -= 1
                 await self._discard(response, upstream.timeouts.idle)
-            self.metrics.retries.labels(upstream.name, reason).inc()
+            await self.sleep(verdict.delay)
+            replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
+
+    def _judge(
+        self,
+        state: _UpstreamState,
+        replica: Replica,
+        tries: int,
+        reason: Reason | None,
+        retry_after: float | None,
+        trace: Trace | None,
+    ) -> Verdict:
+        """The retry policy's verdict on a failed try, counted and logged."""
+        verdict = state.retry.decide(tries, reason, retry_after, time.monotonic())
+        name = state.upstream.name
+        if verdict.outcome == "retry":
+            self.metrics.retries.labels(name, str(reason)).inc()
             if trace is not None:
                 trace.retries += 1
-            replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
+            log_event(
+                "upstream retry", upstream=name, replica=replica.url, reason=str(reason),
+                retry=tries, delay_ms=round(verdict.delay * 1000, 1),
+            )  # fmt: skip
+        elif verdict.outcome == "budget":
+            self.metrics.retries_refused.labels(name, str(reason)).inc()
+            log_event(
+                "retry budget exhausted", upstream=name, replica=replica.url, reason=str(reason)
+            )
+        return verdict
+
+    def _fallback_place(self, state: _UpstreamState, verdict: Verdict) -> Place | None:
+        """A place in the fallback upstream's line, when it has one and is to be tried."""
+        name = state.upstream.fallback
+        if name is None or not verdict.falls_back:
+            return None
+        try:
+            (place,) = self._states[name].slots.join(1)
+        except Overloaded:
+            self.metrics.rejected.labels(name).inc()
+            return None  # its line is full: the failure here stands
+        return place
+
+    async def _fall_back(
+        self,
+        state: _UpstreamState,
+        place: Place,
+        request: UpstreamRequest,
+        trace: Trace | None,
+        failed: Answer | None,
+    ) -> Answered:
+        """The request through the fallback upstream, within its ``max_concurrency`` and with
+        its configured headers instead of this one's; ``failed``, a retried status answer, is
+        let go first."""
+        assert state.upstream.fallback is not None  # _fallback_place gave a place
+        other = self._states[state.upstream.fallback]
+        try:
+            if failed is not None:
+                await self._discard(failed, state.upstream.timeouts.idle)
+            await place.wait()
+            self.metrics.fallbacks.labels(state.upstream.name, other.upstream.name).inc()
+            log_event("upstream fallback", upstream=state.upstream.name, to=other.upstream.name)
+            (url,) = other.replicas.place(1, time.monotonic())
+            headers = rebased_headers(
+                request.headers, state.upstream.headers, other.upstream.headers
+            )
+            answered = await self._answer(
+                other, url, request._replace(headers=headers), trace, fallback=False
+            )
+        except BaseException:
+            place.release()
+            raise
+        return answered._replace(place=place)
 
     async def _open(
         self,
@@ -402,7 +521,7 @@ class Exchange:
     behind two awaits per request costs more than these few lines.
     """
 
-    __slots__ = ("_answer", "_guard", "_pool", "_request", "_started", "_state", "_trace",
+    __slots__ = ("_answered", "_guard", "_pool", "_request", "_started", "_state", "_trace",
                  "_upstream", "_url")  # fmt: skip
 
     def __init__(
@@ -420,7 +539,7 @@ class Exchange:
         self._request = request
         self._trace = trace
         self._started = 0.0
-        self._answer: Answer | None = None
+        self._answered: Answered | None = None
         self._guard: IdleGuard | None = None
 
     async def __aenter__(self) -> Reply:
@@ -432,12 +551,12 @@ class Exchange:
             trace.sent_at = started
         state.in_flight.inc()
         try:
-            response = await pool._answer(state, self._url, self._request, trace)
+            answered = self._answered = await pool._answer(state, self._url, self._request, trace)
         except BaseException:
             self._ended(time.perf_counter())
             raise
         state.ttfb.observe(time.perf_counter() - started)
-        self._answer = response
+        response = answered.response
         max_bytes = pool.config.max_response_bytes
         if isinstance(response, Response):
             return Reply(response, response, upstream, max_bytes, response)
@@ -449,13 +568,17 @@ class Exchange:
         try:
             if self._guard is not None:
                 self._guard.close()
-            if self._answer is not None:
-                self._pool._let_go(self._answer)
+            if self._answered is not None:
+                self._pool._let_go(self._answered.response)
         finally:
             self._ended(time.perf_counter())
 
     def _ended(self, ended: float) -> None:
-        state, trace = self._state, self._trace
+        state, trace, answered = self._state, self._trace, self._answered
+        if answered is not None:
+            answered.replica.outstanding -= 1
+            if answered.place is not None:
+                answered.place.release()
         state.in_flight.dec()
         state.duration.observe(ended - self._started)
         if trace is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from proxy.numbers import is_int, is_number
+
 
 def merge_usage(
     usages: Sequence[Mapping[str, Any] | None], prompt_heads: Sequence[int]
@@ -39,17 +41,13 @@ def _sum_details(details: Sequence[object]) -> dict[str, Any]:
         if not isinstance(detail, Mapping):
             continue
         for key, value in detail.items():
-            if _is_number(value):
+            if is_number(value):
                 previous = total.get(key)
-                total[key] = (previous if _is_number(previous) else 0) + value
+                total[key] = (previous if is_number(previous) else 0) + value
             else:
                 total.setdefault(key, value)
     return total
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _int(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return value if is_int(value) else 0

@@ -8,9 +8,12 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.config import (
+    Backoff,
     Config,
     ConfigError,
     Listen,
+    Placement,
+    RetryBudget,
     Route,
     Timeouts,
     Upstream,
@@ -65,7 +68,7 @@ def test_full_config_with_every_key_parses() -> None:
                 native_n=True,
                 max_concurrency=8,
                 max_queue=0,
-                placement="pack",
+                placement=Placement(choose="round_robin", pack="all"),
                 headers={"Authorization": "Bearer s3cret", "X-Tenant": "7"},
                 timeouts=Timeouts(connect=1.5, first_byte=30.0, idle=10.0),
             ),
@@ -107,7 +110,7 @@ def test_minimal_config_takes_the_defaults() -> None:
 def test_config_is_frozen() -> None:
     config = parse_config(MINIMAL, {})
     with pytest.raises(ValidationError):
-        config.max_n = 20  # type: ignore[misc]
+        config.max_n = 20
 
 
 @pytest.mark.parametrize("max_n", [1, 10, 128])
@@ -249,6 +252,12 @@ def test_max_n_within_1_to_128_is_accepted(max_n: int) -> None:
             "fanout_paths[0]",
             "/",
             id="fanout-path-without-slash",
+        ),
+        pytest.param(
+            f"fanout_paths: [/v1/chat/completions, /v1/responses]\n{MINIMAL}",
+            "fanout_paths[1]",
+            "neither a chat completions nor a completions path",
+            id="fanout-path-of-unknown-kind",
         ),
         pytest.param(
             f"max_body_bytes: 0\n{MINIMAL}", "max_body_bytes", "", id="max-body-bytes-zero"
@@ -464,6 +473,20 @@ def test_failover_defaults() -> None:
         pytest.param("discovery: {srv: true}", "discovery.srv", id="discovery-unknown-key"),
         pytest.param("health_interval: 0", "health_interval", id="health-interval-zero"),
         pytest.param("health_interval: fast", "health_interval", id="health-interval-word"),
+        pytest.param("backoff: {base: 0}", "backoff.base", id="backoff-base-zero"),
+        pytest.param("backoff: {base: 2, cap: 1}", "backoff", id="backoff-cap-below-base"),
+        pytest.param("backoff: {retry_after_cap: -1}", "backoff.retry_after_cap", id="ra-cap"),
+        pytest.param("backoff: {jitter: 0.5}", "backoff.jitter", id="backoff-unknown-key"),
+        pytest.param("retry_budget: {percent: -5}", "retry_budget.percent", id="budget-percent"),
+        pytest.param("retry_budget: {window: 0}", "retry_budget.window", id="budget-window"),
+        pytest.param("retry_budget: 20", "retry_budget", id="budget-not-a-mapping"),
+        pytest.param("placement: random", "placement", id="placement-unknown-preset"),
+        pytest.param("placement: {pack: 0}", "placement.pack", id="pack-zero"),
+        pytest.param("placement: {pack: true}", "placement.pack", id="pack-boolean"),
+        pytest.param("placement: {pack: some}", "placement.pack", id="pack-word"),
+        pytest.param("placement: {choose: random}", "placement.choose", id="choose-unknown"),
+        pytest.param("fallback: a", "fallback", id="fallback-itself"),
+        pytest.param("fallback: nowhere", "fallback", id="fallback-unknown"),
     ],
 )
 def test_bad_failover_value_error_names_the_key(fields: str, key: str) -> None:
@@ -471,3 +494,64 @@ def test_bad_failover_value_error_names_the_key(fields: str, key: str) -> None:
         parse_config(FAILOVER.format(fields), {})
     message = str(info.value)
     assert message.startswith(f"upstreams[0].{key}: "), message
+
+
+def test_retry_timing_keys_parse_and_default() -> None:
+    text = FAILOVER.format(
+        "backoff: {base: 0.1, cap: 5, retry_after_cap: 30}, "
+        "retry_budget: {percent: 50, min_per_second: 1, window: 5}"
+    )
+    (upstream,) = parse_config(text, {}).upstreams
+    assert upstream.backoff == Backoff(base=0.1, cap=5.0, retry_after_cap=30.0)
+    assert upstream.retry_budget == RetryBudget(percent=50.0, min_per_second=1.0, window=5.0)
+    (default,) = parse_config(MINIMAL, {}).upstreams
+    assert default.backoff == Backoff(base=0.05, cap=2.0, retry_after_cap=10.0)
+    assert default.retry_budget == RetryBudget(percent=20.0, min_per_second=3.0, window=10.0)
+    assert default.fallback is None
+
+
+@pytest.mark.parametrize(
+    ("written", "placement"),
+    [
+        ("", Placement(choose="round_robin", pack=1)),  # as before: spread
+        ("placement: spread", Placement(choose="round_robin", pack=1)),
+        ("placement: pack", Placement(choose="round_robin", pack="all")),
+        ("placement: least_outstanding", Placement(choose="least_outstanding", pack=1)),
+        ("placement: {pack: 4}", Placement(choose="least_outstanding", pack=4)),
+        ("placement: {pack: all}", Placement(choose="least_outstanding", pack="all")),
+        ("placement: {choose: round_robin, pack: 2}", Placement(choose="round_robin", pack=2)),
+    ],
+)
+def test_placement_is_a_preset_or_a_mapping_and_old_configs_keep_their_meaning(
+    written: str, placement: Placement
+) -> None:
+    text = f"upstreams: [{{name: a, url: http://x:1{', ' if written else ''}{written}}}]"
+    (upstream,) = parse_config(text, {}).upstreams
+    assert upstream.placement == placement
+
+
+def test_a_fallback_names_another_upstream() -> None:
+    text = "upstreams: [{name: a, url: http://x:1, fallback: b}, {name: b, url: http://y:1}]"
+    assert parse_config(text, {}).upstreams[0].fallback == "b"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (
+            "upstreams: [{name: a, url: http://x:1, fallback: b},"
+            " {name: b, url: http://y:1, fallback: a}]",
+            "upstreams[0].fallback: 'b' has a fallback of its own",
+        ),
+        (
+            "upstreams: [{name: a, url: http://x:1, native_n: true, fallback: b},"
+            " {name: b, url: http://y:1}]",
+            "'b' must be native_n too",
+        ),
+    ],
+)
+def test_a_fallback_is_one_hop_and_serves_n_as_the_upstream_does(text: str, says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, {})
+    assert str(info.value).startswith("upstreams[")
+    assert says in str(info.value)

@@ -802,7 +802,7 @@ def test_gateway_pod_is_the_base_proxy_alone_sized_for_a_gateway() -> None:
 
 
 def test_gateway_config_discovers_every_ready_pod_of_the_headless_service(tmp_path: Path) -> None:
-    from proxy.config import load_config
+    from proxy.config import Placement, load_config
     from tests.test_config_schema import _validator
 
     path = tmp_path / "config.yaml"
@@ -811,7 +811,7 @@ def test_gateway_config_discovers_every_ready_pod_of_the_headless_service(tmp_pa
     config = load_config(path)
     (upstream,) = config.upstreams
     assert upstream.discovery.dns
-    assert upstream.placement == "spread"
+    assert upstream.placement == Placement(choose="round_robin", pack=1)  # spread
     assert "connect" in upstream.retry_on
     service = _named("Service", "inference")
     assert service["spec"]["clusterIP"] == "None"  # headless: DNS answers with each pod's IP

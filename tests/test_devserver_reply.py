@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from proxy.devserver.config import DevConfig
 from proxy.devserver.model import Generation, Token
-from proxy.devserver.reply import Reply
+from proxy.devserver.reply import Answer
 from proxy.devserver.request import parse_job
 
 GEN = Generation((Token(" a", -0.5), Token(" b", -1.0)), "length", key=1)
@@ -12,7 +12,7 @@ GEN = Generation((Token(" a", -0.5), Token(" b", -1.0)), "length", key=1)
 
 def test_completion_body_and_usage() -> None:
     job = parse_job({"prompt": "x y", "model": "m"}, False, "r1", DevConfig())
-    body = Reply(job, created=5).body([GEN])
+    body = Answer(job, created=5).body([GEN])
     assert body == {
         "id": "cmpl-r1",
         "object": "text_completion",
@@ -42,7 +42,7 @@ def test_chat_stream_chunks_open_with_the_role_and_end_with_finish_and_usage() -
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    reply = Reply(parse_job(body, True, "r", DevConfig()), created=0)
+    reply = Answer(parse_job(body, True, "r", DevConfig()), created=0)
     chunks = [
         *reply.opening_chunks([GEN]),
         *reply.step_chunks([GEN], 0),

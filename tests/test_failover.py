@@ -1,11 +1,15 @@
 """Replicas that fail over (SPEC §10), over real loopback servers: per-replica health, retries
-before the first byte, ejection, DNS discovery, and a replica dying under load."""
+before the first byte (spaced by backoff, within a budget, then a fallback upstream), ejection,
+DNS discovery, load-aware placement, and a replica dying under load."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,18 +109,43 @@ def request_lines() -> Iterator[RequestLines]:
 MakeProxy = Callable[..., Awaitable[Proxy]]
 
 
+async def serve_proxy(servers: Servers, config: Config, resolver: Resolver | None = None) -> Proxy:
+    app = build_app(config, resolver=resolver)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    servers.runners.append(runner)
+    return Proxy(f"http://127.0.0.1:{runner.addresses[0][1]}", app, runner)
+
+
 @pytest.fixture
 def make_proxy(servers: Servers) -> MakeProxy:
     async def make(urls: list[str], resolver: Resolver | None = None, **options: Any) -> Proxy:
         upstream = Upstream(name="u", urls=tuple(urls), **options)
-        app = build_app(Config(upstreams=(upstream,)), resolver=resolver)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        servers.runners.append(runner)
-        return Proxy(f"http://127.0.0.1:{runner.addresses[0][1]}", app, runner)
+        return await serve_proxy(servers, Config(upstreams=(upstream,)), resolver)
 
     return make
+
+
+@dataclass
+class Waits:
+    """The pool's waits between tries: each delay recorded, then slept (``real``) or not."""
+
+    delays: list[float] = field(default_factory=list)
+    real: bool = False
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        await asyncio.sleep(delay if self.real else 0)
+
+
+def record_waits(proxy: Proxy, real: bool = False, draw: float = 0.0) -> Waits:
+    """Record the proxy's waits; ``draw`` fixes the jitter (0: each wait is half its ceiling)."""
+    waits = Waits(real=real)
+    proxy.pool.sleep = waits
+    for upstream in proxy.app[RUNTIME].config.upstreams:
+        proxy.pool.state(upstream).retry.draw = lambda: draw
+    return waits
 
 
 @pytest.fixture
@@ -555,3 +584,279 @@ async def test_killing_one_of_three_replicas_under_load(
     assert started_there  # the kill did cut requests short
     assert failed <= len(started_there)
     await proxy.until(lambda: not proxy.usable()[urls[0]])
+
+
+# --- backoff, Retry-After, budget, fallback -----------------------------------------------------
+
+
+async def test_a_dead_replica_is_retried_after_growing_jittered_waits(
+    client: aiohttp.ClientSession, make_proxy: MakeProxy, free_port: int
+) -> None:
+    dead = f"http://127.0.0.1:{free_port}"
+    proxy = await make_proxy([dead], retries=3, backoff={"base": 0.1, "cap": 0.3})
+    waits = record_waits(proxy, draw=0.0)
+    status, _ = await post(client, proxy, chat(2))
+    assert status == 502
+    # per child: half of 0.1, 0.2, then of the 0.3 cap
+    assert sorted(waits.delays) == pytest.approx([0.05, 0.05, 0.1, 0.1, 0.15, 0.15])
+    assert proxy.metric("n_proxy_retries_total", reason="connect") == 6
+    waits = record_waits(proxy, draw=0.999)
+    status, _ = await post(client, proxy, chat(1))
+    assert waits.delays == pytest.approx([0.09995, 0.1999, 0.29985])  # nearly the ceilings
+
+
+async def test_tries_reach_the_replica_spaced_by_the_backoff(
+    client: aiohttp.ClientSession, make_proxy: MakeProxy, servers: Servers
+) -> None:
+    arrived: dict[str, list[float]] = {}
+
+    async def stamp_503(request: web.Request) -> web.Response:
+        arrived.setdefault(request.headers["X-Request-Id"], []).append(time.monotonic())
+        return await answer_503(request)
+
+    busy, _ = await start_app(servers, stamp_503)
+    proxy = await make_proxy(
+        [busy], retries=2, retry_on=(503,), backoff={"base": 0.2, "cap": 1}, eject=Eject(failures=0)
+    )
+    record_waits(proxy, real=True, draw=0.0)  # real waits of 0.1 s, then 0.2 s
+    status, _ = await post(client, proxy, chat(2), "spaced")
+    assert status == 503
+    assert sorted(arrived) == ["0_spaced", "1_spaced"]
+    for times in arrived.values():
+        assert len(times) == 3
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert 0.1 <= gaps[0] < 0.1 + WITHIN  # generous above: a loaded machine is slow
+        assert 0.2 <= gaps[1] < 0.2 + WITHIN
+
+
+def answer_503_retry_after(value: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def answer(request: web.Request) -> web.Response:
+        body = {"error": {"message": "busy", "type": "overloaded"}}
+        return web.json_response(body, status=503, headers={"Retry-After": value})
+
+    return answer
+
+
+async def test_retry_after_sets_the_wait_and_past_its_cap_the_answer_is_relayed(
+    client: aiohttp.ClientSession,
+    make_backend: MakeBackend,
+    make_proxy: MakeProxy,
+    servers: Servers,
+) -> None:
+    live = await make_backend()
+    busy, _ = await start_app(servers, answer_503_retry_after("2"))
+    options: dict[str, Any] = {"retry_on": (503,), "eject": Eject(failures=0), "placement": "pack"}
+    proxy = await make_proxy([busy, live.url], backoff={"retry_after_cap": 5}, **options)
+    waits = record_waits(proxy)
+    status, raw = await post(client, proxy, chat(2), "wait")  # both children on busy first
+    assert status == 200
+    assert [c["index"] for c in orjson.loads(raw)["choices"]] == [0, 1]
+    assert waits.delays == [2.0, 2.0]  # Retry-After, not the 25 ms backoff
+    assert sorted(rids(live)) == ["0_wait", "1_wait"]
+
+    slow, _ = await start_app(servers, answer_503_retry_after("60"))
+    proxy = await make_proxy([slow, live.url], backoff={"retry_after_cap": 5}, **options)
+    waits = record_waits(proxy)
+    async with client.post(proxy.url + CHAT, json=chat(1), headers={"X-Request-Id": "late"}) as r:
+        assert r.status == 503  # the server's own answer, for the client to honour
+        assert r.headers["Retry-After"] == "60"
+    assert waits.delays == []
+    assert "late" not in rids(live)
+
+
+async def test_the_retry_budget_caps_retries_under_a_burst_of_n8_requests(
+    client: aiohttp.ClientSession,
+    make_proxy: MakeProxy,
+    servers: Servers,
+    request_lines: RequestLines,
+) -> None:
+    busy, recorded = await start_app(servers, answer_503)
+    budget = {"percent": 20, "min_per_second": 0.1, "window": 10}  # 1 retry + 1 per 5 requests
+    proxy = await make_proxy(
+        [busy], retries=2, retry_on=(503,), retry_budget=budget, eject=Eject(failures=0)
+    )
+    record_waits(proxy)
+    results = await asyncio.gather(*(post(client, proxy, chat(8), f"b{i}") for i in range(3)))
+    assert [status for status, _ in results] == [503] * 3
+    retries = proxy.metric("n_proxy_retries_total", reason="503")
+    refused = proxy.metric("n_proxy_retries_refused_total", upstream="u", reason="503")
+    assert 1 <= retries <= 1 + 0.2 * 24  # without the budget: 48
+    # The first child to fail fails its request and aborts its siblings, some perhaps before
+    # their first try: at most 24 first tries, and only the retries the budget allowed.
+    assert len(recorded.generation()) <= 24 + retries
+    assert refused >= 1
+    assert sum(line["retries"] for line in request_lines.lines) == retries
+
+
+@pytest.mark.parametrize("failing", ["refuses", "answers 503"])
+async def test_the_fallback_upstream_answers_when_every_replica_failed(
+    client: aiohttp.ClientSession,
+    make_backend: MakeBackend,
+    servers: Servers,
+    free_port: int,
+    failing: str,
+) -> None:
+    spare = await make_backend()
+    busy, recorded = await start_app(servers, answer_503)
+    url = busy if failing == "answers 503" else f"http://127.0.0.1:{free_port}"
+    primary = Upstream(
+        name="u",
+        urls=(url,),
+        retries=1,
+        retry_on=("connect", 503),
+        eject=Eject(failures=0),
+        headers={"Authorization": "Bearer primary-key", "X-Primary": "1"},
+        fallback="spare",
+    )
+    fallback = Upstream(
+        name="spare", urls=(spare.url,), headers={"Authorization": "Bearer spare-key"}
+    )
+    proxy = await serve_proxy(servers, Config(upstreams=(primary, fallback)))
+    record_waits(proxy)
+    for stream in (False, True):
+        rid = f"fb-{stream}"
+        status, raw = await post(client, proxy, chat(2, stream=stream), rid)
+        assert status == 200
+        if stream:
+            assert clean_stream(raw, 2)
+        else:
+            assert [c["index"] for c in orjson.loads(raw)["choices"]] == [0, 1]
+        seen = {r: headers for r, _, headers in spare.state.seen if r.endswith(rid)}
+        assert sorted(seen) == [f"0_{rid}", f"1_{rid}"]  # the same children
+        for headers in seen.values():
+            assert headers["authorization"] == "Bearer spare-key"  # never the primary's key
+            assert "x-primary" not in headers
+    if failing == "answers 503":
+        assert len(recorded.generation()) == 2 * 2 * 2  # two tries of each child
+    assert proxy.metric("n_proxy_fallbacks_total", upstream="u", fallback="spare") == 4
+    spare_state = proxy.pool.state(fallback)
+    assert (spare_state.slots.in_use, spare_state.slots.queued) == (0, 0)
+    assert all(r.outstanding == 0 for r in spare_state.replicas)
+
+
+async def test_a_failure_retry_on_does_not_list_never_goes_to_the_fallback(
+    client: aiohttp.ClientSession, make_backend: MakeBackend, servers: Servers
+) -> None:
+    spare = await make_backend()
+    busy, _ = await start_app(servers, answer_503)
+    primary = Upstream(name="u", urls=(busy,), fallback="spare")  # retry_on: [connect]
+    proxy = await serve_proxy(
+        servers, Config(upstreams=(primary, Upstream(name="spare", urls=(spare.url,))))
+    )
+    assert (await post(client, proxy, chat(2)))[0] == 503
+    assert not spare.state.seen
+    assert proxy.metric("n_proxy_fallbacks_total") == 0
+
+
+async def test_a_backoff_wait_cancelled_by_the_client_leaves_nothing_behind(
+    client: aiohttp.ClientSession, make_proxy: MakeProxy, free_port: int
+) -> None:
+    dead = f"http://127.0.0.1:{free_port}"
+    proxy = await make_proxy([dead], retries=3, max_concurrency=1)
+    state = proxy.pool.state(proxy.upstream)
+    waiting = asyncio.Event()
+
+    async def long_wait(delay: float) -> None:
+        waiting.set()
+        await asyncio.sleep(WITHIN)
+
+    proxy.pool.sleep = long_wait
+    before = len(asyncio.all_tasks())
+    for n, stream in ((1, False), (2, False), (2, True)):
+        waiting.clear()
+        job = asyncio.ensure_future(post(client, proxy, chat(n, stream=stream)))
+        await asyncio.wait_for(waiting.wait(), WITHIN)
+        assert (state.slots.in_use, state.slots.queued) == (1, n - 1)  # a second child queues
+        job.cancel()  # the client leaves during the wait
+        with pytest.raises(asyncio.CancelledError):
+            await job
+        # The proxy notices the closed connection on its own time: poll, bounded.
+        await until_true(lambda: state.slots.in_use == 0 and len(asyncio.all_tasks()) <= before)
+        assert state.slots.queued == 0
+        assert all(r.outstanding == 0 for r in state.replicas)
+
+
+async def test_a_client_leaving_a_fallback_stream_gives_back_the_fallbacks_places(
+    client: aiohttp.ClientSession, make_backend: MakeBackend, servers: Servers, free_port: int
+) -> None:
+    spare = await make_backend()
+    primary = Upstream(name="u", urls=(f"http://127.0.0.1:{free_port}",), fallback="spare")
+    proxy = await serve_proxy(
+        servers, Config(upstreams=(primary, Upstream(name="spare", urls=(spare.url,))))
+    )
+    record_waits(proxy)
+    other = proxy.pool.state(proxy.app[RUNTIME].config.upstream("spare"))
+    long = chat(2, stream=True, max_tokens=10_000, ignore_eos=True, x_demo={"token_delay": 0.05})
+    async with client.post(proxy.url + CHAT, json=long) as stream:
+        assert stream.status == 200
+        await spare.state.wait_for(lambda s: len(s.active) == 2, WITHIN)
+        assert other.slots.in_use == 2
+        assert [r.outstanding for r in other.replicas] == [2]
+    # the client left: both children aborted, their places in the fallback's line given back
+    await spare.state.wait_for(lambda s: not s.active, WITHIN)
+    await until_true(lambda: other.slots.in_use == 0)
+    assert [r.outstanding for r in other.replicas] == [0]
+
+
+async def until_true(predicate: Callable[[], bool]) -> None:
+    for _ in range(int(WITHIN / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never came true")
+
+
+# --- load-aware placement -----------------------------------------------------------------------
+
+
+async def test_least_outstanding_sends_children_away_from_a_busy_replica(
+    client: aiohttp.ClientSession, make_backend: MakeBackend, make_proxy: MakeProxy
+) -> None:
+    a, b = await make_backend(), await make_backend()
+    proxy = await make_proxy([a.url, b.url], placement="least_outstanding", health_interval=600)
+    state = proxy.pool.state(proxy.upstream)
+    await proxy.until(lambda: state.health_rounds == 1)  # the next one is 600 s away
+    long = chat(1, stream=True, max_tokens=10_000, ignore_eos=True, x_demo={"token_delay": 0.05})
+    state.replicas.checked(b.url, ok=False)  # so that three long streams all go to a
+    async with contextlib.AsyncExitStack() as held:
+        for i in range(3):
+            stream = await held.enter_async_context(
+                client.post(proxy.url + CHAT, json=long, headers={"X-Request-Id": f"long{i}"})
+            )
+            assert stream.status == 200
+        await a.state.wait_for(lambda s: len(s.active) == 3, WITHIN)
+        state.replicas.checked(b.url, ok=True)
+        for i in range(3):
+            assert (await post(client, proxy, chat(2), f"r{i}"))[0] == 200
+            assert (await post(client, proxy, chat(1), f"one{i}"))[0] == 200
+        # round-robin would have put one child of each n=2 request and half the rest on a
+        assert sorted(rids(a)) == ["long0", "long1", "long2"]
+        assert sorted(rids(b)) == sorted(
+            [f"{c}_r{i}" for i in range(3) for c in (0, 1)] + [f"one{i}" for i in range(3)]
+        )
+
+
+@pytest.mark.parametrize(("n", "per_replica"), [(4, [2, 2]), (5, [1, 2, 2]), (6, [2, 2, 2])])
+async def test_pack_k_puts_k_children_of_a_request_on_each_replica(
+    client: aiohttp.ClientSession,
+    make_backend: MakeBackend,
+    make_proxy: MakeProxy,
+    n: int,
+    per_replica: list[int],
+) -> None:
+    backends = [await make_backend() for _ in range(3)]
+    proxy = await make_proxy(
+        [b.url for b in backends], placement={"choose": "least_outstanding", "pack": 2}
+    )
+    for request in range(2):
+        assert (await post(client, proxy, chat(n), f"p{request}"))[0] == 200
+        counts = [sum(rid.endswith(f"_p{request}") for rid in rids(b)) for b in backends]
+        assert sorted(c for c in counts if c) == per_replica
+        # the children sharing a replica are neighbours (0 and 1, 2 and 3, ...): one pack each
+        groups = sorted(
+            sorted(int(rid.split("_")[0]) for rid in rids(b) if rid.endswith(f"_p{request}"))
+            for b in backends
+        )
+        assert [g for g in groups if g] == sorted(
+            list(range(first, min(first + 2, n))) for first in range(0, n, 2)
+        )

@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from multidict import CIMultiDictProxy
 
 from proxy.sse import SSEDecoder
 from tests.conftest import Backend, Proxy
@@ -26,7 +27,7 @@ def sse_payloads(raw: bytes) -> list[Any]:
 
 async def post(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str
-) -> tuple[int, bytes, aiohttp.typedefs.LooseHeaders]:
+) -> tuple[int, bytes, CIMultiDictProxy[str]]:
     async with http.post(url, json=body, headers=headers) as response:
         return response.status, await response.read(), response.headers
 
@@ -95,7 +96,7 @@ async def test_children_carry_seed_request_id_and_no_n(
 async def test_completions_list_prompts_index_p_times_n_plus_i(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
-    body = {
+    body: dict[str, Any] = {
         "model": "m",
         "prompt": ["one two", "three four five"],
         "n": 2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from proxy.headers import request_headers, response_headers
+from proxy.headers import rebased_headers, request_headers, response_headers
 
 HOP_BY_HOP = [
     ("Connection", "keep-alive"),
@@ -142,3 +142,19 @@ def test_filtering_does_not_mutate_the_incoming_headers() -> None:
     request_headers(incoming, {"Authorization": "other"})
     response_headers(incoming)
     assert list(incoming.items()) == pairs
+
+
+def test_rebased_headers_drop_what_the_first_upstream_configured_and_set_the_others() -> None:
+    sent = CIMultiDict(
+        [("Authorization", "Bearer first"), ("X-Tenant", "7"), ("X-Request-Id", "0_r"),
+         ("Accept", "text/event-stream")]
+    )  # fmt: skip
+    rebased = rebased_headers(
+        sent, {"authorization": "Bearer first", "X-Tenant": "7"}, {"Authorization": "Bearer other"}
+    )
+    assert list(rebased.items()) == [
+        ("X-Request-Id", "0_r"),
+        ("Accept", "text/event-stream"),
+        ("Authorization", "Bearer other"),
+    ]
+    assert sent["Authorization"] == "Bearer first"  # the first upstream's copy is untouched

@@ -56,7 +56,7 @@ def test_another_handler_gets_the_request_line_through_logging(stream: io.String
     setup("json", stream)
     records: list[logging.LogRecord] = []
     extra = logging.Handler()
-    extra.emit = records.append  # type: ignore[method-assign]
+    extra.emit = records.append  # type: ignore[method-assign,assignment]
     log.logger.addHandler(extra)
     log.log_request(request_id="r2", status=404)
     assert [r.getMessage() for r in records] == ["request"]

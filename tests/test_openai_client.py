@@ -6,10 +6,11 @@ from collections.abc import AsyncIterator
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import Backend, Proxy
 
-MESSAGES = [{"role": "user", "content": "write a haiku"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "write a haiku"}]
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ async def test_chat_n3_non_streaming(
     client: openai.AsyncOpenAI, direct: openai.AsyncOpenAI
 ) -> None:
     response = await client.chat.completions.create(
-        model="demo", messages=MESSAGES, n=3, seed=100, max_tokens=7,  # type: ignore[arg-type]
+        model="demo", messages=MESSAGES, n=3, seed=100, max_tokens=7,
         extra_headers={"X-Request-Id": "oa1"},
     )  # fmt: skip
     assert response.id == "chatcmpl-oa1"
@@ -42,7 +43,7 @@ async def test_chat_n3_non_streaming(
             model="demo",
             messages=MESSAGES,
             seed=100 + i,
-            max_tokens=7,  # type: ignore[arg-type]
+            max_tokens=7,
         )
         assert choice.message.content == alone.choices[0].message.content
     assert response.usage is not None
@@ -54,7 +55,7 @@ async def test_chat_n3_streaming_with_usage(
     client: openai.AsyncOpenAI, direct: openai.AsyncOpenAI
 ) -> None:
     stream = await client.chat.completions.create(
-        model="demo", messages=MESSAGES, n=3, seed=7, max_tokens=5, stream=True,  # type: ignore[arg-type]
+        model="demo", messages=MESSAGES, n=3, seed=7, max_tokens=5, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
     texts = ["", "", ""]
@@ -76,7 +77,7 @@ async def test_chat_n3_streaming_with_usage(
             model="demo",
             messages=MESSAGES,
             seed=7 + i,
-            max_tokens=5,  # type: ignore[arg-type]
+            max_tokens=5,
         )
         assert texts[i] == alone.choices[0].message.content
 
@@ -93,6 +94,6 @@ async def test_completions_n2_with_list_prompts(client: openai.AsyncOpenAI) -> N
 
 async def test_bad_n_surfaces_as_openai_bad_request(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        await client.chat.completions.create(model="demo", messages=MESSAGES, n=11)  # type: ignore[arg-type]
+        await client.chat.completions.create(model="demo", messages=MESSAGES, n=11)
     assert raised.value.status_code == 400
-    assert raised.value.param == "n"  # type: ignore[attr-defined]
+    assert raised.value.param == "n"

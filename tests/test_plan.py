@@ -8,18 +8,18 @@ import orjson
 import pytest
 
 from proxy.errors import InvalidRequest
-from proxy.plan import Plan, parse_body, plan_request
+from proxy.plan import Endpoint, Plan, endpoint_of, parse_body, plan_request
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 
 
 def chat(body: dict[str, Any], parent: str = "abc", max_n: int = 10) -> Plan | None:
-    return plan_request(body, parent, max_n, completions=False)
+    return plan_request(body, parent, max_n, endpoint="chat")
 
 
 def completions(body: dict[str, Any], parent: str = "abc", max_n: int = 10) -> Plan | None:
-    return plan_request(body, parent, max_n, completions=True)
+    return plan_request(body, parent, max_n, endpoint="completions")
 
 
 def planned(plan: Plan | None) -> Plan:
@@ -41,7 +41,7 @@ def child_bodies(plan: Plan | None) -> list[dict[str, Any]]:
 def rejected(body: dict[str, Any], *, is_completions: bool = False, max_n: int = 10) -> str | None:
     """The ``param`` of the 400 that planning ``body`` raises."""
     with pytest.raises(InvalidRequest) as info:
-        plan_request(body, "abc", max_n, completions=is_completions)
+        plan_request(body, "abc", max_n, endpoint="completions" if is_completions else "chat")
     assert info.value.status == 400
     assert orjson.loads(info.value.body())["error"]["type"] == "invalid_request_error"
     return info.value.param
@@ -127,13 +127,15 @@ def test_more_children_than_max_children_is_400(
 ) -> None:
     limit = 4 if param == "n" else 2048
     with pytest.raises(InvalidRequest) as info:
-        plan_request(body, "abc", 10, completions=completions, max_children=limit)
+        plan_request(
+            body, "abc", 10, endpoint="completions" if completions else "chat", max_children=limit
+        )
     assert info.value.param == param
 
 
 def test_exactly_max_children_is_planned() -> None:
     body = {"prompt": ["p"] * 1024, "n": 2}
-    plan = plan_request(body, "abc", 10, completions=True, max_children=2048)
+    plan = plan_request(body, "abc", 10, endpoint="completions", max_children=2048)
     assert plan is not None
     assert len(plan.children) == 2048
 
@@ -152,7 +154,9 @@ def test_exactly_max_children_is_planned() -> None:
 )
 @pytest.mark.parametrize("is_completions", [False, True])
 def test_n_missing_null_or_one_passes_through(body: dict[str, Any], is_completions: bool) -> None:
-    assert plan_request(body, "abc", 10, completions=is_completions) is None
+    assert (
+        plan_request(body, "abc", 10, endpoint="completions" if is_completions else "chat") is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -220,7 +224,7 @@ def test_seed_at_int64_bounds_is_accepted(seed: int, n: int, last: int) -> None:
 def test_out_of_range_json_seed_from_the_wire_is_rejected_with_param_seed(raw: bytes) -> None:
     # The whole path a client's bytes take: a JSON integer is an integer, however big.
     with pytest.raises(InvalidRequest) as info:
-        plan_request(parse_body(raw), "abc", 10, completions=False)
+        plan_request(parse_body(raw), "abc", 10, endpoint="chat")
     assert info.value.status == 400
     assert info.value.param == "seed"
 
@@ -530,3 +534,26 @@ def test_best_of_equal_to_n_is_plain_n_with_best_of_removed() -> None:
 def test_best_of_equal_to_n_keeps_the_clients_logprobs_untouched() -> None:
     bodies = child_bodies(completions({"prompt": "p", "n": 2, "best_of": 2, "logprobs": 0}))
     assert bodies == [{"prompt": "p", "logprobs": 0}, {"prompt": "p", "logprobs": 0}]
+
+
+@pytest.mark.parametrize(
+    ("path", "endpoint"),
+    [
+        ("/v1/chat/completions", "chat"),
+        ("/v1/completions", "completions"),
+        ("/openai/v1/chat/completions", "chat"),
+        ("/openai/v1/completions", "completions"),
+        ("/v1/responses", None),
+        ("/v1/embeddings", None),
+        ("/v1/chat/completions/x", None),
+    ],
+)
+def test_endpoint_is_decided_once_from_the_path(path: str, endpoint: str | None) -> None:
+    assert endpoint_of(path) == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_plan_carries_its_endpoint(endpoint: Endpoint) -> None:
+    planned = plan_request({"prompt": "p", "n": 2}, "abc", 10, endpoint=endpoint)
+    assert planned is not None
+    assert planned.endpoint == endpoint

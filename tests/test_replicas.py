@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.replicas import Address, Change, Ejection, ReplicaSet, resolved_addresses
+from proxy.replicas import Address, Change, Ejection, Placement, ReplicaSet, resolved_addresses
 
 A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"
+PACK = Placement(pack=None)
+LEAST = Placement(choose="least_outstanding")
+
+
+class Draws(random.Random):
+    """The second choice of ``least_outstanding``, drawn from a list instead of at random."""
+
+    def __init__(self, *draws: int) -> None:
+        super().__init__()
+        self.draws = list(draws)
+
+    def randrange(self, stop: int, *args: object, **kwargs: object) -> int:  # type: ignore[override]
+        draw = self.draws.pop(0)
+        assert 0 <= draw < stop
+        return draw
+
+
+def busy(replicas: ReplicaSet, **outstanding: int) -> ReplicaSet:
+    """``busy(replicas, a=2)``: replica ``http://a:8000`` has two requests in flight."""
+    for name, count in outstanding.items():
+        replica = replicas.get(f"http://{name}:8000")
+        assert replica is not None
+        replica.outstanding = count
+    return replicas
 
 
 def test_spread_rotates_children_over_every_replica() -> None:
@@ -19,14 +45,14 @@ def test_spread_rotates_children_over_every_replica() -> None:
 
 
 def test_pack_puts_a_request_on_one_replica_and_rotates_requests() -> None:
-    replicas = ReplicaSet([A, B], pack=True)
+    replicas = ReplicaSet([A, B], placement=PACK)
     assert replicas.place(3, now=0) == [A, A, A]
     assert replicas.place(3, now=0) == [B, B, B]
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_placement_skips_an_unhealthy_replica(pack: bool) -> None:
-    replicas = ReplicaSet([A, B], pack=pack)
+@pytest.mark.parametrize("placement", [Placement(), PACK, LEAST, Placement(pack=2)])
+def test_placement_skips_an_unhealthy_replica(placement: Placement) -> None:
+    replicas = ReplicaSet([A, B], placement=placement)
     replicas.checked(B, ok=False)
     assert [replicas.place(2, now=0) for _ in range(3)] == [[A, A]] * 3
 
@@ -36,6 +62,70 @@ def test_no_usable_replica_fails_open_to_all_of_them() -> None:
     replicas.checked(A, ok=False)
     replicas.checked(B, ok=False)
     assert replicas.place(2, now=0) == [A, B]
+
+
+@pytest.mark.parametrize(
+    ("placement", "counts", "expected"),
+    [
+        (LEAST, (4, 2), [[A, B, C, A], [B, C]]),  # at equal load: round-robin
+        (Placement(pack=2), (5, 2), [[A, A, B, B, C], [B, B]]),
+        (Placement(choose="least_outstanding", pack=3), (4, 2), [[A, A, A, B], [B, B]]),
+    ],
+)
+def test_idle_replicas_are_placed_in_turn_whatever_the_placement(
+    placement: Placement, counts: tuple[int, ...], expected: list[list[str]]
+) -> None:
+    replicas = ReplicaSet([A, B, C], placement=placement)
+    assert [replicas.place(count, now=0) for count in counts] == expected
+
+
+def test_least_outstanding_takes_the_less_busy_of_its_turn_and_a_random_other() -> None:
+    replicas = busy(ReplicaSet([A, B, C], placement=LEAST, rng=Draws(0, 1)), a=3, b=1)
+    # A's turn, drawn B (position 0 of the others): B is less busy
+    assert replicas.place(1, now=0) == [B]
+    # B's turn, drawn C (position 1 of the others, A and C): C is idle
+    assert replicas.place(1, now=0) == [C]
+
+
+def test_least_outstanding_keeps_its_turn_on_a_tie_and_counts_its_own_children() -> None:
+    replicas = busy(ReplicaSet([A, B], placement=LEAST, rng=Draws(0, 0, 0, 0)), a=2)
+    # B twice (A is busier), then A and B are even at 2: the turn (A's, then B's) wins
+    assert replicas.place(4, now=0) == [B, B, A, B]
+
+
+def test_least_outstanding_avoids_a_busy_replica_whatever_the_draw() -> None:
+    replicas = busy(ReplicaSet([A, B], placement=LEAST), a=10)
+    assert [replicas.place(1, now=0) for _ in range(6)] == [[B]] * 6
+
+
+@pytest.mark.parametrize(
+    ("count", "expected"),
+    [
+        (1, [A]),
+        (4, [A, A, A, A]),
+        (5, [A, A, A, A, B]),
+        (9, [A, A, A, A, B, B, B, B, A]),  # two replicas: the third group on the less busy
+    ],
+)
+def test_pack_k_puts_up_to_k_children_of_a_request_on_each_replica(
+    count: int, expected: list[str]
+) -> None:
+    draws = Draws(*[0] * count)
+    replicas = ReplicaSet([A, B], placement=Placement("least_outstanding", pack=4), rng=draws)
+    assert replicas.place(count, now=0) == expected
+
+
+def test_pack_k_sends_each_group_to_the_less_busy_replica() -> None:
+    replicas = busy(ReplicaSet([A, B, C], placement=Placement("least_outstanding", pack=2)), a=9)
+    replicas.rng = Draws(0, 1, 1)
+    # A's turn, drawn B: B. B's turn (1), drawn C: C at 0 beats B at 2. C's turn, drawn B: tie.
+    assert replicas.place(6, now=0) == [B, B, C, C, C, C]
+
+
+def test_a_retry_takes_the_less_busy_of_the_untried_replicas() -> None:
+    replicas = busy(ReplicaSet([A, B, C], placement=LEAST, rng=Draws(0, 0)), b=5)
+    assert replicas.retry_to([A], now=0) == C  # B's turn, drawn C
+    assert replicas.retry_to([A], now=0) == C  # C's turn, drawn B
 
 
 def test_consecutive_failures_eject_for_the_configured_time() -> None:
@@ -189,13 +279,18 @@ _event = st.one_of(
 @given(
     events=st.lists(_event, max_size=40),
     failures=st.integers(0, 3),
-    pack=st.booleans(),
+    placement=st.sampled_from([Placement(), PACK, LEAST, Placement("least_outstanding", 2)]),
+    outstanding=st.lists(st.integers(0, 3), min_size=5, max_size=5),
     tried=st.lists(_url, max_size=4),
 )
 def test_placement_and_retries_keep_the_rules_after_any_events(
-    events: list[tuple[object, ...]], failures: int, pack: bool, tried: list[str]
+    events: list[tuple[object, ...]],
+    failures: int,
+    placement: Placement,
+    outstanding: list[int],
+    tried: list[str],
 ) -> None:
-    replicas = ReplicaSet(["http://svc:8000"], Ejection(failures, seconds=5), pack=pack)
+    replicas = ReplicaSet(["http://svc:8000"], Ejection(failures, seconds=5), placement)
     now = 0.0
     for event in events:
         match event:
@@ -211,6 +306,8 @@ def test_placement_and_retries_keep_the_rules_after_any_events(
             case ("tick", seconds):
                 assert isinstance(seconds, float)
                 now += seconds
+        for replica in replicas:
+            replica.outstanding = outstanding[POOL.index(replica.url)] if replica.url in POOL else 0
         current = set(replicas.urls)
         assert current  # never empty: an empty answer keeps the last set
         usable = {r.url for r in replicas if r.usable(now)}
@@ -219,11 +316,18 @@ def test_placement_and_retries_keep_the_rules_after_any_events(
         placed = replicas.place(3, now)
         assert len(placed) == 3
         assert set(placed) <= (usable or current)  # only usable ones, or all when none is
-        if pack:
+        if placement.pack is None:
             assert len(set(placed)) == 1
+        if placement.pack == 2:
+            assert placed[0] == placed[1]  # a group stays together
         retry = replicas.retry_to(tried, now)
         assert retry in current
         if usable - set(tried):
             assert retry in usable - set(tried)
         elif usable:
             assert retry in usable
+
+
+@pytest.mark.parametrize("placement", [Placement(), PACK, LEAST, Placement(pack=3)])
+def test_no_children_place_nothing(placement: Placement) -> None:
+    assert ReplicaSet([A, B], placement=placement).place(0, now=0) == []

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
-from proxy.sse import Event, RawEvent, SSEDecoder, SSEError
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.sse import MAX_EVENT_BYTES, Event, RawEvent, SSEDecoder, SSEError
 
 
 def decode_whole(stream: bytes) -> list[Event]:
@@ -413,3 +417,53 @@ def test_feed_raw_equals_line_by_line_on_every_literal_fixture() -> None:
         for pieces in ([b"data: warm\n\n", *events], [b"data: warm\n\n", stream]):
             got, want = _raw_and_line_by_line(pieces)
             assert [(d.decode(), event) for d, event in got] == [(e.data, e.event) for e in want]
+
+
+# --- any stream, split into any reads, decodes as it does one byte at a time ---
+
+_PIECES = [
+    b'data: {"a":1}\n\n', b"data: x\n\n", b"data: ", b"data:", b"data", b"event: e", b"event:",
+    b"id: 7", b"retry: 5", b": ping", b"\xef\xbb\xbf", b"\xc3\xa9", b"\xc3", b"\xff", b" ",
+    b"\n", b"\r", b"\r\n", b"\n\n", b"\r\n\r\n", b"\r\r", b"[DONE]", b"x" * 30,
+]  # fmt: skip
+
+
+def _decode(pieces: list[bytes], limit: int, raw: bool) -> tuple[list[tuple[str, str]], bool]:
+    """The events as (data, type) and whether the decoder raised; what a caller would see."""
+    decoder = SSEDecoder(max_event_bytes=limit)
+    events: list[tuple[str, str]] = []
+    try:
+        for piece in pieces:
+            if raw:
+                events += [(d.decode("utf-8", "replace"), e) for d, e in decoder.feed_raw(piece)]
+            else:
+                events += [(e.data, e.event) for e in decoder.feed(piece)]
+        if raw:
+            events += [(d.decode("utf-8", "replace"), e) for d, e in decoder.close_raw()]
+        else:
+            events += [(e.data, e.event) for e in decoder.close()]
+    except SSEError:
+        return events, True
+    return events, False
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(_PIECES), max_size=40),
+    st.lists(st.integers(min_value=0, max_value=2000), max_size=8),
+    st.sampled_from([MAX_EVENT_BYTES, 40, 12]),
+    st.booleans(),
+)
+def test_any_split_decodes_as_byte_at_a_time(
+    parts: list[bytes], cuts: list[int], limit: int, raw: bool
+) -> None:
+    stream = b"".join(parts)
+    offsets = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    pieces = [stream[a:b] for a, b in itertools.pairwise(offsets)]
+    want, want_error = _decode([stream[i : i + 1] for i in range(len(stream))], limit, raw=False)
+    got, got_error = _decode(pieces, limit, raw)
+    assert got_error == want_error
+    if want_error:  # the events of the read that failed are lost with it, none are made up
+        assert got == want[: len(got)]
+    else:
+        assert got == want

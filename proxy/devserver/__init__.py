@@ -27,7 +27,7 @@ from proxy.devserver.model import (
     generate,
     top_tokens,
 )
-from proxy.devserver.reply import SYSTEM_FINGERPRINT, Reply
+from proxy.devserver.reply import SYSTEM_FINGERPRINT, Answer
 from proxy.devserver.request import (
     DEFAULT_MAX_TOKENS,
     MAX_TOP_LOGPROBS,
@@ -57,13 +57,13 @@ __all__ = [
     "SYSTEM_FINGERPRINT",
     "WORDS",
     "WORD_TOKENS",
+    "Answer",
     "DevConfig",
     "DevState",
     "Generation",
     "Job",
     "Knobs",
     "Outcome",
-    "Reply",
     "RequestError",
     "Token",
     "build_app",

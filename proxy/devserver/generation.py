@@ -23,7 +23,7 @@ from proxy.devserver.faults import (
     shape_generation,
 )
 from proxy.devserver.model import Generation, generate
-from proxy.devserver.reply import Reply
+from proxy.devserver.reply import Answer
 from proxy.devserver.request import Job, RequestError, parse_job
 from proxy.devserver.responses import decode_json, error_response, header_dict
 from proxy.devserver.state import DEV_STATE, DevState
@@ -102,7 +102,7 @@ async def _complete(
         return error_response(500, "Injected error event", job.rid)
     if fault == "bad_json":
         return web.Response(body=b"not json", content_type="application/json", headers=headers)
-    payload = orjson.dumps(Reply(job).body(gens))
+    payload = orjson.dumps(Answer(job).body(gens))
     if fault == "gzip":
         payload = gzip.compress(payload)
         headers["Content-Encoding"] = "gzip"
@@ -112,7 +112,7 @@ async def _complete(
 async def _stream(
     request: web.Request, job: Job, gens: Sequence[Generation], state: DevState
 ) -> web.StreamResponse:
-    reply = Reply(job)
+    reply = Answer(job)
     fault = job.knobs.fault or ""
     eol = {"crlf": b"\r\n", "cr": b"\r"}.get(fault, b"\n")
     ping = b": ping" + eol if fault == "ping" else b""

@@ -15,7 +15,7 @@ SYSTEM_FINGERPRINT = "fp_devserver"
 
 
 @dataclass(frozen=True)
-class Reply:
+class Answer:
     job: Job
     created: int = field(default_factory=lambda: int(time.time()))
 

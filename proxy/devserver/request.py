@@ -9,6 +9,7 @@ from typing import Any
 from proxy.devserver.config import DevConfig
 from proxy.devserver.faults import FAULTS, Knobs
 from proxy.devserver.model import STOP_MIN_MAX_TOKENS
+from proxy.numbers import is_int
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOP_LOGPROBS = 20
@@ -42,15 +43,11 @@ class Job:
         return len(self.prompt.split()) + 1
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _optional_int(body: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
     value = body.get(key)
     if value is None:
         return default
-    if not _is_int(value) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise RequestError(f"{key} must be an integer between {low} and {high}", key)
     return int(value)
 
@@ -70,7 +67,7 @@ def _chat_prompt(messages: object) -> str:
 
 def token_ids(value: object) -> str | None:
     """Token ids rendered as text, or None when `value` is not a list of ids."""
-    if isinstance(value, list) and value and all(_is_int(v) for v in value):
+    if isinstance(value, list) and value and all(is_int(v) for v in value):
         return " ".join(str(v) for v in value)
     return None
 
@@ -91,7 +88,7 @@ def _completion_prompt(prompt: object) -> str:
 def _parse_n(value: object, native_n: bool) -> int:
     if value is None:
         return 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise RequestError("n must be a positive integer", "n")
     if value > 1 and not native_n:
         raise RequestError("Only n=1 is supported", "n")
@@ -124,7 +121,7 @@ def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
         raise RequestError("The request body must be a valid JSON object")
     n = _parse_n(body.get("n"), config.native_n)
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
+    if seed is not None and not is_int(seed):
         raise RequestError("seed must be an integer", "seed")
     prompt = _chat_prompt(body.get("messages")) if chat else _completion_prompt(body.get("prompt"))
     limit_key = "max_tokens"
