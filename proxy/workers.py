@@ -93,7 +93,9 @@ def worker_config(config: Config, index: int, count: int) -> Config:
 
     ``max_connections`` and each upstream's ``max_concurrency`` and ``max_queue`` are divided so
     that the shares add up to the configured value: the first ``total % count`` workers take one
-    more than ``total // count``. Worker 0 alone serves the admin port. A process cannot see
+    more than ``total // count``. The retry budget's floor (``min_per_second``) is split evenly;
+    its ``percent`` is of each worker's own requests, so it holds for the sum as it is. Worker 0
+    alone serves the admin port. A process cannot see
     another's connections or slots without shared state on the hot path, so the limits are
     divided, not shared: a worker whose share is taken queues or refuses (429) even if another
     has room (the kernel spreads connections over the workers, not requests).
@@ -104,6 +106,9 @@ def worker_config(config: Config, index: int, count: int) -> Config:
             update={
                 "max_concurrency": _share(upstream.max_concurrency, index, count),
                 "max_queue": _share(upstream.max_queue, index, count),
+                "retry_budget": upstream.retry_budget.model_copy(
+                    update={"min_per_second": upstream.retry_budget.min_per_second / count}
+                ),
             }
         )
         for upstream in config.upstreams

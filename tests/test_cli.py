@@ -315,8 +315,10 @@ def test_each_worker_enforces_its_share_of_the_limits_and_the_shares_add_up(
     assert sum(w.max_connections for w in workers) == total + 1
     assert all(w.upstreams[0].max_concurrency >= 1 and w.max_connections >= 1 for w in workers)
     assert [w.admin is not None for w in workers] == [True] + [False] * (count - 1)
+    floor = config.upstreams[0].retry_budget.min_per_second
+    assert sum(w.upstreams[0].retry_budget.min_per_second for w in workers) == pytest.approx(floor)
     # Everything else is the configured value.
-    strip = {"max_concurrency": 0, "max_queue": 0}
+    strip = {"max_concurrency": 0, "max_queue": 0, "retry_budget": config.upstreams[0].retry_budget}
     for worker in workers:
         assert with_upstream(worker, **strip).model_copy(
             update={"max_connections": 1, "admin": None}

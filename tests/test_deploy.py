@@ -660,7 +660,7 @@ _IMAGE_ENVIRONMENT = {
 
 
 def _pins() -> dict[str, Version]:
-    pins = {}
+    pins: dict[str, Version] = {}
     for line in (DEPLOY / "constraints.txt").read_text("utf-8").splitlines():
         if line.strip() and not line.startswith("#"):
             name, _, version = line.partition("==")
@@ -891,8 +891,9 @@ def test_gateway_inference_pods_take_traffic_from_the_proxies_only() -> None:
 
 
 def _bytes(quantity: str) -> int:
-    number, unit = re.fullmatch(r"(\d+)(Mi|Gi)", quantity).groups()  # type: ignore[union-attr]
-    return int(number) << (20 if unit == "Mi" else 30)
+    found = re.fullmatch(r"(\d+)(Mi|Gi)", quantity)
+    assert found, quantity
+    return int(found[1]) << (20 if found[2] == "Mi" else 30)
 
 
 def test_gateway_workers_auto_fits_the_memory_limit(tmp_path: Path) -> None:
