@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from proxy.errors import (
     status_type,
 )
 from proxy.fanout import Fanout, respond_json, respond_stream
-from proxy.headers import request_headers, response_headers
+from proxy.headers import client_request_id, request_headers, response_headers
 from proxy.log import log_request
 from proxy.memory import Trimmer
 from proxy.plan import Endpoint, Plan, endpoint_of, parse_body, plan_request
@@ -47,8 +46,6 @@ UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)  # a pass-through keep
 DEMO_HEADER = "X-N-Proxy-Demo"
 SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohttp/x.y"
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
-
-_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")  # visible ASCII: safe to echo and to prefix
 
 
 def build_app(
@@ -266,7 +263,7 @@ def _decide(
         return upstream, None
     plan = plan_request(
         parsed,
-        functools.partial(_parent_id, request),
+        functools.partial(_parent_id, request, parsed),
         config.max_n,
         endpoint=endpoint,
         max_children=config.max_children,
@@ -299,9 +296,9 @@ def _logged_id(request: web.Request) -> str | None:
     return incoming[:200] if incoming is not None else None
 
 
-def _parent_id(request: web.Request) -> str:
-    incoming = request.headers.get("X-Request-Id")
-    if incoming is not None and _REQUEST_ID.fullmatch(incoming):
+def _parent_id(request: web.Request, body: dict[str, object]) -> str:
+    incoming = client_request_id(request.headers.get("X-Request-Id"), body.get("request_id"))
+    if incoming is not None:
         return incoming
     return os.urandom(16).hex()  # as random as uuid4().hex, at a third of its cost
 

@@ -6,6 +6,7 @@ Hop-by-hop headers (``Proxy-*`` among them), and any named in ``Connection``, ne
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -29,6 +30,10 @@ _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 
 
 Headers = CIMultiDictProxy[str] | CIMultiDict[str]
+
+# Visible ASCII and inner spaces, as vLLM echoes: safe to send on, to prefix, to put in an id.
+# An edge space would not survive a header (parsers strip it), so it is not taken either.
+_REQUEST_ID = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,198}[\x21-\x7e])?")
 
 
 def _connection_tokens(headers: Headers) -> set[str]:
@@ -74,3 +79,15 @@ def rebased_headers(
 
 def response_headers(incoming: Headers) -> CIMultiDict[str]:
     return _filtered(incoming, _RESPONSE_DROP)
+
+
+def client_request_id(header: str | None, body_request_id: object) -> str | None:
+    """The client's id for its request, when it is safe to forward; None: make one up.
+
+    vLLM names a request by its ``X-Request-Id`` header, or else by the body's ``request_id``
+    (``_base_request_id``), so a native-n answer's id is built from that one.
+    """
+    chosen = header if header is not None else body_request_id
+    if isinstance(chosen, str) and _REQUEST_ID.fullmatch(chosen):
+        return chosen
+    return None

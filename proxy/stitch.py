@@ -57,6 +57,8 @@ def stitch_json(plan: Plan, bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     usage = merge_usage([b.get("usage") for b in bodies], prompt_heads(plan))
     if usage is not None:
         merged["usage"] = usage
+    if merged.get("metrics") is not None:
+        merged["metrics"] = None  # one sequence's timings are not the request's (vLLM, n > 1)
     return merged
 
 
@@ -120,6 +122,9 @@ class StreamStitcher:
         self._streams = [_Stream(child) for child in plan.children]
         self._shared: dict[str, Any] | None = None  # id, created, model of the first chunk
         self._usage_chunk: dict[str, Any] | None = None
+        # Usage on every choice chunk: asked for, or sent unasked (vLLM's
+        # --enable-force-include-usage), as an unfinished first choice chunk with usage shows.
+        self._continuous = plan.continuous_usage
         self.chunks = 0
 
     def chunk(self, pos: int, data: bytes, event: str = "message") -> bytes | None:
@@ -151,7 +156,7 @@ class StreamStitcher:
         self._share_envelope(payload)
         if self._restate_choices(stream, choices) and _only_announces(payload):
             return opening or None
-        if usage is not None and not self.plan.continuous_usage:
+        if usage is not None and not self._continuous:
             # A per-choice usage (llama.cpp puts one on its last chunk) must not pass for the total.
             payload["usage"] = None
         if lesson is not None and (template := lesson.template(payload)) is not None:
@@ -173,6 +178,9 @@ class StreamStitcher:
             "model": first.get("model"),
             "object": first.get("object"),
         }
+        self._continuous = self._continuous or (
+            isinstance(first.get("usage"), dict) and not _finishes(first["choices"])
+        )
         return self._opening(first)
 
     def _share_envelope(self, payload: dict[str, Any]) -> None:
@@ -205,6 +213,8 @@ class StreamStitcher:
         completions the empty ``text`` does the same at no cost to any client.
         """
         body: dict[str, Any] = {"text": ""}
+        envelope = {k: first[k] for k in _ENVELOPE if k in first}
+        envelope.update(self._shared or {})
         if self.plan.endpoint == "chat":
             choices = first["choices"]
             sample = choices[0] if isinstance(choices[0], dict) else {}
@@ -213,14 +223,19 @@ class StreamStitcher:
             body = {
                 "delta": {"role": role if isinstance(role, str) else "assistant", "content": ""}
             }
-        envelope = {k: first[k] for k in _ENVELOPE if k in first}
-        envelope.update(self._shared or {})
+            if isinstance(delta, dict) and "role" in delta:
+                # vLLM's role chunk carries the prompt (null unless asked for): the same for
+                # every choice, so each opening chunk carries it, as vLLM's own opening does.
+                envelope.update({k: first[k] for k in _PROMPT_FIELDS if k in first})
         usage = first.get("usage")
-        if self.plan.continuous_usage and isinstance(usage, dict):
+        if self._continuous and isinstance(usage, dict):
             # vLLM's continuous usage on a role chunk: the prompt, nothing generated yet.
-            prompt = usage.get("prompt_tokens")
-            envelope["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt,
-                                 "completion_tokens": 0}  # fmt: skip
+            if usage.get("completion_tokens") == 0:
+                envelope["usage"] = usage  # a role chunk's own: exactly what vLLM sends
+            else:
+                prompt = usage.get("prompt_tokens")
+                envelope["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt,
+                                     "completion_tokens": 0}  # fmt: skip
         out = []
         for index in sorted(c.index for c in self.plan.children):
             choice = {"index": index, **body, "logprobs": None, "finish_reason": None}
@@ -232,9 +247,11 @@ class StreamStitcher:
         return self._streams[pos].finished
 
     def tail(self) -> bytes:
-        """The merged usage chunk (when asked for) and the one ``[DONE]``."""
+        """The merged usage chunk (when asked for, or sent unasked) and the one ``[DONE]``."""
         usage = merge_usage([s.usage for s in self._streams], prompt_heads(self.plan))
-        if not self.plan.include_usage or usage is None:
+        # A child's usage chunk the client did not ask for: the server sends usage on every
+        # stream (vLLM's --enable-force-include-usage), so the merged stream does too.
+        if usage is None or not (self.plan.include_usage or self._usage_chunk is not None):
             return DONE
         shared = self._shared or {}
         chunk = dict(self._usage_chunk or {})
@@ -248,10 +265,13 @@ class StreamStitcher:
                 "usage": usage,
             }
         )
+        chunk.pop("metrics", None)  # one child's timings, not the request's: vLLM sends none
         return b"data: " + orjson.dumps(chunk) + b"\n\n" + DONE
 
 
 _ENVELOPE = ("id", "object", "created", "model", "system_fingerprint")
+_PROMPT_FIELDS = ("prompt_token_ids", "prompt_text")  # on vLLM's chat role chunk
+_ANNOUNCING = frozenset({*_ENVELOPE, "choices", "usage"})  # what a role chunk is made of
 
 
 def _payload(child: Child, data: bytes, event: str) -> dict[str, Any]:
@@ -278,10 +298,22 @@ def _loads(data: bytes) -> Any:
         return None
 
 
+def _finishes(choices: list[Any]) -> bool:
+    """A last chunk: llama.cpp puts a child's usage there, which says nothing of the others."""
+    return any(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
+
+
 def _only_announces(payload: dict[str, Any]) -> bool:
-    """A chunk that, once its role is gone, says nothing: a child's own role announcement."""
-    if any(key not in _ENVELOPE and key not in ("choices", "usage") for key in payload):
-        return False  # vendor fields ride on it: keep the chunk
+    """A chunk that, once its role is gone, says nothing: a child's own role announcement.
+
+    Its prompt fields went out on the opening chunks, and a null says nothing either; any other
+    vendor field keeps the chunk.
+    """
+    if any(
+        value is not None and key not in _ANNOUNCING and key not in _PROMPT_FIELDS
+        for key, value in payload.items()
+    ):
+        return False
     for choice in payload["choices"]:
         if not isinstance(choice, dict):
             return False

@@ -93,6 +93,41 @@ async def test_children_carry_seed_request_id_and_no_n(
         assert child_headers["authorization"] == "Bearer secret"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_body_request_id_names_the_answer_as_native_n_does(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, stream: bool
+) -> None:
+    # vLLM names a request by X-Request-Id, else by the body's request_id: chatcmpl-<it>.
+    body = {"model": "m", "messages": MESSAGES, "n": 2, "request_id": "mine", "stream": stream}
+    status, raw, headers = await post(http, proxy.url + CHAT, body)
+    assert status == 200, raw
+    ids = {p["id"] for p in sse_payloads(raw)[:-1]} if stream else {orjson.loads(raw)["id"]}
+    assert ids == {"chatcmpl-mine"}
+    assert headers["X-Request-Id"] == "mine"
+    children = {rid: b for rid, b, _ in backend.state.seen}
+    assert [children[f"{i}_mine"]["request_id"] for i in range(2)] == ["0_mine", "1_mine"]
+
+
+async def test_header_request_id_wins_over_the_body_one(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {"model": "m", "messages": MESSAGES, "n": 2, "request_id": "body"}
+    status, raw, _ = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "head"})
+    assert status == 200, raw
+    assert orjson.loads(raw)["id"] == "chatcmpl-head"
+
+
+async def test_request_id_with_inner_spaces_is_kept_as_vllm_echoes_it(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {"model": "m", "messages": MESSAGES, "n": 2}
+    status, raw, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "a b"})
+    assert status == 200, raw
+    assert orjson.loads(raw)["id"] == "chatcmpl-a b"
+    assert headers["X-Request-Id"] == "a b"
+    assert {"0_a b", "1_a b"} <= {rid for rid, _, _ in backend.state.seen}
+
+
 async def test_completions_list_prompts_index_p_times_n_plus_i(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from proxy.headers import rebased_headers, request_headers, response_headers
+from proxy.headers import client_request_id, rebased_headers, request_headers, response_headers
 
 HOP_BY_HOP = [
     ("Connection", "keep-alive"),
@@ -158,3 +158,29 @@ def test_rebased_headers_drop_what_the_first_upstream_configured_and_set_the_oth
         ("Authorization", "Bearer other"),
     ]
     assert sent["Authorization"] == "Bearer first"  # the first upstream's copy is untouched
+
+
+@pytest.mark.parametrize(
+    ("header", "body", "expected"),
+    [
+        pytest.param("abc", None, "abc", id="header"),
+        pytest.param("a b  c", None, "a b  c", id="inner-spaces-as-vllm-echoes"),
+        pytest.param(None, "mine", "mine", id="body-request-id"),
+        pytest.param("head", "body", "head", id="header-wins-as-in-vllm"),
+        pytest.param("x" * 200, None, "x" * 200, id="200-chars"),
+        pytest.param("x" * 201, None, None, id="too-long"),
+        pytest.param(" abc", None, None, id="edge-space"),
+        pytest.param("abc\t", None, None, id="tab"),
+        pytest.param("caf\u00e9", None, None, id="non-ascii"),
+        pytest.param("a\x7fb", None, None, id="del"),
+        pytest.param("", None, None, id="empty"),
+        pytest.param("caf\u00e9", "mine", None, id="unsafe-header-not-replaced-by-body"),
+        pytest.param(None, 17, None, id="body-not-a-string"),
+        pytest.param(None, "a\r\nb", None, id="body-crlf"),
+        pytest.param(None, None, None, id="none"),
+    ],
+)
+def test_client_request_id_is_what_vllm_would_name_the_request_when_safe(
+    header: str | None, body: object, expected: str | None
+) -> None:
+    assert client_request_id(header, body) == expected

@@ -743,7 +743,6 @@ SMUGGLED_IDS = [
     pytest.param(b"abc\r\n Injected: 1", id="obs-fold"),
     pytest.param(b"abc\x00def", id="nul"),
     pytest.param(b"abc\x7fdef", id="del"),
-    pytest.param(b"abc def", id="space"),
     pytest.param(b"caf\xc3\xa9", id="utf8"),
     pytest.param(b"caf\xe9", id="latin1"),
     pytest.param(b"\xff\xfe\xfd", id="not-utf8"),

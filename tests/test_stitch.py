@@ -153,6 +153,15 @@ def test_stitch_json_gives_native_n_body() -> None:
     }
 
 
+def test_stitch_json_has_null_metrics_instead_of_child_zeros() -> None:
+    # vLLM --enable-per-request-metrics answers "metrics": null for n > 1.
+    bodies = [chat_body(i, "x", metrics={"ttft_s": 0.01 * (i + 1)}) for i in range(2)]
+    merged = stitch_json(plan({"n": 2}), bodies)
+    assert "metrics" in merged
+    assert merged["metrics"] is None
+    assert [b["metrics"] for b in bodies] == [{"ttft_s": 0.01}, {"ttft_s": 0.02}]
+
+
 def test_stitch_json_keeps_child_zeros_id_when_backend_did_not_echo_it() -> None:
     bodies = [chat_body(i, "x") for i in range(2)]
     bodies[0]["id"] = "chatcmpl-llamacpp-r4nd0m"
@@ -491,6 +500,72 @@ def test_stream_usage_for_a_list_of_prompts_counts_each_prompt_once() -> None:
     assert final["usage"] == {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
 
 
+# A vLLM child under --enable-force-include-usage, asked for no usage: usage rides on every
+# chunk, the role chunk included, and a usage chunk ends the stream (should_include_usage).
+FORCED_ROLE = (
+    b'{"id":"chatcmpl-%d_abc","object":"chat.completion.chunk","created":9,"model":"tiny",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+    b'"finish_reason":null}],"prompt_token_ids":null,"prompt_text":null,'
+    b'"usage":{"prompt_tokens":6,"total_tokens":6,"completion_tokens":0}}'
+)
+FORCED_TOKEN = (
+    b'{"id":"chatcmpl-%d_abc","object":"chat.completion.chunk","created":9,"model":"tiny",'
+    b'"choices":[{"index":0,"delta":{"content":"x"},"logprobs":null,"finish_reason":"length",'
+    b'"stop_reason":null}],"usage":{"prompt_tokens":6,"total_tokens":7,"completion_tokens":1}}'
+)
+FORCED_USAGE = (
+    b'{"id":"chatcmpl-%d_abc","object":"chat.completion.chunk","created":9,"model":"tiny",'
+    b'"choices":[],"usage":{"prompt_tokens":6,"total_tokens":7,"completion_tokens":1},'
+    b'"system_fingerprint":"fp"}'
+)
+
+
+def test_stream_usage_the_server_sends_unasked_is_streamed_as_the_server_does() -> None:
+    s = StreamStitcher(plan({"n": 2, "stream": True}))
+    opening = sse(s.chunk(0, FORCED_ROLE % 0) or b"")
+    assert [e["usage"] for e in opening] == [usage(6, 0), usage(6, 0)]
+    assert s.chunk(1, FORCED_ROLE % 1) is None
+    tokens = [one_event(s.chunk(pos, FORCED_TOKEN % pos)) for pos in (1, 0)]
+    assert [t["usage"] for t in tokens] == [usage(6, 1), usage(6, 1)]  # each child's own
+    assert [s.chunk(pos, FORCED_USAGE % pos) for pos in (0, 1)] == [None, None]
+    assert sse(s.tail()) == [
+        {
+            "id": "chatcmpl-abc",
+            "object": "chat.completion.chunk",
+            "created": 9,
+            "model": "tiny",
+            "choices": [],
+            "usage": usage(6, 2),
+            "system_fingerprint": "fp",
+        },
+        "[DONE]",
+    ]
+
+
+def test_stream_usage_chunk_sent_unasked_gives_one_merged_usage_chunk() -> None:
+    s = StreamStitcher(plan({"n": 2, "stream": True}))
+    s.chunk(0, chunk("chatcmpl-0_abc", 1, "a", "stop"))
+    s.chunk(1, chunk("chatcmpl-1_abc", 1, "b", "stop"))
+    assert s.chunk(0, usage_chunk("chatcmpl-0_abc", 4, 1)) is None
+    assert s.chunk(1, usage_chunk("chatcmpl-1_abc", 4, 3)) is None
+    [final, done] = sse(s.tail())
+    assert (final["choices"], final["usage"], done) == ([], usage(4, 4), "[DONE]")
+
+
+def test_stream_tail_drops_one_childs_per_request_metrics() -> None:
+    # vLLM --enable-per-request-metrics: n > 1 has no metrics (they describe one sequence).
+    s = StreamStitcher(plan(STREAM_WITH_USAGE))
+    s.chunk(0, chunk("chatcmpl-0_abc", 1, "a", "stop"))
+    s.chunk(1, chunk("chatcmpl-1_abc", 1, "b", "stop"))
+    timed = {"ttft_s": 0.01, "decode_s": 0.2}
+    for pos in (0, 1):
+        data = orjson.loads(usage_chunk(f"chatcmpl-{pos}_abc", 4, 1))
+        assert s.chunk(pos, orjson.dumps({**data, "metrics": timed})) is None
+    [final, _] = sse(s.tail())
+    assert "metrics" not in final
+    assert final["usage"] == usage(4, 2)
+
+
 @pytest.mark.parametrize(
     "events",
     [
@@ -631,9 +706,52 @@ def test_stream_role_announcement_with_content_keeps_the_content_without_the_rol
 def test_stream_role_chunk_carrying_vendor_fields_is_kept_without_its_role() -> None:
     s = StreamStitcher(plan({"n": 2, "stream": True}))
     s.chunk(0, role_chunk("chatcmpl-0_abc"))
-    kept = one_event(s.chunk(1, role_chunk("chatcmpl-1_abc", prompt_token_ids=[1, 2])))
-    assert kept["prompt_token_ids"] == [1, 2]
+    kept = one_event(s.chunk(1, role_chunk("chatcmpl-1_abc", x_vendor={"child": 1})))
+    assert kept["x_vendor"] == {"child": 1}
     assert kept["choices"][0]["delta"] == {"content": ""}
+
+
+# vLLM's own role chunk, as its server sends it (return_token_ids / return_prompt_text unset).
+VLLM_ROLE_CHUNK = (
+    b'{"id":"chatcmpl-%d_abc","object":"chat.completion.chunk","created":9,"model":"tiny",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+    b'"finish_reason":null}],"prompt_token_ids":%s,"prompt_text":null}'
+)
+
+
+def vllm_opening(prompt_token_ids: list[int] | None, n: int) -> list[dict[str, Any]]:
+    """vLLM's native-n opening: one role chunk per choice, each with the prompt fields."""
+    return [
+        {
+            "id": "chatcmpl-abc",
+            "object": "chat.completion.chunk",
+            "created": 9,
+            "model": "tiny",
+            "choices": [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            "prompt_token_ids": prompt_token_ids,
+            "prompt_text": None,
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("prompt_token_ids", [None, [1, 5, 7]], ids=["null", "asked-for"])
+def test_stream_vllm_role_chunks_with_prompt_fields_give_exactly_vllms_opening(
+    prompt_token_ids: list[int] | None,
+) -> None:
+    s = StreamStitcher(plan({"n": 2, "stream": True}))
+    ids = orjson.dumps(prompt_token_ids)
+    out = [s.chunk(1, VLLM_ROLE_CHUNK % (1, ids)), s.chunk(0, VLLM_ROLE_CHUNK % (0, ids))]
+    assert out[1] is None  # child 0's own announcement adds nothing to the opening
+    assert sse(out[0] or b"") == vllm_opening(prompt_token_ids, 2)
+    assert s.chunks == 2
 
 
 def test_stream_completions_open_with_an_empty_text_per_choice_in_index_order() -> None:
