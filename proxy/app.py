@@ -51,6 +51,7 @@ RUNTIME = web.AppKey("runtime", Runtime)
 POOL = web.AppKey("pool", UpstreamPool)
 TRIMMER = web.AppKey("trimmer", Trimmer)
 UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)  # a pass-through keeps that header
+DEMO_HEADER = "X-N-Proxy-Demo"
 SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohttp/x.y"
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
 
@@ -58,9 +59,14 @@ _SAMPLE_SECONDS = 1.0  # --workers: how often each worker writes its queue depth
 
 
 def build_app(
-    config: Config, runtime: Runtime | None = None, *, resolver: Resolver | None = None
+    config: Config,
+    runtime: Runtime | None = None,
+    *,
+    resolver: Resolver | None = None,
+    notice: str | None = None,
 ) -> web.Application:
-    """``resolver`` replaces the system's DNS lookups for ``discovery.dns`` (tests inject one)."""
+    """``resolver`` replaces the system's DNS lookups for ``discovery.dns`` (tests inject one);
+    ``notice`` goes out as ``X-N-Proxy-Demo`` on every response (the demo mode's warning)."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
         # auto_decompress off: a pass-through forwards the client's bytes as they came; the
@@ -70,6 +76,8 @@ def build_app(
     app[RUNTIME] = runtime or Runtime(config)
     app[TRIMMER] = Trimmer()
     app.on_response_prepare.append(_server_header)
+    if notice is not None:
+        app.on_response_prepare.append(functools.partial(_notice_header, notice))
     app.cleanup_ctx.append(functools.partial(_pool, resolver=resolver))
     app.router.add_route("*", "/{tail:.*}", handle)
     return app
@@ -78,6 +86,10 @@ def build_app(
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
     if not request.get(UPSTREAM_SERVER, False):
         response.headers["Server"] = SERVER
+
+
+async def _notice_header(notice: str, request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[DEMO_HEADER] = notice  # replaces any copy a pass-through brought along
 
 
 async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterator[None]:

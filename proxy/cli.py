@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import orjson
 
+from proxy import __version__
 from proxy.config import (
     MAX_N_CEILING,
     Config,
@@ -23,7 +24,18 @@ from proxy.config import (
 )
 from proxy.log import LEVELS, setup_logging
 from proxy.server import Server, install_uvloop, run
-from proxy.workers import available_cpus, run_workers
+from proxy.workers import (
+    WORKER_MEMORY_BYTES,
+    MiB,
+    auto_workers,
+    check_worker_count,
+    max_workers,
+    run_workers,
+)
+
+AUTO = 0  # --workers auto, resolved once the config is known
+DEMO_MODEL = "demo"
+DEMO_NOTICE = "no upstream configured; this answer comes from the built-in demo backend"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["check-config"]:
         return check_config(args[1:])
     if args[:1] == ["config-schema"]:
+        _schema_parser().parse_args(args[1:])
         sys.stdout.write(orjson.dumps(config_schema(), option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
     options = _parser().parse_args(args)
@@ -40,11 +53,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"n-proxy: config error: {exc}", file=sys.stderr)
         return 2
     demo = options.upstream is None and options.config is None
-    if options.workers > 1:
+    workers = options.workers
+    if workers == AUTO:
+        # Never more workers than the limits can be divided among (proxy.workers.worker_config).
+        workers = 1 if demo else min(auto_workers(), max_workers(config))
+    if workers > 1:
         if demo:
             print("n-proxy: --workers needs --upstream or --config", file=sys.stderr)
             return 2
-        return run_workers(config, options.workers)
+        try:
+            check_worker_count(config, workers)
+        except ConfigError as exc:
+            print(f"n-proxy: --workers {workers}: {exc}", file=sys.stderr)
+            return 2
+        return run_workers(config, workers)
     setup_logging(config.log_format, config.log_level)
     install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
@@ -53,16 +75,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def check_config(args: Sequence[str]) -> int:
-    if len(args) != 1:
-        print("usage: n-proxy check-config FILE", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(
+        prog="n-proxy check-config",
+        description="Validate an n-proxy YAML config: exit 0 if it loads, 1 with the first error "
+        "(naming its YAML key) if not. ${ENV} placeholders are expanded from the environment.",
+    )
+    parser.add_argument("file", metavar="FILE", help="the YAML config to check")
+    path = parser.parse_args(args).file
     try:
-        config = load_config(args[0])
+        config = load_config(path)
     except ConfigError as exc:
-        print(f"{args[0]}: {exc}", file=sys.stderr)
+        print(f"{path}: {exc}", file=sys.stderr)
         return 1
-    print(f"{args[0]}: ok ({len(config.upstreams)} upstreams, {len(config.routes)} routes)")
+    print(f"{path}: ok ({len(config.upstreams)} upstreams, {len(config.routes)} routes)")
     return 0
+
+
+def _schema_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog="n-proxy config-schema",
+        description="Print the JSON Schema of the YAML config, for editors and CI checks.",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
         "`n-proxy check-config FILE` validates a config file; "
         "`n-proxy config-schema` prints its JSON Schema.",
     )
+    parser.add_argument("--version", action="version", version=f"n-proxy {__version__}")
     parser.add_argument("--upstream", help="base URL of the OpenAI-compatible server")
     parser.add_argument(
         "--config",
@@ -86,7 +120,9 @@ def _parser() -> argparse.ArgumentParser:
         "--workers",
         type=_workers,
         default=1,
-        help="processes sharing the port (SO_REUSEPORT); auto: the CPUs of the cgroup quota",
+        help="processes sharing the port (SO_REUSEPORT), each with its share of the limits; "
+        f"auto: the CPUs of the cgroup quota, at most one per {WORKER_MEMORY_BYTES // MiB} MiB "
+        "of its memory limit",
     )
     parser.add_argument("--log-format", choices=("json", "text"), help="request log format")
     parser.add_argument(
@@ -100,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _workers(value: str) -> int:
     if value == "auto":
-        return available_cpus()
+        return AUTO
     count = int(value)
     if count < 1:
         raise ValueError(value)
@@ -142,25 +178,37 @@ def _config(options: argparse.Namespace) -> Config:
 
 
 async def serve(config: Config, *, demo: bool = False) -> None:
-    """Run until SIGTERM or SIGINT, then drain."""
+    """Run until SIGTERM or SIGINT, then drain.
+
+    ``demo``: no upstream was configured, so the built-in demo backend answers, and says so on
+    every answer (``model: "demo"`` and an ``X-N-Proxy-Demo`` header): a forgotten ``--upstream``
+    must not pass for a real model.
+    """
     dev_runner = None
+    notice = None
     if demo:
         from proxy.devserver import DevConfig, start_devserver
 
-        dev_runner, dev_port, _ = await start_devserver(DevConfig(token_delay=0.02))
+        dev_config = DevConfig(token_delay=0.02, model=DEMO_MODEL, model_override=True)
+        dev_runner, dev_port, _ = await start_devserver(dev_config)
         upstream = config.upstreams[0].model_copy(
             update={"urls": (f"http://127.0.0.1:{dev_port}",)}
         )
         config = config.model_copy(update={"upstreams": (upstream,)})
-        print(f"n-proxy: no --upstream given; demo backend on 127.0.0.1:{dev_port}", flush=True)
-    server = Server(config)
+        notice = DEMO_NOTICE
+        print(
+            f"n-proxy: no --upstream given; demo backend on 127.0.0.1:{dev_port} "
+            f'(every answer has model "{DEMO_MODEL}" and an X-N-Proxy-Demo header)',
+            flush=True,
+        )
+    server = Server(config, notice=notice)
     try:
         await server.start()
         upstreams = ", ".join(f"{u.name}={'|'.join(u.urls)}" for u in config.upstreams)
         where = f"http://{config.listen.host}:{server.proxy_port}"
         admin = f", admin on port {server.admin_port}" if config.admin else ""
-        print(f"n-proxy: listening on {where} -> {upstreams}{admin}", flush=True)
-        await run(server)
+        banner = f"n-proxy: listening on {where} -> {upstreams}{admin}"
+        await run(server, ready=lambda: print(banner, flush=True))
     finally:
         if dev_runner is not None:
             await dev_runner.cleanup()

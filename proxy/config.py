@@ -96,8 +96,16 @@ def _retry_condition(value: object) -> str | int:
     raise ValueError("must be connect, reset or an HTTP status from 400 to 599")
 
 
-def _ranged(lo: int, hi: int) -> Any:
-    return Field(strict=True, ge=lo, le=hi)
+def _ranged(lo: int, hi: int, description: str | None = None) -> Any:
+    return Field(strict=True, ge=lo, le=hi, description=description)
+
+
+# Schema descriptions of the limits --workers N divides (proxy.workers.worker_config).
+_SHARED = " The proxy's total: with --workers N each worker enforces its share (they add up to it)."
+_DIVIDED = _SHARED + " Every worker needs at least 1, so N may not exceed it."
+_CONCURRENCY = "Upstream requests in flight; children are admitted one at a time, FIFO." + _DIVIDED
+_QUEUE = "Children waiting for a slot; a request arriving past it gets 429." + _SHARED
+_CONNECTIONS = "Open client connections; past it new ones are closed at accept." + _DIVIDED
 
 
 Url = Annotated[str, BeforeValidator(_url), WithJsonSchema({"type": "string", "format": "uri"})]
@@ -239,8 +247,8 @@ class Upstream(_Section):
     name: Annotated[str, Field(min_length=1)]
     urls: Annotated[tuple[Url, ...], Field(min_length=1)]
     native_n: Annotated[bool, Field(strict=True)] = False
-    max_concurrency: Annotated[int, _ranged(1, 1_000_000)] = 4096
-    max_queue: Annotated[int, _ranged(0, 1_000_000)] = 4096
+    max_concurrency: Annotated[int, _ranged(1, 1_000_000, _CONCURRENCY)] = 4096
+    max_queue: Annotated[int, _ranged(0, 1_000_000, _QUEUE)] = 4096
     placement: Annotated[Placement, BeforeValidator(_placement)] = Placement(choose="round_robin")
     headers: dict[str, HeaderValue] = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
@@ -298,7 +306,7 @@ class Config(_Section):
     max_body_bytes: Annotated[int, _ranged(1, 1 << 31)] = 16 * MiB
     max_children: Annotated[int, _ranged(1, 1_000_000)] = 2048  # prompts x n (or best_of)
     max_response_bytes: Annotated[int, _ranged(1, 1 << 40)] = 64 * MiB
-    max_connections: Annotated[int, _ranged(1, 10_000_000)] = 10_000
+    max_connections: Annotated[int, _ranged(1, 10_000_000, _CONNECTIONS)] = 10_000
     client_timeouts: ClientTimeouts = ClientTimeouts()
     stream_start: Literal["first", "all"] = "first"
     sse_keepalive_seconds: Annotated[float, Field(strict=True, ge=0)] = 15.0

@@ -31,7 +31,6 @@ class Trimmer:
     def __init__(self) -> None:
         self._trim = _malloc_trim()
         self._pending: asyncio.TimerHandle | None = None
-        self.runs = 0
 
     def request_ended(self, body_bytes: int, children: int) -> None:
         if self._trim is None or self._pending is not None:
@@ -44,7 +43,6 @@ class Trimmer:
         self._pending = None
         if self._trim is not None:
             self._trim(0)
-            self.runs += 1
 
     def close(self) -> None:
         if self._pending is not None:

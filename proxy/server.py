@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import resource
 import signal
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -36,12 +37,14 @@ _SPARE_FDS = 256  # beyond client and upstream connections: admin, logs, DNS, he
 
 
 class Server:
-    def __init__(self, config: Config, *, reuse_port: bool = False) -> None:
+    def __init__(
+        self, config: Config, *, reuse_port: bool = False, notice: str | None = None
+    ) -> None:
         self.config = config
         self.reuse_port = reuse_port
         self.runtime = Runtime(config, tracing=tracing_from_env())
         self._proxy = web.AppRunner(
-            build_app(config, self.runtime),
+            build_app(config, self.runtime, notice=notice),
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=_CUT_GRACE,
@@ -89,13 +92,21 @@ class Server:
 
 
 async def run(
-    server: Server, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+    server: Server,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+    ready: Callable[[], None] | None = None,
 ) -> None:
-    """Serve until one of ``signals``, then drain and stop."""
+    """Serve until one of ``signals``, then drain and stop.
+
+    ``ready`` runs once the signals are ours: a banner printed before that would let a SIGTERM
+    that follows it at once kill the process undrained (the default action).
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready()
     try:
         await stop.wait()
         await server.drain()

@@ -2,7 +2,8 @@
 
 The parent only supervises: it forwards SIGTERM and SIGINT, waits while the workers drain, and
 exits non-zero if a worker dies. Worker 0 alone serves the admin port; its ``/metrics`` adds up
-every worker through prometheus-client's multiprocess mode.
+every worker through prometheus-client's multiprocess mode. The configured limits are the
+proxy's, not each worker's: every worker enforces its share of them (``worker_config``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,46 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from types import FrameType
 
-from proxy.config import Config
+from proxy.config import Config, ConfigError
 from proxy.log import setup_logging
 from proxy.server import Server, install_uvloop, run
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+MiB = 1024 * 1024
+# What ``--workers auto`` budgets per worker against the cgroup memory limit. One worker idles at
+# about 54 MiB RSS and stays near 63 MiB through 512 concurrent stream children (measured against
+# the demo backend); the rest is room for bodies up to max_body_bytes and max_response_bytes.
+WORKER_MEMORY_BYTES = 256 * MiB
+SUPERVISOR_MEMORY_BYTES = 64 * MiB  # the parent process: Python, the imports, no requests
+_UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def auto_workers(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """``--workers auto``: one worker per CPU of the cgroup quota, as many as its memory limit
+    holds at ``WORKER_MEMORY_BYTES`` each (after the supervisor's share), and at least one.
+
+    A pod with a memory limit and no CPU limit (the usual way to run a latency-sensitive proxy)
+    would otherwise start one worker per CPU of the node, and be OOM-killed under load.
+    """
+    cpus = available_cpus(cgroup)
+    limit = memory_limit(cgroup)
+    if limit is None:
+        return cpus
+    return max(1, min(cpus, (limit - SUPERVISOR_MEMORY_BYTES) // WORKER_MEMORY_BYTES))
+
+
+def memory_limit(cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """This cgroup's memory limit in bytes (a pod's memory limit), or None when there is none.
+
+    cgroup v2 ``memory.max`` ("max" or bytes), else v1 ``memory/memory.limit_in_bytes``.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        text = (cgroup / "memory.max").read_text().strip()
+        return None if text == "max" else int(text)
+    with contextlib.suppress(OSError, ValueError):
+        limit = int((cgroup / "memory" / "memory.limit_in_bytes").read_text())
+        return None if limit <= 0 or limit >= _UNLIMITED else limit
+    return None
 
 
 def available_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -52,12 +88,70 @@ def _cgroup_quota(cgroup: Path) -> float | None:
     return None
 
 
+def worker_config(config: Config, index: int, count: int) -> Config:
+    """The config of worker ``index`` of ``count``: its share of every proxy-wide limit.
+
+    ``max_connections`` and each upstream's ``max_concurrency`` and ``max_queue`` are divided so
+    that the shares add up to the configured value: the first ``total % count`` workers take one
+    more than ``total // count``. The retry budget's floor (``min_per_second``) is split evenly;
+    its ``percent`` is of each worker's own requests, so it holds for the sum as it is. Worker 0
+    alone serves the admin port. A process cannot see
+    another's connections or slots without shared state on the hot path, so the limits are
+    divided, not shared: a worker whose share is taken queues or refuses (429) even if another
+    has room (the kernel spreads connections over the workers, not requests).
+    """
+    check_worker_count(config, count)
+    upstreams = tuple(
+        upstream.model_copy(
+            update={
+                "max_concurrency": _share(upstream.max_concurrency, index, count),
+                "max_queue": _share(upstream.max_queue, index, count),
+                "retry_budget": upstream.retry_budget.model_copy(
+                    update={"min_per_second": upstream.retry_budget.min_per_second / count}
+                ),
+            }
+        )
+        for upstream in config.upstreams
+    )
+    update: dict[str, object] = {
+        "upstreams": upstreams,
+        "max_connections": _share(config.max_connections, index, count),
+    }
+    if index > 0:
+        update["admin"] = None
+    return config.model_copy(update=update)
+
+
+def max_workers(config: Config) -> int:
+    """The most workers the limits can be divided among (``check_worker_count``)."""
+    return min([config.max_connections, *(u.max_concurrency for u in config.upstreams)])
+
+
+def check_worker_count(config: Config, count: int) -> None:
+    """Every worker needs at least one connection and one upstream slot of its own."""
+    limits = [("max_connections", config.max_connections)] + [
+        (f"upstreams[{i}].max_concurrency", u.max_concurrency)
+        for i, u in enumerate(config.upstreams)
+    ]
+    for key, total in limits:
+        if total < count:
+            raise ConfigError(
+                f"{key}: {total} cannot be divided among {count} workers (each needs at least "
+                f"one); run at most {total} workers or raise it"
+            )
+
+
+def _share(total: int, index: int, count: int) -> int:
+    return total // count + (1 if index < total % count else 0)
+
+
 def run_workers(config: Config, count: int) -> int:
+    check_worker_count(config, count)
     metrics_dir = tempfile.mkdtemp(prefix="n-proxy-metrics-")
     os.environ[METRICS_DIR_ENV] = metrics_dir  # inherited by the spawned workers
     context = multiprocessing.get_context("spawn")
     workers = [
-        context.Process(target=_work, args=(config, index), name=f"n-proxy-worker-{index}")
+        context.Process(target=_work, args=(config, index, count), name=f"n-proxy-worker-{index}")
         for index in range(count)
     ]
     stopping = False
@@ -87,9 +181,8 @@ def run_workers(config: Config, count: int) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _work(config: Config, index: int) -> None:
-    if index > 0:
-        config = config.model_copy(update={"admin": None})
+def _work(config: Config, index: int, count: int) -> None:
+    config = worker_config(config, index, count)
     setup_logging(config.log_format, config.log_level)
     install_uvloop()
     # The parent decides when to stop; a terminal's Ctrl-C reaches us through it as SIGTERM.
@@ -99,7 +192,7 @@ def _work(config: Config, index: int) -> None:
         server = Server(config, reuse_port=True)
         await server.start()
         where = f"http://{config.listen.host}:{server.proxy_port}"
-        print(f"n-proxy: worker {index} (pid {os.getpid()}) listening on {where}", flush=True)
-        await run(server, signals=(signal.SIGTERM,))
+        banner = f"n-proxy: worker {index} (pid {os.getpid()}) listening on {where}"
+        await run(server, signals=(signal.SIGTERM,), ready=lambda: print(banner, flush=True))
 
     asyncio.run(serve())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -10,15 +11,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tomllib
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
+from proxy.workers import MiB
+from tests.conftest import with_upstream
 
 
 def test_demo_mode_serves_n3_and_drains_on_sigterm() -> None:
@@ -33,15 +38,18 @@ def test_demo_mode_serves_n3_and_drains_on_sigterm() -> None:
             assert "demo backend" in banner[0]
             found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", banner[1])
             assert found, banner
-            body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "n": 3}
+            # A client that forgot --upstream and asks for a real model: every answer says demo.
+            body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "n": 3}
             request = urllib.request.Request(
                 found.group(1) + "/v1/chat/completions",
                 data=json.dumps(body).encode(),
                 headers={"Content-Type": "application/json"},
             )
             with urllib.request.urlopen(request, timeout=10) as response:
+                assert "demo backend" in response.headers["X-N-Proxy-Demo"]
                 answer = json.load(response)
             assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+            assert answer["model"] == "demo"
             for _ in range(5):  # n=1: passed through, for the log's durations below
                 single = urllib.request.Request(
                     found.group(1) + "/v1/chat/completions",
@@ -49,7 +57,13 @@ def test_demo_mode_serves_n3_and_drains_on_sigterm() -> None:
                     headers={"Content-Type": "application/json"},
                 )
                 with urllib.request.urlopen(single, timeout=10) as response:
-                    assert len(json.load(response)["choices"]) == 1
+                    assert "demo backend" in response.headers["X-N-Proxy-Demo"]
+                    single_answer = json.load(response)
+                assert len(single_answer["choices"]) == 1
+                assert single_answer["model"] == "demo"
+            with urllib.request.urlopen(found.group(1) + "/v1/models", timeout=10) as response:
+                assert "demo backend" in response.headers["X-N-Proxy-Demo"]
+                assert [m["id"] for m in json.load(response)["data"]] == ["demo"]
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=15) == 0
             lines = process.stderr.read().splitlines()
@@ -58,11 +72,95 @@ def test_demo_mode_serves_n3_and_drains_on_sigterm() -> None:
                 process.kill()
     log = [json.loads(line) for line in lines if line.startswith("{")]
     requests = [entry for entry in log if entry["msg"] == "request"]
+    # n=3, five n=1 and the /v1/models list (logged as n=1: not fanned out)
     assert [(r["n"], r["children"], r["status"]) for r in requests] == [(3, 3, 200)] + [
         (1, 0, 200)
-    ] * 5
+    ] * 6
     # Timed finer than uvloop's loop.time(), which moves in whole milliseconds.
     assert any(r["duration_ms"] != round(r["duration_ms"]) for r in requests)
+
+
+async def test_a_configured_upstream_answers_without_the_demo_notice(
+    proxy: Any, http: aiohttp.ClientSession
+) -> None:
+    body = {"model": "my-model", "messages": [{"role": "user", "content": "hi"}], "n": 2}
+    async with http.post(proxy.url + "/v1/chat/completions", json=body) as response:
+        assert "X-N-Proxy-Demo" not in response.headers
+        assert (await response.json())["model"] == "my-model"
+
+
+async def test_demo_notice_is_on_every_kind_of_answer(
+    make_backend: Any, http: aiohttp.ClientSession
+) -> None:
+    """Fan-out JSON and SSE (built by the proxy), pass-through (the backend's), and errors."""
+    from proxy.app import build_app
+    from proxy.cli import DEMO_MODEL, DEMO_NOTICE
+    from proxy.config import single_upstream_config
+
+    backend = await make_backend(model=DEMO_MODEL, model_override=True)
+    runner = web.AppRunner(build_app(single_upstream_config(backend.url), notice=DEMO_NOTICE))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+    chat = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    try:
+        for body, status in [
+            ({**chat, "n": 2}, 200),
+            ({**chat, "n": 2, "stream": True}, 200),
+            (chat, 200),
+            ({**chat, "n": 0}, 400),
+        ]:
+            async with http.post(url, json=body) as response:
+                assert response.status == status
+                assert response.headers.getall("X-N-Proxy-Demo") == [DEMO_NOTICE]
+                text = await response.text()
+            if status == 200:
+                assert f'"model":"{DEMO_MODEL}"' in text.replace(" ", "")
+                assert "gpt-4o" not in text
+    finally:
+        await runner.cleanup()
+
+
+def test_version_flag_prints_the_package_version() -> None:
+    import proxy
+
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert done.stdout == f"n-proxy {proxy.__version__}\n"
+    # One source for the version: the wheel's metadata reads the same attribute.
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "proxy.__version__"}
+
+
+@pytest.mark.parametrize(
+    ("command", "usage"),
+    [
+        (["check-config", "--help"], "usage: n-proxy check-config [-h] FILE"),
+        (["config-schema", "--help"], "usage: n-proxy config-schema [-h]"),
+        (["--help"], "usage: n-proxy [-h] [--version]"),
+    ],
+)
+def test_every_command_has_help(
+    command: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(command)
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith(usage)
+
+
+def test_check_config_needs_exactly_one_file(capsys: pytest.CaptureFixture[str]) -> None:
+    for args in ([], ["a.yaml", "b.yaml"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["check-config", *args])
+        assert exit_.value.code == 2
+        assert "usage: n-proxy check-config" in capsys.readouterr().err
 
 
 def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,10 +258,166 @@ def test_workers_auto_is_the_cgroup_cpu_quota_within_the_affinity(
 
 
 def test_workers_flag_takes_auto_or_a_positive_count() -> None:
-    from proxy.cli import _parser
-    from proxy.workers import available_cpus
+    from proxy.cli import AUTO, _parser
 
-    assert _parser().parse_args(["--workers", "auto"]).workers == available_cpus()
+    assert _parser().parse_args(["--workers", "auto"]).workers == AUTO  # resolved with the config
     assert _parser().parse_args(["--workers", "3"]).workers == 3
     with pytest.raises(SystemExit):
         _parser().parse_args(["--workers", "0"])
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"memory.max": "max\n"}, None),
+        ({"memory.max": f"{512 * MiB}\n"}, 1),  # the sidecar's 512Mi: (512 - 64) // 256
+        ({"memory.max": f"{1024 * MiB}\n"}, 3),  # the gateway's 1Gi
+        ({"memory.max": f"{1024 * MiB}\n", "cpu.max": "200000 100000\n"}, 2),  # CPU the lower
+        ({"memory.max": f"{100 * MiB}\n"}, 1),  # never below one
+        ({"memory/memory.limit_in_bytes": f"{2048 * MiB}\n"}, 7),
+        ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, None),  # v1 "unlimited"
+    ],
+    ids=["v2-unlimited", "v2-512Mi", "v2-1Gi", "v2-1Gi-2cpu", "v2-100Mi", "v1-2Gi", "v1-max"],
+)
+def test_workers_auto_is_capped_by_the_cgroup_memory_limit(
+    tmp_path: Path, files: dict[str, str], expected: int | None
+) -> None:
+    from proxy.workers import auto_workers
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    cpus = len(os.sched_getaffinity(0))
+    if "cpu.max" in files:
+        cpus = min(cpus, 2)
+    assert auto_workers(tmp_path) == (cpus if expected is None else min(expected, cpus))
+
+
+# --- Limits are the proxy's, whatever the worker count (issue 17, item 10) -------------------
+
+
+@pytest.mark.parametrize(
+    ("total", "count", "shares"),
+    [(4096, 2, [2048, 2048]), (10, 3, [4, 3, 3]), (5, 5, [1] * 5), (7, 1, [7]), (3, 2, [2, 1])],
+)
+def test_each_worker_enforces_its_share_of_the_limits_and_the_shares_add_up(
+    total: int, count: int, shares: list[int]
+) -> None:
+    from proxy.config import Listen, single_upstream_config
+    from proxy.workers import worker_config
+
+    config = single_upstream_config("http://127.0.0.1:1", max_connections=total + 1)
+    config = with_upstream(config, max_concurrency=total, max_queue=total - 1)
+    config = config.model_copy(update={"admin": Listen(port=0)})
+    workers = [worker_config(config, index, count) for index in range(count)]
+    assert [w.upstreams[0].max_concurrency for w in workers] == shares
+    assert sum(w.upstreams[0].max_queue for w in workers) == total - 1
+    assert sum(w.max_connections for w in workers) == total + 1
+    assert all(w.upstreams[0].max_concurrency >= 1 and w.max_connections >= 1 for w in workers)
+    assert [w.admin is not None for w in workers] == [True] + [False] * (count - 1)
+    floor = config.upstreams[0].retry_budget.min_per_second
+    assert sum(w.upstreams[0].retry_budget.min_per_second for w in workers) == pytest.approx(floor)
+    # Everything else is the configured value.
+    strip = {"max_concurrency": 0, "max_queue": 0, "retry_budget": config.upstreams[0].retry_budget}
+    for worker in workers:
+        assert with_upstream(worker, **strip).model_copy(
+            update={"max_connections": 1, "admin": None}
+        ) == with_upstream(config, **strip).model_copy(update={"max_connections": 1, "admin": None})
+
+
+def test_schema_says_the_divided_limits_are_the_proxys_totals() -> None:
+    from proxy.config import config_schema
+
+    schema = config_schema()
+    upstream = schema["$defs"]["Upstream"]["properties"]
+    for described in (upstream["max_concurrency"], upstream["max_queue"]):
+        assert "with --workers N each worker" in described["description"]
+    assert "with --workers N each worker" in schema["properties"]["max_connections"]["description"]
+
+
+def test_more_workers_than_a_limit_can_be_divided_among_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("upstreams: [{name: a, url: 'http://127.0.0.1:1', max_concurrency: 2}]\n")
+    assert main(["--config", str(path), "--workers", "3"]) == 2
+    assert "upstreams[0].max_concurrency: 2 cannot be divided among 3 workers" in (
+        capsys.readouterr().err
+    )
+
+
+async def test_two_workers_send_the_upstream_at_most_max_concurrency_children_at_once(
+    tmp_path: Path,
+) -> None:
+    """Each worker holds 1 of the 2 slots: both busy at once reach 2 upstream, never 4."""
+    in_flight, peak = 0, 0
+    full, release = asyncio.Event(), asyncio.Event()
+
+    async def complete(request: web.Request) -> web.Response:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        if in_flight >= 2:
+            full.set()
+        try:
+            await asyncio.wait_for(release.wait(), 30)
+        finally:
+            in_flight -= 1
+        message = {"role": "assistant", "content": "a"}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m"}
+        return web.json_response({**body, "choices": [choice], "usage": usage})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    upstream = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    path = tmp_path / "config.yaml"
+    path.write_text(f"upstreams: [{{name: a, url: '{upstream}', max_concurrency: 2}}]\n")
+    port = free_port()
+    command = [sys.executable, "-m", "proxy", "--config", str(path), "--workers", "2"]
+    command += ["--port", str(port)]
+    # Its own session: on a failure the workers go down with the supervisor (killpg below).
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert process.stdout is not None
+        for _ in range(2):
+            assert "listening" in (await process.stdout.readline()).decode()
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}
+        async with aiohttp.ClientSession() as http:
+
+            async def ask() -> int:
+                # A fresh connection each, so the kernel spreads them over both workers.
+                async with http.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json=body,
+                    headers={"Connection": "close"},
+                ) as response:
+                    await response.read()
+                    return response.status
+
+            asks = [asyncio.ensure_future(ask()) for _ in range(16)]
+            await asyncio.wait_for(full.wait(), 20)  # both workers hold their one slot
+            await asyncio.sleep(0.5)  # room for any child past the limit to arrive
+            assert peak == 2
+            release.set()
+            assert await asyncio.wait_for(asyncio.gather(*asks), 30) == [200] * 16
+        assert peak == 2
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 15) == 0
+    finally:
+        release.set()
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.wait_for(process.wait(), 10)
+        await runner.cleanup()

@@ -3,13 +3,20 @@ Kubernetes schemas of a pinned version, and checks the sidecar invariants and th
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import hashlib
+import importlib.metadata
 import json
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +25,10 @@ from typing import Any
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
+from aiohttp import web
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -328,16 +339,119 @@ def test_proxy_listeners_bind_all_addresses_so_service_and_kubelet_reach_them(tr
     assert config["admin"] == {"host": "0.0.0.0", "port": 8081}
 
 
+def _pre_stop(objects: tuple[Manifest, ...]) -> list[str]:
+    command: list[str] = _container(objects, "inference")["lifecycle"]["preStop"]["exec"]["command"]
+    return command
+
+
+def _wait_bound(command: list[str]) -> int:
+    """The seconds the inference server's preStop waits for the proxy at most."""
+    (bound,) = re.findall(r"(?:\$\(date \+%s\)|time\.monotonic\(\)) \+ (\d+)", command[-1])
+    return int(bound)
+
+
+def _shutdown_timeout(objects: tuple[Manifest, ...]) -> int:
+    args = _container(objects, "inference").get("args", [])
+    return int(_flag(args, "--shutdown-timeout")) if "--shutdown-timeout" in args else 0
+
+
 @pytest.mark.parametrize("tree", TREES)
-def test_grace_period_outlasts_the_drain_and_the_server_outlives_the_proxy(tree: str) -> None:
+def test_grace_period_holds_the_proxy_drain_then_the_server_shutdown(tree: str) -> None:
     objects = rendered(tree)
-    drain = _proxy_config(objects).get("drain_seconds", 25)
+    config = _proxy_config(objects)
+    drain = config.get("drain_seconds", 25)
     grace = _pod(objects)["spec"]["terminationGracePeriodSeconds"]
-    command = _container(objects, "inference")["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[0] == "sleep"
-    # The server must still answer while the proxy drains, and stop before SIGKILL.
-    assert (drain, int(command[1]), grace) == (25, 30, 40)
-    assert drain < int(command[1]) < grace
+    command = _pre_stop(objects)
+    # The server waits for the proxy itself (its admin port), not for a fixed time...
+    assert f"http://127.0.0.1:{config['admin']['port']}/livez" in command[-1]
+    # ...for longer than the proxy may drain, and the server's own drain fits after it.
+    bound, shutdown = _wait_bound(command), _shutdown_timeout(objects)
+    assert (drain, bound, shutdown, grace) == (25, 30, 10 if tree == "vllm" else 0, 45)
+    assert drain < bound
+    assert bound + shutdown < grace
+
+
+def _runnable(command: list[str], admin_port: int, bound: int | None = None) -> list[str]:
+    """The preStop command as this machine can run it: our Python, a loopback test port."""
+    script = command[-1].replace("127.0.0.1:8081", f"127.0.0.1:{admin_port}")
+    if bound is not None:
+        script = re.sub(r"(\$\(date \+%s\)|time\.monotonic\(\)) \+ \d+", rf"\1 + {bound}", script)
+    program = sys.executable if command[0] == "python3" else command[0]
+    if shutil.which(program) is None or (command[0] == "sh" and shutil.which("curl") is None):
+        pytest.skip(f"{command[0]} (and curl) needed to run the preStop command")
+    return [program, *command[1:-1], script]
+
+
+@pytest.mark.parametrize("tree", TREES)
+async def test_server_pre_stop_returns_when_the_proxy_has_drained_and_exited(
+    tree: str, make_backend: Any, tmp_path: Path
+) -> None:
+    """Both start at the pod's deletion: SIGTERM to the proxy, the preStop in the server."""
+    backend = await make_backend()
+    admin = _free_port()
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"upstreams: [{{name: a, url: '{backend.url}'}}]\n"
+        f"listen: {{port: 0}}\nadmin: {{port: {admin}}}\ndrain_grace_seconds: 1.5\n"
+    )
+    proxy = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "--config", str(path), stdout=subprocess.PIPE
+    )
+    pre_stop: asyncio.subprocess.Process | None = None
+    try:
+        assert proxy.stdout is not None
+        assert "listening" in (await asyncio.wait_for(proxy.stdout.readline(), 20)).decode()
+        signalled = time.monotonic()
+        proxy.send_signal(signal.SIGTERM)
+        pre_stop = await asyncio.create_subprocess_exec(
+            *_runnable(_pre_stop(rendered(tree)), admin)
+        )
+        assert await asyncio.wait_for(proxy.wait(), 20) == 0
+        exited = time.monotonic()
+        assert await asyncio.wait_for(pre_stop.wait(), 10) == 0
+        done = time.monotonic()
+        # Not before the proxy let go (it serves new connections for drain_grace_seconds, and
+        # its admin port until it exits), and within a poll of its exit: no fixed sleep.
+        assert done - signalled >= 1.5
+        assert done - exited < 2.5
+    finally:
+        for process in (proxy, pre_stop):
+            if process is not None and process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+@pytest.mark.parametrize("tree", TREES)
+async def test_server_pre_stop_gives_up_on_a_proxy_that_never_exits(tree: str) -> None:
+    async def livez(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/livez", livez)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    admin = runner.addresses[0][1]
+    try:
+        started = time.monotonic()
+        pre_stop = await asyncio.create_subprocess_exec(
+            *_runnable(_pre_stop(rendered(tree)), admin, bound=2)
+        )
+        try:
+            assert await asyncio.wait_for(pre_stop.wait(), 15) == 0
+        finally:
+            if pre_stop.returncode is None:
+                pre_stop.kill()
+                await pre_stop.wait()
+        assert 2 <= time.monotonic() - started < 8  # 30 s unpatched; slack for a loaded machine
+    finally:
+        await runner.cleanup()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 @pytest.mark.parametrize("tree", TREES)
@@ -410,7 +524,7 @@ def test_inference_server_listens_on_loopback_where_the_config_points(tree: str)
 def test_vllm_overlay_serves_a_model_on_one_gpu() -> None:
     objects = rendered("vllm")
     inference = _container(objects, "inference")
-    assert inference["image"] == "vllm/vllm-openai:v0.11.0"
+    assert inference["image"] == "vllm/vllm-openai:v0.32.0"  # has --shutdown-timeout
     assert inference["command"] == ["vllm", "serve"]
     assert inference["args"][0] == "Qwen/Qwen2.5-1.5B-Instruct"
     assert inference["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -490,7 +604,8 @@ def test_dockerfile_builds_wheels_then_installs_them_with_the_fast_extra() -> No
     assert preamble == [("ARG", "PYTHON_IMAGE=python:3.12-slim-trixie")]
     assert build[0] == ("FROM", "${PYTHON_IMAGE} AS build")
     assert runtime[0] == ("FROM", "${PYTHON_IMAGE} AS runtime")
-    assert 'pip wheel --wheel-dir /wheels ".[fast]"' in _dockerfile_directive(1, "RUN")
+    wheel = 'pip wheel --wheel-dir /wheels --constraint constraints.txt ".[fast]"'
+    assert wheel in _dockerfile_directive(1, "RUN")
     install = _dockerfile_directive(2, "RUN")
     assert "--mount=type=bind,from=build,source=/wheels" in install
     assert 'pip install --no-index --find-links /wheels "n-proxy[fast]"' in install
@@ -525,10 +640,91 @@ def test_build_context_holds_and_lets_in_every_copied_path() -> None:
     allowed = (DEPLOY / "Dockerfile.dockerignore").read_text("utf-8").splitlines()
     copied = [a.split()[:-1] for k, a in _dockerfile_stages()[1] if k == "COPY"]
     sources = [s for group in copied for s in group]
-    assert sources == ["pyproject.toml", "README.md", "proxy"]
+    assert sources == ["pyproject.toml", "README.md", "LICENSE", "deploy/constraints.txt", "proxy"]
     for source in sources:
         assert (ROOT / source).exists(), f"{source} is missing from the repository"
         assert f"!{source}" in allowed
+
+
+# The image's Python: markers in the pinned packages' requirements are evaluated for it.
+_IMAGE_ENVIRONMENT = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.1",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "extra": "",
+}
+
+
+def _pins() -> dict[str, Version]:
+    pins: dict[str, Version] = {}
+    for line in (DEPLOY / "constraints.txt").read_text("utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not an exact pin"
+            pins[canonicalize_name(name)] = Version(version)
+    return pins
+
+
+def _applies(requirement: Requirement) -> bool:
+    marker = requirement.marker
+    return marker is None or marker.evaluate(_IMAGE_ENVIRONMENT)
+
+
+def test_constraints_pin_every_runtime_dependency_within_the_declared_ranges() -> None:
+    pins = _pins()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
+    direct = [Requirement(r) for r in project["dependencies"]]
+    direct += [Requirement(r) for r in project["optional-dependencies"]["fast"]]
+    for requirement in filter(_applies, direct):
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not pinned"
+        assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]}: {requirement}"
+    assert "n-proxy" not in pins  # the project itself is built from the context
+
+
+def test_constraints_are_closed_under_the_pinned_packages_requirements() -> None:
+    """What pip freeze wrote: every package that a pinned one needs is pinned, and nothing else.
+    Read from the installed metadata, which must be of the pinned versions to say anything."""
+    pins = _pins()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
+    todo = [
+        Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["fast"]
+    ]
+    reached: set[str] = set()
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if not _applies(requirement) or name in reached:
+            continue
+        assert name in pins, f"{name} ({requirement}) is needed but not pinned"
+        assert requirement.specifier.contains(pins[name], prereleases=True), requirement
+        reached.add(name)
+        try:
+            installed = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip(f"{name} is not installed here: its requirements are unknown")
+        if Version(installed.version) != pins[name]:
+            pytest.skip(f"{name} {installed.version} is installed here, {pins[name]} is pinned")
+        todo += [Requirement(r) for r in installed.requires or []]
+    assert reached == set(pins)
+
+
+def test_base_image_is_pinned_by_digest_or_the_dockerfile_says_how() -> None:
+    """Never a made-up digest: either the default names a real-looking sha256 digest, or the
+    Dockerfile explains that none was looked up and how to pass one as a build argument."""
+    (preamble,) = _dockerfile_stages()[0]
+    reference = preamble[1].removeprefix("PYTHON_IMAGE=")
+    text = (DEPLOY / "Dockerfile").read_text("utf-8")
+    if "@" in reference:
+        assert re.fullmatch(r"[\w.:/-]+@sha256:[0-9a-f]{64}", reference)
+    else:
+        assert "--build-arg PYTHON_IMAGE=" + reference + "@sha256:<that digest>" in text
+        assert "could not be looked up" in text
+        assert "imagetools inspect " + reference in text
 
 
 # --- The gateway overlay: n-proxy as its own Deployment in front of a fleet (SPEC §10) ----------
@@ -565,6 +761,7 @@ def test_gateway_renders_the_proxy_its_autoscaler_the_budgets_and_the_fleet() ->
         ("Deployment", "inference"),
         ("Deployment", "n-proxy"),
         ("HorizontalPodAutoscaler", "n-proxy"),
+        ("NetworkPolicy", "inference"),
         ("PodDisruptionBudget", "inference"),
         ("PodDisruptionBudget", "n-proxy"),
         ("Service", "inference"),
@@ -599,6 +796,7 @@ def test_gateway_pod_is_the_base_proxy_alone_sized_for_a_gateway() -> None:
         "limits": {"memory": "1Gi"},
     }
     base.pop("resources")
+    assert proxy.pop("args") == [*base.pop("args"), "--workers", "auto"]
     assert proxy == base  # probes, ports, user, config mount: as every other tree has them
     assert "replicas" not in _named("Deployment", "n-proxy")["spec"]  # the autoscaler's call
 
@@ -660,7 +858,50 @@ def test_gateway_pods_outlast_the_proxies_next_lookup_and_their_children() -> No
     (upstream,) = config["upstreams"]
     spec = _named("Deployment", "inference")["spec"]["template"]["spec"]
     (server,) = spec["containers"]
-    sleep = int(server["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert upstream["discovery"]["interval"] < sleep < spec["terminationGracePeriodSeconds"]
+    assert server["image"] == "vllm/vllm-openai:v0.32.0"  # has --shutdown-timeout
+    command = server["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    sleep, shutdown = int(command[1]), int(_flag(server["args"], "--shutdown-timeout"))
+    # New children stop coming (the proxies' next lookup) before SIGTERM; then vLLM lets the
+    # running ones finish, and all of it ends before SIGKILL.
+    assert upstream["discovery"]["interval"] < sleep
+    assert (sleep, shutdown, spec["terminationGracePeriodSeconds"]) == (15, 40, 60)
+    assert sleep + shutdown < spec["terminationGracePeriodSeconds"]
+    # vLLM refuses new requests while it drains: a child refused that way goes to another pod.
+    assert {"connect", "reset", 503} <= set(upstream["retry_on"])
     proxy_pod = _named("Deployment", "n-proxy")["spec"]["template"]["spec"]
     assert config["drain_seconds"] < proxy_pod["terminationGracePeriodSeconds"]
+
+
+def test_gateway_inference_pods_take_traffic_from_the_proxies_only() -> None:
+    policy = _named("NetworkPolicy", "inference")["spec"]
+    servers, proxies = _pod_labels("inference"), _pod_labels("n-proxy")
+    assert policy["podSelector"]["matchLabels"].items() <= servers.items()
+    assert not policy["podSelector"]["matchLabels"].items() <= proxies.items()
+    assert policy["policyTypes"] == ["Ingress"]  # egress (model downloads) stays open
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    assert set(source) == {"podSelector"}  # no namespaceSelector or ipBlock: this namespace only
+    assert source["podSelector"]["matchLabels"].items() <= proxies.items()
+    assert not source["podSelector"]["matchLabels"].items() <= servers.items()
+    (port,) = rule["ports"]
+    (server,) = _named("Deployment", "inference")["spec"]["template"]["spec"]["containers"]
+    assert _port_number(server, port["port"]) == 8000
+    assert port["protocol"] == "TCP"
+
+
+def _bytes(quantity: str) -> int:
+    found = re.fullmatch(r"(\d+)(Mi|Gi)", quantity)
+    assert found, quantity
+    return int(found[1]) << (20 if found[2] == "Mi" else 30)
+
+
+def test_gateway_workers_auto_fits_the_memory_limit(tmp_path: Path) -> None:
+    from proxy.workers import auto_workers
+
+    (proxy,) = _named("Deployment", "n-proxy")["spec"]["template"]["spec"]["containers"]
+    assert _flag(proxy["args"], "--workers") == "auto"
+    assert "cpu" not in proxy["resources"]["limits"]  # so the CPU count alone is the node's
+    (tmp_path / "memory.max").write_text(f"{_bytes(proxy['resources']['limits']['memory'])}\n")
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert auto_workers(tmp_path) == min(3, len(os.sched_getaffinity(0)))

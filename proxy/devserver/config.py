@@ -13,6 +13,9 @@ class DevConfig:
     # Benchmark baseline only: answer n>1 natively, as a server with native n would.
     native_n: bool = False
     model: str = "demo-model"
+    # n-proxy's demo mode: every answer names `model`, whatever the request asked for, so an
+    # answer from the demo can never pass for one from the model a client meant to reach.
+    model_override: bool = False
 
 
 DEFAULT_CONFIG = DevConfig()

@@ -142,7 +142,7 @@ def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
     return Job(
         rid=rid,
         chat=chat,
-        model=model if isinstance(model, str) else config.model,
+        model=model if isinstance(model, str) and not config.model_override else config.model,
         prompt=prompt,
         # -1 is the "random" sentinel, sent unchanged to every child (SPEC section 3).
         seeds=tuple(seed if seed in (None, -1) else seed + i for i in range(n)),

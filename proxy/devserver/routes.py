@@ -54,7 +54,8 @@ async def embeddings(request: web.Request) -> web.Response:
         {"object": "embedding", "index": i, "embedding": _embed(t)} for i, t in enumerate(texts)
     ]
     tokens = sum(len(text.split()) + 1 for text in texts)
-    model = fields.get("model") or request.app[DEV_CONFIG].model
+    config = request.app[DEV_CONFIG]
+    model = (not config.model_override and fields.get("model")) or config.model
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     return json_response({"object": "list", "data": data, "model": model, "usage": usage})
 
