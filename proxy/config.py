@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -22,13 +20,20 @@ from pydantic import (
     Field,
     PlainValidator,
     ValidationError,
-    ValidationInfo,
     WithJsonSchema,
     model_validator,
 )
 
 from proxy.configerrors import first_error, keyed
-from proxy.numbers import is_int
+from proxy.configtypes import (
+    HeaderValue,
+    RetryCondition,
+    Seconds,
+    Url,
+    UrlPath,
+    check_url,
+    ranged,
+)
 from proxy.plan import endpoint_of
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
@@ -40,66 +45,6 @@ class ConfigError(ValueError):
     pass
 
 
-_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-def _expand(value: str, info: ValidationInfo) -> str:
-    """``${NAME}`` from the environment given at load; code-built configs are taken as they are."""
-    env = info.context.get("env") if isinstance(info.context, dict) else None
-    if env is None:
-        return value
-
-    def sub(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in env:
-            raise ValueError(f"environment variable {name} is not set")
-        return str(env[name])
-
-    return _ENV.sub(sub, value)
-
-
-def _url(value: object, info: ValidationInfo) -> str:
-    if not isinstance(value, str):
-        raise ValueError("not a URL")
-    return check_url(_expand(value, info))
-
-
-def check_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("not a URL")
-    if parts.query or parts.fragment:
-        raise ValueError("must not have a query or fragment")
-    return url.rstrip("/")
-
-
-def _header_value(value: object, info: ValidationInfo) -> str:
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ValueError("must be a string")
-    expanded = _expand(str(value), info)
-    if "\r" in expanded or "\n" in expanded:
-        raise ValueError("contains a line break")
-    return expanded
-
-
-def _path(value: object) -> str:
-    if not isinstance(value, str) or not value.startswith("/"):
-        raise ValueError("must be a path starting with /")
-    return value
-
-
-def _retry_condition(value: object) -> str | int:
-    if value in ("connect", "reset"):
-        return str(value)
-    if is_int(value) and 400 <= value <= 599:
-        return value
-    raise ValueError("must be connect, reset or an HTTP status from 400 to 599")
-
-
-def _ranged(lo: int, hi: int, description: str | None = None) -> Any:
-    return Field(strict=True, ge=lo, le=hi, description=description)
-
-
 # Schema descriptions of the limits --workers N divides (proxy.workers.worker_config).
 _SHARED = " The proxy's total: with --workers N each worker enforces its share (they add up to it)."
 _DIVIDED = _SHARED + " Every worker needs at least 1, so N may not exceed it."
@@ -108,35 +53,13 @@ _QUEUE = "Children waiting for a slot; a request arriving past it gets 429." + _
 _CONNECTIONS = "Open client connections; past it new ones are closed at accept." + _DIVIDED
 
 
-Url = Annotated[str, BeforeValidator(_url), WithJsonSchema({"type": "string", "format": "uri"})]
-HeaderValue = Annotated[
-    str, BeforeValidator(_header_value), WithJsonSchema({"type": ["string", "number"]})
-]
-UrlPath = Annotated[
-    str, BeforeValidator(_path), WithJsonSchema({"type": "string", "pattern": "^/"})
-]
-Seconds = Annotated[float, Field(strict=True, gt=0)]
-RetryCondition = Annotated[
-    str | int,
-    PlainValidator(_retry_condition),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"enum": ["connect", "reset"]},
-                {"type": "integer", "minimum": 400, "maximum": 599},
-            ]
-        }
-    ),
-]
-
-
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
 class Listen(_Section):
     host: Annotated[str, Field(min_length=1)] = "127.0.0.1"
-    port: Annotated[int, _ranged(0, 65535)] = 8080
+    port: Annotated[int, ranged(0, 65535)] = 8080
 
 
 class Timeouts(_Section):
@@ -157,7 +80,7 @@ class ClientTimeouts(_Section):
 class Eject(_Section):
     """Passive health: ``failures`` in a row take a replica out for ``seconds`` (0: never)."""
 
-    failures: Annotated[int, _ranged(0, 1000)] = 3
+    failures: Annotated[int, ranged(0, 1000)] = 3
     seconds: Seconds = 10.0
 
 
@@ -247,8 +170,8 @@ class Upstream(_Section):
     name: Annotated[str, Field(min_length=1)]
     urls: Annotated[tuple[Url, ...], Field(min_length=1)]
     native_n: Annotated[bool, Field(strict=True)] = False
-    max_concurrency: Annotated[int, _ranged(1, 1_000_000, _CONCURRENCY)] = 4096
-    max_queue: Annotated[int, _ranged(0, 1_000_000, _QUEUE)] = 4096
+    max_concurrency: Annotated[int, ranged(1, 1_000_000, _CONCURRENCY)] = 4096
+    max_queue: Annotated[int, ranged(0, 1_000_000, _QUEUE)] = 4096
     placement: Annotated[Placement, BeforeValidator(_placement)] = Placement(choose="round_robin")
     headers: dict[str, HeaderValue] = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
@@ -257,7 +180,7 @@ class Upstream(_Section):
     # X-Request-Id on children: vLLM's "{i}_{parent}", a fresh UUID (servers that insist on
     # one, such as llama-cpp-python), or none at all.
     child_request_id: Literal["prefixed", "uuid", "omit"] = "prefixed"
-    retries: Annotated[int, _ranged(0, 10)] = 2
+    retries: Annotated[int, ranged(0, 10)] = 2
     retry_on: tuple[RetryCondition, ...] = ("connect",)
     backoff: Backoff = Backoff()
     retry_budget: RetryBudget = RetryBudget()
@@ -302,11 +225,11 @@ class Config(_Section):
     upstreams: Annotated[tuple[Upstream, ...], Field(min_length=1)]
     listen: Listen = Listen()
     admin: Listen | None = None
-    max_n: Annotated[int, _ranged(1, MAX_N_CEILING)] = 10
-    max_body_bytes: Annotated[int, _ranged(1, 1 << 31)] = 16 * MiB
-    max_children: Annotated[int, _ranged(1, 1_000_000)] = 2048  # prompts x n (or best_of)
-    max_response_bytes: Annotated[int, _ranged(1, 1 << 40)] = 64 * MiB
-    max_connections: Annotated[int, _ranged(1, 10_000_000, _CONNECTIONS)] = 10_000
+    max_n: Annotated[int, ranged(1, MAX_N_CEILING)] = 10
+    max_body_bytes: Annotated[int, ranged(1, 1 << 31)] = 16 * MiB
+    max_children: Annotated[int, ranged(1, 1_000_000)] = 2048  # prompts x n (or best_of)
+    max_response_bytes: Annotated[int, ranged(1, 1 << 40)] = 64 * MiB
+    max_connections: Annotated[int, ranged(1, 10_000_000, _CONNECTIONS)] = 10_000
     client_timeouts: ClientTimeouts = ClientTimeouts()
     stream_start: Literal["first", "all"] = "first"
     sse_keepalive_seconds: Annotated[float, Field(strict=True, ge=0)] = 15.0
