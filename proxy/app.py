@@ -95,31 +95,16 @@ async def _notice_header(notice: str, request: web.Request, response: web.Stream
 async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterator[None]:
     runtime = app[RUNTIME]
     pool = UpstreamPool(runtime.config, runtime.metrics, resolver)
-    await pool.start()
+    await pool.start(runtime.health_reported)
     app[POOL] = pool
     runtime.metrics.queues = functools.partial(_queues, pool)
-    watchers = [asyncio.create_task(_check_health(pool, runtime, u)) for u in pool.config.upstreams]
-    if MULTIPROCESS:
-        watchers.append(asyncio.create_task(_sample(runtime.metrics)))
-    watchers += [
-        asyncio.create_task(_discover(pool, u)) for u in pool.config.upstreams if u.discovery.dns
-    ]
+    sampler = asyncio.create_task(_sample(runtime.metrics)) if MULTIPROCESS else None
     yield
     app[TRIMMER].close()
-    for watcher in watchers:
-        watcher.cancel()
-    await asyncio.gather(*watchers, return_exceptions=True)
+    if sampler is not None:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
     await pool.close()
-
-
-async def _check_health(pool: UpstreamPool, runtime: Runtime, upstream: Upstream) -> None:
-    """Every replica of ``upstream`` each ``health_interval`` (SPEC §10)."""
-    while True:
-        runtime.healthy[upstream.name] = await pool.healthy(upstream)
-        runtime.replicas[upstream.name] = pool.replica_health(upstream)
-        if len(runtime.healthy) == len(runtime.config.upstreams):
-            runtime.health_checked.set()
-        await asyncio.sleep(upstream.health_interval)
 
 
 def _queues(pool: UpstreamPool) -> dict[str, tuple[int, int]]:
@@ -135,12 +120,6 @@ async def _sample(metrics: Metrics) -> None:
     while True:
         metrics.sample()
         await asyncio.sleep(_SAMPLE_SECONDS)
-
-
-async def _discover(pool: UpstreamPool, upstream: Upstream) -> None:
-    while True:
-        await pool.discover(upstream)
-        await asyncio.sleep(upstream.discovery.interval)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -297,13 +276,12 @@ async def pass_through(
     pool = request.app[POOL]
     metrics = request.app[RUNTIME].metrics
     trace = outcome.trace
-    (url,) = pool.place(upstream, 1)
     headers = request_headers(request.headers, upstream.headers)
     sent = UpstreamRequest(
         request.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
     )
     joined = time.perf_counter()
-    (place,) = pool.join(upstream, 1)
+    ((url, place),) = pool.admit(upstream, 1)
     exchange: AbstractAsyncContextManager[Answer]
     try:
         async with place:

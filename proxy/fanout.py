@@ -28,10 +28,9 @@ from proxy.metrics import failure_outcome, status_outcome
 from proxy.plan import Plan
 from proxy.runtime import Runtime
 from proxy.sink import Sink, client_sink
-from proxy.slots import Place
 from proxy.sse import MAX_EVENT_BYTES, SSEDecoder
 from proxy.stitch import StreamError, StreamStitcher, error_event, stitch_json
-from proxy.upstream import UpstreamPool
+from proxy.upstream import Ticket, UpstreamPool
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -84,9 +83,10 @@ class Fanout:
         headers["Content-Type"] = "application/json"
         return headers
 
-    def join(self, count: int) -> list[Place]:
+    def admit(self, count: int) -> list[Ticket]:
+        """Each child's replica and place in line (``UpstreamPool.admit``)."""
         self.joined_at = time.perf_counter()
-        return self.pool.join(self.upstream, count)
+        return self.pool.admit(self.upstream, count)
 
     def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Answer]:
         """Child ``pos``'s request, once its place is granted (inside its span when tracing)."""
@@ -135,14 +135,13 @@ class Fanout:
 async def respond_json(fanout: Fanout) -> web.Response:
     """Non-streaming (SPEC §4): wait for every child, fail fast on the first failure."""
     plan = fanout.plan
-    urls = fanout.pool.place(fanout.upstream, len(plan.children))
     # One slot per child, FIFO: a batch larger than max_concurrency runs in turns.
-    places = fanout.join(len(plan.children))
+    tickets = fanout.admit(len(plan.children))
 
     async def fetch(pos: int) -> dict[str, Any]:
         answered = False
         try:
-            async with places[pos], fanout.send(pos, urls[pos]) as answer:
+            async with tickets[pos].place, fanout.send(pos, tickets[pos].url) as answer:
                 answered = True
                 fanout.answered(answer.response.status)
                 raw = await answer.read()
@@ -162,14 +161,14 @@ async def respond_json(fanout: Fanout) -> web.Response:
             )
         return body
 
-    tasks = [asyncio.ensure_future(fetch(pos)) for pos in range(len(urls))]
+    tasks = [asyncio.ensure_future(fetch(pos)) for pos in range(len(tickets))]
     try:
         bodies = await _all_or_first_failure(tasks)
     finally:
         try:
             await fanout.cancel(tasks)
         finally:  # a second cancellation right here must not keep the places
-            _release(places)
+            _release(tickets)
     stitched = stitch_json(plan, bodies)
     usage = stitched.get("usage")
     fanout.usage = usage if isinstance(usage, dict) else None
@@ -221,15 +220,14 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             f"{fanout.upstream.max_concurrency}: send fewer prompts or a smaller n",
             param="prompt" if plan.prompts > 1 else "n",
         )
-    urls = fanout.pool.place(fanout.upstream, count)
-    places = fanout.join(count)
+    tickets = fanout.admit(count)
     mailbox = Mailbox(count)
     start = Start(count, wait_all)
 
     async def run_child(pos: int) -> None:
         replied = answered = False
         try:
-            async with places[pos], fanout.send(pos, urls[pos]) as answer:
+            async with tickets[pos].place, fanout.send(pos, tickets[pos].url) as answer:
                 replied = True
                 response = answer.response
                 fanout.answered(response.status)
@@ -287,13 +285,13 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
         try:
             await fanout.cancel(tasks)
         finally:  # a second cancellation right here must not keep the places
-            _release(places)
+            _release(tickets)
 
 
-def _release(places: Sequence[Place]) -> None:
+def _release(tickets: Sequence[Ticket]) -> None:
     """Every place back, granted or still queued: a task cancelled before it ran holds one too."""
-    for place in places:
-        place.release()
+    for ticket in tickets:
+        ticket.place.release()
 
 
 async def _merge(

@@ -34,6 +34,13 @@ class Runtime:
         self._idle.set()
         self.metrics.known(self.config)
 
+    def health_reported(self, upstream: str, healthy: bool, replicas: dict[str, bool]) -> None:
+        """An upstream's health round: ``/readyz`` and ``/status`` read it."""
+        self.healthy[upstream] = healthy
+        self.replicas[upstream] = replicas
+        if len(self.healthy) == len(self.config.upstreams):
+            self.health_checked.set()
+
     @property
     def ready(self) -> bool:
         return not self.draining and any(self.healthy.values())

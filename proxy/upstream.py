@@ -15,6 +15,7 @@ import functools
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -42,11 +43,21 @@ from proxy.upstreamstate import UpstreamState
 
 # (host, port) -> every address it resolves to now; tests inject their own.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
+# (upstream name, any replica healthy, each replica's URL -> takes work) after a health round.
+HealthReport = Callable[[str, bool, dict[str, bool]], None]
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 _RELAY_BUFFER = 32 * 1024  # a pass-through body: bytes read ahead of the client at most
 
 WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
 WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
+
+
+class Ticket(NamedTuple):
+    """One admitted request: the replica it goes to, and its place in the upstream's line
+    (``async with ticket.place`` waits for the slot and gives it back)."""
+
+    url: str
+    place: Place
 
 
 class UpstreamPool:
@@ -57,35 +68,52 @@ class UpstreamPool:
         self._states = {u.name: UpstreamState(u, metrics) for u in config.upstreams}
         for state in self._states.values():
             state.publish()
-        self._watchdog: asyncio.Task[None] | None = None
+        self._loops: list[asyncio.Task[None]] = []
         self.connections = ConnectionPool()
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # between tries
 
-    async def start(self) -> None:
-        self._watchdog = asyncio.create_task(self._watch())
+    async def start(self, report: HealthReport | None = None) -> None:
+        """The pool's own loops: the slot watchdog, each upstream's health checks (results to
+        ``report``) and, where configured, its DNS discovery. ``close`` ends them."""
+        loops = [self._watch()]
+        loops += [self._check_health(u, report) for u in self.config.upstreams]
+        loops += [self._discover(u) for u in self.config.upstreams if u.discovery.dns]
+        self._loops = [asyncio.create_task(loop) for loop in loops]
 
     async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+        for loop in self._loops:
+            loop.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
         await self.connections.close()
+
+    async def _check_health(self, upstream: Upstream, report: HealthReport | None) -> None:
+        """Every replica of ``upstream`` each ``health_interval`` (SPEC §10)."""
+        while True:
+            healthy = await self.healthy(upstream)
+            if report is not None:
+                report(upstream.name, healthy, self.replica_health(upstream))
+            await asyncio.sleep(upstream.health_interval)
+
+    async def _discover(self, upstream: Upstream) -> None:
+        while True:
+            await self.discover(upstream)
+            await asyncio.sleep(upstream.discovery.interval)
 
     def state(self, upstream: Upstream) -> UpstreamState:
         return self._states[upstream.name]
 
-    def place(self, upstream: Upstream, count: int) -> list[str]:
-        """Replica URLs for ``count`` children by the upstream's ``placement``, over the healthy
-        replicas that are not ejected (SPEC §10)."""
-        return self.state(upstream).replicas.place(count, time.monotonic())
-
-    def join(self, upstream: Upstream, count: int) -> list[Place]:
-        """Places in the upstream's FIFO line for ``count`` children; 429 on arrival when full."""
+    def admit(self, upstream: Upstream, count: int) -> list[Ticket]:
+        """``count`` requests into the upstream, in one step: a place each in its FIFO line (429
+        on arrival when the line is full), then a replica each by its ``placement``, over the
+        healthy replicas that are not ejected (SPEC §10)."""
+        state = self.state(upstream)
         try:
-            return self.state(upstream).slots.join(count)
+            places = state.slots.join(count)
         except Overloaded:
             self.metrics.rejected.labels(upstream.name).inc()
             raise
+        urls = state.replicas.place(count, time.monotonic())
+        return [Ticket(url, place) for url, place in zip(urls, places, strict=True)]
 
     async def _watch(self) -> None:
         """Report queued children that the queue in front of them does not explain (#10)."""
