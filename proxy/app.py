@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import Config, Upstream
+from proxy.discovery import Resolver
 from proxy.encoding import content_codings, inflate
 from proxy.errors import (
     BodyTooLarge,
@@ -42,7 +43,7 @@ from proxy.outcome import Outcome, record
 from proxy.plan import Endpoint, Plan, endpoint_of, parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.sink import ExactHead, client_sink
-from proxy.upstream import Resolver, UpstreamPool
+from proxy.upstream import UpstreamPool
 
 if TYPE_CHECKING:
     pass

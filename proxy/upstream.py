@@ -10,9 +10,7 @@ its I/O.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import NamedTuple
@@ -22,6 +20,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config import Config, Upstream
+from proxy.discovery import Resolver, discover, resolve
 from proxy.errors import Overloaded
 from proxy.exchange import (
     Answered,
@@ -35,14 +34,12 @@ from proxy.headers import rebased_headers
 from proxy.log import log_event, logger
 from proxy.metrics import Metrics
 from proxy.pool import ConnectionPool
-from proxy.replicas import Replica, resolved_addresses
+from proxy.replicas import Replica
 from proxy.response import BodyTooLong, UpstreamResponse
 from proxy.retry import Reason, Verdict, parse_retry_after
 from proxy.slots import Place
 from proxy.upstreamstate import UpstreamState
 
-# (host, port) -> every address it resolves to now; tests inject their own.
-Resolver = Callable[[str, int], Awaitable[list[str]]]
 # (upstream name, any replica healthy, each replica's URL -> takes work) after a health round.
 HealthReport = Callable[[str, bool, dict[str, bool]], None]
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
@@ -355,41 +352,8 @@ class UpstreamPool:
         return {r.url: r.usable(now) for r in self.state(upstream).replicas}
 
     async def discover(self, upstream: Upstream) -> None:
-        """Resolve each URL's host; its addresses become the replicas (``discovery.dns``).
-
-        A failed lookup keeps the last known replicas of that URL.
-        """
-        state = self.state(upstream)
-        for source in upstream.urls:
-            parts = urlsplit(source)
-            host = parts.hostname or ""
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-            try:
-                async with asyncio.timeout(upstream.discovery.interval):
-                    ips = await self.resolve(host, port)
-            except OSError as exc:  # TimeoutError and socket.gaierror among them
-                log_event("dns lookup failed", upstream=upstream.name, host=host, error=str(exc))
-                continue
-            change = state.replicas.discovered(source, resolved_addresses(source, ips))
-            for url in change.removed:
-                for family in (self.metrics.replica_up, self.metrics.ejections):
-                    with contextlib.suppress(KeyError):  # never set for this replica
-                        family.remove(upstream.name, url)
-            if change.added or change.removed:
-                log_event(
-                    "replicas changed",
-                    upstream=upstream.name,
-                    added=list(change.added),
-                    removed=list(change.removed),
-                )
-        state.publish()
-        state.notify()
-
-
-async def resolve(host: str, port: int) -> list[str]:
-    """Every A and AAAA address of ``host``, through the system resolver."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return [str(info[4][0]) for info in infos]
+        """Each URL's host resolved again; its addresses become the replicas (SPEC §10)."""
+        await discover(self.state(upstream), self.resolve, self.metrics)
 
 
 def _with_host(

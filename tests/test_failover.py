@@ -23,8 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import POOL, RUNTIME, build_app
 from proxy.config import Config, Eject, Upstream
 from proxy.devserver import start_devserver
+from proxy.discovery import Resolver
 from proxy.sse import SSEDecoder
-from proxy.upstream import Resolver, UpstreamPool
+from proxy.upstream import UpstreamPool
 from tests.conftest import Backend
 
 CHAT = "/v1/chat/completions"
