@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from proxy.errors import error_body
 from proxy.numbers import is_number
 from proxy.plan import Child, Plan
 from proxy.template import Learner, Template
@@ -332,15 +333,7 @@ def _only_announces(payload: dict[str, Any]) -> bool:
 
 def error_event(error: StreamError) -> bytes:
     """One error event, then the one ``[DONE]`` (SPEC §7; vLLM's mid-stream error shape)."""
-    body = {
-        "error": {
-            "message": str(error),
-            "type": "server_error",
-            "param": None,
-            "code": None,
-        }
-    }
-    return b"data: " + orjson.dumps(body) + b"\n\n" + DONE
+    return b"data: " + orjson.dumps(error_body(str(error), "server_error")) + b"\n\n" + DONE
 
 
 def _message(payload: dict[str, Any]) -> str:
