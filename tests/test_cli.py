@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
@@ -24,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.cli import main
 from proxy.workers import MiB
 from tests.conftest import with_upstream
+from tests.ports import free_port
 
 
 def test_demo_mode_serves_n3_and_drains_on_sigterm() -> None:
@@ -225,12 +225,6 @@ async def test_workers_share_one_port_and_metrics_add_up(make_backend: Any) -> N
         if process.returncode is None:
             process.kill()
             await process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from aiohttp import web
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
+
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -388,7 +389,7 @@ async def test_server_pre_stop_returns_when_the_proxy_has_drained_and_exited(
 ) -> None:
     """Both start at the pod's deletion: SIGTERM to the proxy, the preStop in the server."""
     backend = await make_backend()
-    admin = _free_port()
+    admin = free_port()
     path = tmp_path / "config.yaml"
     path.write_text(
         f"upstreams: [{{name: a, url: '{backend.url}'}}]\n"
@@ -446,12 +447,6 @@ async def test_server_pre_stop_gives_up_on_a_proxy_that_never_exits(tree: str) -
         assert 2 <= time.monotonic() - started < 8  # 30 s unpatched; slack for a loaded machine
     finally:
         await runner.cleanup()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.mark.parametrize("tree", TREES)

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from proxy.devserver import start_devserver
 from proxy.discovery import Resolver
 from proxy.sse import SSEDecoder
 from proxy.upstream import UpstreamPool
+from tests import ports
 from tests.conftest import Backend
 
 CHAT = "/v1/chat/completions"
@@ -152,10 +152,7 @@ def record_waits(proxy: Proxy, real: bool = False, draw: float = 0.0) -> Waits:
 @pytest.fixture
 def free_port() -> int:
     """A port nothing listens on: connecting is refused until a test serves on it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+    return ports.free_port()
 
 
 @dataclass

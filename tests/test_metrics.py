@@ -8,7 +8,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from proxy.config import parse_config
 from proxy.server import Server
 from proxy.tally import PlainCounter, PlainHistogram
 from tests.conftest import Backend
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 OBSERVABILITY = ROOT / "deploy" / "observability"
@@ -356,9 +356,3 @@ async def test_under_workers_the_new_series_add_up_over_the_workers(backend: Bac
         if process.returncode is None:
             process.kill()
             await process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -18,6 +17,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.ports import free_port
 
 PYTHON_ENV = "N_PROXY_VLLM_PYTHON"
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,13 +53,6 @@ def build_model(python: str, directory: Path) -> Path:
     return directory
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as response:
@@ -76,7 +70,7 @@ def vllm_server(
     It runs in a process group of its own (the engine core and worker are its children), and
     that group is stopped on the way out, whatever happened.
     """
-    port = _free_port()
+    port = free_port()
     command = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "1024",
