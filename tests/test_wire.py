@@ -36,6 +36,10 @@ class Hostile:
 HOSTILE = {
     "extra-bytes-after-content-length": Hostile(OK5 + b"EXTRA", 200, b"hello"),
     "second-response-after-content-length": Hostile(OK5 + SMUGGLED, 200, b"hello"),
+    "garbage-then-a-second-response": Hostile(OK5 + b"GARBAGE\r\n" + SMUGGLED, 200, b"hello"),
+    "garbage-then-a-second-response-in-a-later-read": Hostile(
+        OK5, 200, b"hello", later=b"GARBAGE\r\n" + SMUGGLED
+    ),
     "204-with-a-body": Hostile(b"HTTP/1.1 204 No Content\r\n\r\n" + SMUGGLED, 204, b""),
     "304-with-a-body": Hostile(b"HTTP/1.1 304 Not Modified\r\nETag: x\r\n\r\nbody", 304, b""),
     "crlf-after-the-message": Hostile(OK5 + b"\r\n\r\n", 200, b"hello"),
