@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -361,8 +362,10 @@ async def test_with_the_default_retry_on_a_reset_is_not_retried(
     assert len(slammed.generation()) == 1
 
 
-async def answer_503(request: web.Request) -> web.Response:
-    return web.json_response({"error": {"message": "busy", "type": "overloaded"}}, status=503)
+async def answer_503(request: web.Request, retry_after: str | None = None) -> web.Response:
+    headers = {"Retry-After": retry_after} if retry_after is not None else None
+    body = {"error": {"message": "busy", "type": "overloaded"}}
+    return web.json_response(body, status=503, headers=headers)
 
 
 async def test_a_replica_answering_503_is_retried_when_503_is_listed(
@@ -626,11 +629,7 @@ async def test_tries_reach_the_replica_spaced_by_the_backoff(
 
 
 def answer_503_retry_after(value: str) -> Callable[[web.Request], Awaitable[web.Response]]:
-    async def answer(request: web.Request) -> web.Response:
-        body = {"error": {"message": "busy", "type": "overloaded"}}
-        return web.json_response(body, status=503, headers={"Retry-After": value})
-
-    return answer
+    return functools.partial(answer_503, retry_after=value)
 
 
 async def test_retry_after_sets_the_wait_and_past_its_cap_the_answer_is_relayed(
