@@ -43,6 +43,7 @@ from proxy.upstreamstate import UpstreamState
 # (upstream name, any replica healthy, each replica's URL -> takes work) after a health round.
 HealthReport = Callable[[str, bool, dict[str, bool]], None]
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
+_DISCARD_SECONDS = 1.0  # ... if it comes this soon: a retry must not wait on a stalled body
 _RELAY_BUFFER = 32 * 1024  # a pass-through body: bytes read ahead of the client at most
 
 WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
@@ -319,12 +320,14 @@ class UpstreamPool:
         )  # fmt: skip
 
     async def _discard(self, response: UpstreamResponse, within: float) -> None:
-        """Be done with an answer not relayed: a small body is read so its connection can be
-        reused, anything else is closed."""
+        """Be done with an answer not relayed: a small body that comes within ``within`` and
+        ``_DISCARD_SECONDS`` is read so its connection can be reused; anything else is closed.
+        The request waits on this (a retry, a fallback, with its slot held), so never for as
+        long as ``timeouts.idle``."""
         try:
             length = response.content_length
             if length is not None and length <= _DISCARD_LIMIT:
-                async with asyncio.timeout(within):
+                async with asyncio.timeout(min(within, _DISCARD_SECONDS)):
                     await response.read(_DISCARD_LIMIT)
         except (TimeoutError, aiohttp.ClientError, BodyTooLong):
             pass

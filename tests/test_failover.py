@@ -214,6 +214,31 @@ async def start_slammer(servers: Servers) -> tuple[str, Recorded]:
     return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", recorded
 
 
+async def start_staller(servers: Servers) -> tuple[str, list[bytes]]:
+    """A replica that answers every generation request 503 with a Content-Length body it never
+    sends, holding the connection open; its health check passes."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /health "):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            else:
+                heads.append(head)
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\n")
+            await writer.drain()
+            await reader.read()  # until the proxy lets go of the connection
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    servers.servers.append(server)
+    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", heads
+
+
 # --- requests -----------------------------------------------------------------------------------
 
 
@@ -727,6 +752,32 @@ async def test_the_fallback_upstream_answers_when_every_replica_failed(
     spare_state = proxy.pool.state(fallback)
     assert (spare_state.slots.in_use, spare_state.slots.queued) == (0, 0)
     assert all(r.outstanding == 0 for r in spare_state.replicas)
+
+
+@pytest.mark.parametrize("then", ["retry", "fallback"])
+async def test_a_retried_answer_whose_body_stalls_lets_its_retry_go_at_once(
+    client: aiohttp.ClientSession, make_backend: MakeBackend, servers: Servers, then: str
+) -> None:
+    live = await make_backend()
+    stalled, heads = await start_staller(servers)
+    options: dict[str, Any] = {
+        "retry_on": (503,), "eject": Eject(failures=0), "timeouts": {"idle": 3600},
+    }  # fmt: skip
+    upstreams: tuple[Upstream, ...]
+    if then == "retry":
+        options["placement"] = "pack"  # the first try on the stalling replica
+        upstreams = (Upstream(name="u", urls=(stalled, live.url), **options),)
+    else:
+        primary = Upstream(name="u", urls=(stalled,), retries=0, fallback="spare", **options)
+        upstreams = (primary, Upstream(name="spare", urls=(live.url,)))
+    proxy = await serve_proxy(servers, Config(upstreams=upstreams))
+    record_waits(proxy)
+    # Within WITHIN (post's bound), far below timeouts.idle: the stalled body is not waited for.
+    status, _ = await post(client, proxy, chat(1), "stalled")
+    assert status == 200
+    assert len(heads) == 1
+    assert rids(live) == ["stalled"]
+    assert not proxy.pool.connections.in_use  # the stalled answer's connection was closed
 
 
 async def test_a_failure_retry_on_does_not_list_never_goes_to_the_fallback(
