@@ -33,6 +33,7 @@ from proxy.runtime import Runtime
 from proxy.tracing import tracing_from_env
 
 _CUT_GRACE = 1.0  # seconds for cut streams to write their last event before sockets close
+_FLUSH_SECONDS = 5.0  # spans batched at shutdown get what is left of the drain, up to this
 _SPARE_FDS = 256  # beyond client and upstream connections: admin, logs, DNS, health checks
 
 
@@ -49,8 +50,11 @@ class Server:
             access_log=None,
             shutdown_timeout=_CUT_GRACE,
         )
-        self._admin = web.AppRunner(build_admin_app(self.runtime), access_log=None)
+        self._admin = web.AppRunner(
+            build_admin_app(self.runtime), access_log=None, shutdown_timeout=_CUT_GRACE
+        )
         self._proxy_site: _Site | None = None
+        self._drain_ends: float | None = None  # loop time by which the drain is to be over
         self.proxy_port = 0
         self.admin_port = 0
 
@@ -71,24 +75,34 @@ class Server:
     async def drain(self) -> None:
         runtime = self.runtime
         runtime.draining = True
+        loop = asyncio.get_running_loop()
+        self._drain_ends = loop.time() + self.config.drain_seconds
         grace = min(self.config.drain_grace_seconds, self.config.drain_seconds)
         log_event("draining", in_flight=runtime.in_flight, drain_seconds=self.config.drain_seconds)
         await asyncio.sleep(grace)
         if self._proxy_site is not None:
             await self._proxy_site.stop()
         try:
-            await asyncio.wait_for(runtime.wait_idle(), self.config.drain_seconds - grace)
+            async with asyncio.timeout_at(self._drain_ends):
+                await runtime.wait_idle()
         except TimeoutError:
             log_event("drain time is up; cutting streams", in_flight=runtime.in_flight)
             runtime.cut_streams("the proxy is shutting down")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(runtime.wait_idle(), _CUT_GRACE)
+                async with asyncio.timeout(_CUT_GRACE):
+                    await runtime.wait_idle()
 
     async def close(self) -> None:
+        """Every listener closed, then the spans sent: within what is left of the drain (at
+        least a second, at most ``_FLUSH_SECONDS``), so that the process exits within about
+        ``drain_seconds`` of SIGTERM whatever the trace collector does."""
         await self._proxy.cleanup()
         await self._admin.cleanup()
         if self.runtime.tracing is not None:
-            await asyncio.to_thread(self.runtime.tracing.close)  # flushes: off the loop
+            left = _FLUSH_SECONDS
+            if self._drain_ends is not None:
+                left = self._drain_ends - asyncio.get_running_loop().time()
+            await self.runtime.tracing.close(min(max(left, _CUT_GRACE), _FLUSH_SECONDS))
 
 
 async def run(
