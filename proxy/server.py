@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from proxy.admin import build_admin_app
 from proxy.app import SERVER, build_app
+from proxy.backlog import listen_backlog
 from proxy.config import Config
 from proxy.errors import RequestTimeout, error_body, status_type
 from proxy.log import log_event
@@ -69,7 +70,7 @@ class Server:
         if self.config.admin is not None:
             await self._admin.setup()
             admin = self.config.admin
-            await web.TCPSite(self._admin, admin.host, admin.port).start()
+            await web.TCPSite(self._admin, admin.host, admin.port, backlog=listen_backlog()).start()
             self.admin_port = _port(self._admin)
 
     async def drain(self) -> None:
@@ -261,7 +262,7 @@ class _Site(web.BaseSite):
     def __init__(
         self, runner: web.AppRunner, host: str, port: int, gate: Gate, reuse_port: bool
     ) -> None:
-        super().__init__(runner)
+        super().__init__(runner, backlog=listen_backlog())
         self._host = host
         self._port = port
         self._gate = gate
