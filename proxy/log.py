@@ -45,12 +45,44 @@ class _JsonFormatter(_Formatter):
 
 
 class _TextFormatter(_Formatter):
+    """One line per record for people. A value a client chose (a path, a model, an id) can
+    hold a line break or a space: it is quoted and escaped, so it cannot forge a line or a
+    field (``_text``)."""
+
     def line(self, created: float, level: str, message: str, fields: dict[str, Any]) -> str:
-        extra = " ".join(f"{k}={v}" for k, v in fields.items() if k != "exc")
-        if "exc" in fields:  # for people: the traceback as Python prints it, after the line
-            extra += "\n" + fields["exc"]
+        extra = " ".join(f"{k}={_text(v)}" for k, v in fields.items() if k != "exc")
+        if "exc" in fields:  # for people: the traceback as Python prints it, indented under
+            extra += "\n" + "\n".join("  " + _visible(line) for line in fields["exc"].split("\n"))
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
-        return f"{stamp},{int(created % 1 * 1000):03d} {level} {message} {extra}"
+        return f"{stamp},{int(created % 1 * 1000):03d} {level} {_visible(message)} {extra}"
+
+
+# Control characters (C0, DEL, C1) as escapes; U+2028 and the like take the slow path.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))} | {
+    ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t",
+}  # fmt: skip
+_QUOTED = _CONTROL | {ord('"'): '\\"', ord("\\"): "\\\\"}
+
+
+def _visible(text: str) -> str:
+    """``text`` on one line as it looks: every character that is not printable escaped."""
+    return text if text.isprintable() else _escaped(text, _CONTROL)
+
+
+def _text(value: object) -> str:
+    """A field's value: bare when it is one printable word (numbers, ids, most paths), else
+    in quotes with its quotes, backslashes and unprintable characters escaped."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable() and " " not in text and '"' not in text:
+        return text
+    return '"' + _escaped(text, _QUOTED) + '"'
+
+
+def _escaped(text: str, table: dict[int, str]) -> str:
+    text = text.translate(table)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
 
 
 class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
@@ -132,3 +164,26 @@ def log_request(**fields: Any) -> None:
 
 def log_event(message: str, **fields: Any) -> None:
     logger.info(message, extra={"fields": fields})
+
+
+class Throttle:
+    """At most ``per_second`` lines in each second of the clock; the first line let through
+    after some were held back says how many (``admit``)."""
+
+    def __init__(self, per_second: int) -> None:
+        self.per_second = per_second
+        self._second = -1
+        self._used = 0
+        self._held = 0
+
+    def admit(self, now: float) -> int | None:
+        """None: hold this line back. Otherwise write it, with the count held back before."""
+        second = int(now)
+        if second != self._second:
+            self._second, self._used = second, 0
+        if self._used >= self.per_second:
+            self._held += 1
+            return None
+        self._used += 1
+        held, self._held = self._held, 0
+        return held

@@ -61,6 +61,8 @@ _LATENCY = (
 
 # How an upstream answered a request or child, after any retries (SPEC §7, §10).
 UPSTREAM_OUTCOMES = ("2xx", "3xx", "4xx", "5xx", "timeout", "unreachable")
+# The part of a request the HTTP parser refused (proxy.clienterrors): never the client's words.
+PROTOCOL_ERROR_KINDS = ("request_line", "header", "too_long", "body", "other")
 _STATUS_CLASSES = ("other", "other", "2xx", "3xx", "4xx", "5xx", "other", "other", "other", "other")
 
 
@@ -178,6 +180,15 @@ class Metrics:
         )
         for phase in ("headers", "body"):
             self.client_timeouts.labels(phase)
+        self.client_protocol_errors = Counter(
+            "n_proxy_client_protocol_errors",
+            "Requests the HTTP parser refused (answered 400), by the part it refused: "
+            "request_line, header, too_long, body or other.",
+            ["kind"],
+            registry=r,
+        )
+        for kind in PROTOCOL_ERROR_KINDS:
+            self.client_protocol_errors.labels(kind)
 
         self.replica_up = Gauge(
             "n_proxy_replica_up",

@@ -91,6 +91,14 @@ class RetryBudget:
         self._retries[pos] += 1
         return True
 
+    def refund(self, spent_at: float) -> None:
+        """Give back the retry ``spend`` took at ``spent_at``: it was never sent. A slice that
+        has left the window since holds nothing to give back."""
+        number = int(spent_at // self._width)
+        pos = number % self._slices
+        if self._stamp[pos] == number and self._retries[pos] > 0:
+            self._retries[pos] -= 1
+
 
 Outcome = Literal["retry", "final", "spent", "budget", "too_long"]
 
@@ -104,6 +112,7 @@ class Verdict:
 
     outcome: Outcome
     delay: float = 0.0
+    spent_at: float | None = None  # when a retry took its budget share (a connect one takes none)
 
     @property
     def falls_back(self) -> bool:
@@ -129,6 +138,9 @@ class RetryPolicy:
 
         A ``connect`` failure takes nothing from the budget: the server never saw the request,
         so its retry adds no load (the budget is there against retry storms on busy servers).
+        Any other retry takes its share now, so that tries failing together cannot all take
+        the last one; ``unsent`` gives it back if the retry never goes out (its wait was
+        cancelled: the client left, a sibling failed).
         """
         if reason is None or reason not in self.retry_on:
             return Verdict("final")
@@ -136,9 +148,17 @@ class RetryPolicy:
             return Verdict("spent")
         if retry_after is not None and not retry_after <= self.retry_after_cap:
             return Verdict("too_long")
-        if reason != "connect" and not self.budget.spend(now):
-            return Verdict("budget")
+        spent_at = None
+        if reason != "connect":
+            if not self.budget.spend(now):
+                return Verdict("budget")
+            spent_at = now
         delay = self.backoff.delay(tries, self.draw())
         if retry_after is not None:
             delay = max(delay, retry_after)
-        return Verdict("retry", delay)
+        return Verdict("retry", delay, spent_at)
+
+    def unsent(self, verdict: Verdict) -> None:
+        """A ``retry`` verdict whose retry never went out: its budget share back."""
+        if verdict.spent_at is not None:
+            self.budget.refund(verdict.spent_at)

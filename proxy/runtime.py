@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from proxy.clienterrors import ClientErrors
 from proxy.config import Config
 from proxy.metrics import Metrics
 
@@ -28,11 +29,13 @@ class Runtime:
     streams: set[Cuttable] = field(default_factory=set)  # fan-out streams a drain can cut
     health_checked: asyncio.Event = field(default_factory=asyncio.Event)  # after the first round
     tracing: Tracing | None = None  # None unless OTEL_* asks for traces (proxy.tracing)
+    client_errors: ClientErrors = field(init=False)  # requests the HTTP parser refused
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self._idle.set()
         self.metrics.known(self.config)
+        self.client_errors = ClientErrors(self.metrics)
 
     def health_reported(self, upstream: str, healthy: bool, replicas: dict[str, bool]) -> None:
         """An upstream's health round: ``/readyz`` and ``/status`` read it."""

@@ -6,13 +6,15 @@ all, after which fan-out streams are cut cleanly (one error event and ``[DONE]``
 
 Each client connection is a ``ClientConnection``: aiohttp's own handler plus a cap on open
 connections (``max_connections``), a deadline for request headers (``client_timeouts.headers``)
-and OpenAI error bodies on the error pages aiohttp writes itself.
+and OpenAI error bodies on the error pages aiohttp writes itself (``ErrorPages``, the admin
+listener's connections too), a request its parser refuses counted and logged short.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import resource
 import signal
 from collections.abc import Callable
@@ -21,18 +23,22 @@ from typing import Any, cast
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from proxy.admin import build_admin_app
 from proxy.app import SERVER, build_app
+from proxy.backlog import listen_backlog
+from proxy.clienterrors import ClientErrors, kind_of, lacks_version
 from proxy.config import Config
-from proxy.errors import RequestTimeout, error_body, status_type
+from proxy.errors import InvalidRequest, ProxyError, RequestTimeout, error_body, status_type
 from proxy.log import log_event
 from proxy.metrics import Metrics
 from proxy.runtime import Runtime
 from proxy.tracing import tracing_from_env
 
 _CUT_GRACE = 1.0  # seconds for cut streams to write their last event before sockets close
+_FLUSH_SECONDS = 5.0  # spans batched at shutdown get what is left of the drain, up to this
 _SPARE_FDS = 256  # beyond client and upstream connections: admin, logs, DNS, health checks
 
 
@@ -49,8 +55,11 @@ class Server:
             access_log=None,
             shutdown_timeout=_CUT_GRACE,
         )
-        self._admin = web.AppRunner(build_admin_app(self.runtime), access_log=None)
+        self._admin = web.AppRunner(
+            build_admin_app(self.runtime), access_log=None, shutdown_timeout=_CUT_GRACE
+        )
         self._proxy_site: _Site | None = None
+        self._drain_ends: float | None = None  # loop time by which the drain is to be over
         self.proxy_port = 0
         self.admin_port = 0
 
@@ -58,37 +67,50 @@ class Server:
         await self._proxy.setup()
         _raise_fd_limit(self.config)
         listen = self.config.listen
-        gate = Gate(self.config, self.runtime.metrics)
-        self._proxy_site = _Site(self._proxy, listen.host, listen.port, gate, self.reuse_port)
+        errors = self.runtime.client_errors  # one count and log budget for both listeners
+        gate = Gate(self.config, self.runtime.metrics, errors)
+        connection = functools.partial(ClientConnection, gate)
+        self._proxy_site = _Site(self._proxy, listen.host, listen.port, connection, self.reuse_port)
         await self._proxy_site.start()
         self.proxy_port = _port(self._proxy)
         if self.config.admin is not None:
             await self._admin.setup()
             admin = self.config.admin
-            await web.TCPSite(self._admin, admin.host, admin.port).start()
+            pages = functools.partial(ErrorPages, errors)
+            await _Site(self._admin, admin.host, admin.port, pages).start()
             self.admin_port = _port(self._admin)
 
     async def drain(self) -> None:
         runtime = self.runtime
         runtime.draining = True
+        loop = asyncio.get_running_loop()
+        self._drain_ends = loop.time() + self.config.drain_seconds
         grace = min(self.config.drain_grace_seconds, self.config.drain_seconds)
         log_event("draining", in_flight=runtime.in_flight, drain_seconds=self.config.drain_seconds)
         await asyncio.sleep(grace)
         if self._proxy_site is not None:
             await self._proxy_site.stop()
         try:
-            await asyncio.wait_for(runtime.wait_idle(), self.config.drain_seconds - grace)
+            async with asyncio.timeout_at(self._drain_ends):
+                await runtime.wait_idle()
         except TimeoutError:
             log_event("drain time is up; cutting streams", in_flight=runtime.in_flight)
             runtime.cut_streams("the proxy is shutting down")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(runtime.wait_idle(), _CUT_GRACE)
+                async with asyncio.timeout(_CUT_GRACE):
+                    await runtime.wait_idle()
 
     async def close(self) -> None:
+        """Every listener closed, then the spans sent: within what is left of the drain (at
+        least a second, at most ``_FLUSH_SECONDS``), so that the process exits within about
+        ``drain_seconds`` of SIGTERM whatever the trace collector does."""
         await self._proxy.cleanup()
         await self._admin.cleanup()
         if self.runtime.tracing is not None:
-            await asyncio.to_thread(self.runtime.tracing.close)  # flushes: off the loop
+            left = _FLUSH_SECONDS
+            if self._drain_ends is not None:
+                left = self._drain_ends - asyncio.get_running_loop().time()
+            await self.runtime.tracing.close(min(max(left, _CUT_GRACE), _FLUSH_SECONDS))
 
 
 async def run(
@@ -128,12 +150,14 @@ def _port(runner: web.AppRunner) -> int:
 
 
 class Gate:
-    """Counts the listener's open connections against ``max_connections``."""
+    """Counts the listener's open connections against ``max_connections``, and what the
+    connections' clients get wrong."""
 
-    def __init__(self, config: Config, metrics: Metrics) -> None:
+    def __init__(self, config: Config, metrics: Metrics, errors: ClientErrors) -> None:
         self.limit = config.max_connections
         self.header_seconds = config.client_timeouts.headers
         self.metrics = metrics
+        self.errors = errors
         self.open = 0
 
     def admit(self) -> bool:
@@ -149,20 +173,86 @@ class Gate:
         self.metrics.client_connections.dec()
 
 
-def _timeout_page() -> bytes:
-    body = RequestTimeout("request headers not received in time").body()
+def _page(status: int, error: ProxyError) -> bytes:
+    """A whole answer, written before any request is parsed: aiohttp's writer is not there."""
+    body = error.body()
     head = (
-        "HTTP/1.1 408 Request Timeout\r\n"
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
         f"Server: {SERVER}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body
 
 
-_TIMEOUT_PAGE = _timeout_page()
+_TIMEOUT_PAGE = _page(408, RequestTimeout("request headers not received in time"))
+_HTTP09_PAGE = _page(400, InvalidRequest("malformed request line: no HTTP version"))
+_FIRST_LINE = 8190  # bytes of a connection's first line looked at: aiohttp's max_line_size
+_MESSAGE = 300  # characters of the parser's message in a 400's body
 
 
-class ClientConnection(RequestHandler):
+class ErrorPages(RequestHandler):
+    """aiohttp's handler with OpenAI error bodies on the error pages it writes itself; a
+    request its parser refused is the client's fault (``proxy.clienterrors``): counted and
+    logged short, where aiohttp logs a traceback at error level."""
+
+    __slots__ = ("_errors", "_first_line")
+
+    def __init__(self, errors: ClientErrors, manager: web.Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._errors = errors
+        self._first_line: bytes | None = b""  # the connection's first line so far; None: seen
+
+    def data_received(self, data: bytes) -> None:
+        if self._first_line is not None and self._http09(data):
+            return
+        super().data_received(data)
+
+    def _http09(self, data: bytes) -> bool:
+        """Whether the connection's first line, once whole, is HTTP/0.9's (``GET /`` and a
+        line end): answered 400 at once. aiohttp's parser would take it for the start of a
+        head and wait for more lines until the header deadline."""
+        assert self._first_line is not None
+        end = data.find(b"\n")
+        if end < 0:
+            self._first_line += data
+            if len(self._first_line) > _FIRST_LINE:
+                self._first_line = None  # too long for a request line: the parser's to refuse
+            return False
+        line = self._first_line + data[:end]
+        self._first_line = None
+        if not lacks_version(line) or self.transport is None:
+            return False
+        self._errors.record("request_line", "HTTP/0.9", _peer(self.transport))
+        self.transport.write(_HTTP09_PAGE)
+        self.force_close()
+        return True
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if isinstance(exc, HttpProcessingError):
+            if request.writer.output_size > 0:  # as aiohttp's own: too late for an answer
+                raise ConnectionError("a response was sent already")
+            self._errors.record(kind_of(exc), type(exc).__name__, request.remote)
+            status, message = 400, message or exc.message
+        else:  # a handler that raised: a bug, logged with its traceback
+            super().handle_error(request, status, exc, message)  # raises if too late
+        text = message[:_MESSAGE] if status < 500 and message else HTTPStatus(status).phrase
+        response = web.Response(
+            status=status,
+            body=orjson.dumps(error_body(text, status_type(status))),
+            content_type="application/json",
+            headers={"Server": SERVER},
+        )
+        response.force_close()
+        return response
+
+
+class ClientConnection(ErrorPages):
     """One client connection: aiohttp's handler, refused past the cap, cut if headers trickle.
 
     The header clock runs from the connection's first byte, and again from the first byte of
@@ -173,7 +263,7 @@ class ClientConnection(RequestHandler):
     __slots__ = ("_admitted", "_gate", "_header_timer")
 
     def __init__(self, gate: Gate, manager: web.Server, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
+        super().__init__(gate.errors, manager, **kwargs)
         self._gate = gate
         self._admitted = False
         self._header_timer: asyncio.TimerHandle | None = None
@@ -199,27 +289,19 @@ class ClientConnection(RequestHandler):
         super().data_received(data)
         if self._messages or self._request_in_progress:
             self._disarm()  # headers complete: the body has its own deadline (proxy.app)
+            if self._request_in_progress and self._messages:
+                self._fail_body()
         elif self._header_timer is None and not self._force_close:
             self._arm()  # the first bytes of the next request on a kept-alive connection
 
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        """aiohttp's own error pages (a malformed request line, bad headers) as OpenAI errors."""
-        super().handle_error(request, status, exc, message)  # logs it; raises if too late
-        text = message if status < 500 and message else HTTPStatus(status).phrase
-        response = web.Response(
-            status=status,
-            body=orjson.dumps(error_body(text, status_type(status))),
-            content_type="application/json",
-            headers={"Server": SERVER},
-        )
-        response.force_close()
-        return response
+    def _fail_body(self) -> None:
+        """A request is being handled and the parser refused what came next: bad chunked
+        framing in its body, say. aiohttp queues the error as the next request's and leaves
+        the body waiting until its deadline; the body's read fails with it at once instead."""
+        refused = getattr(self._messages[-1][0], "exc", None)  # aiohttp's _ErrInfo
+        request = self._current_request
+        if isinstance(refused, HttpProcessingError) and request is not None:
+            request.content.set_exception(refused)
 
     def _arm(self) -> None:
         self._header_timer = self._loop.call_later(self._gate.header_seconds, self._headers_late)
@@ -239,18 +321,28 @@ class ClientConnection(RequestHandler):
         self.force_close()
 
 
-class _Site(web.BaseSite):
-    """A TCP listener whose connections are ``ClientConnection``s sharing one ``Gate``."""
+def _peer(transport: asyncio.BaseTransport) -> str | None:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else None
 
-    __slots__ = ("_gate", "_host", "_port", "_reuse_port")
+
+class _Site(web.BaseSite):
+    """A TCP listener whose connections ``connection(server, **options)`` makes."""
+
+    __slots__ = ("_connection", "_host", "_port", "_reuse_port")
 
     def __init__(
-        self, runner: web.AppRunner, host: str, port: int, gate: Gate, reuse_port: bool
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        connection: Callable[..., RequestHandler],
+        reuse_port: bool = False,
     ) -> None:
-        super().__init__(runner)
+        super().__init__(runner, backlog=listen_backlog())
         self._host = host
         self._port = port
-        self._gate = gate
+        self._connection = connection
         self._reuse_port = reuse_port
 
     @property
@@ -264,9 +356,9 @@ class _Site(web.BaseSite):
         assert server is not None
         # The handler arguments the app and runner set (timeouts, limits, auto_decompress).
         options = {"loop": loop, **server._kwargs}
-        gate = self._gate
+        connection = self._connection
         self._server = await loop.create_server(
-            lambda: ClientConnection(gate, server, **options),
+            lambda: connection(server, **options),
             self._host,
             self._port,
             backlog=self._backlog,

@@ -8,12 +8,15 @@ here imports opentelemetry and the request path only checks ``Runtime.tracing is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 from collections.abc import Mapping, MutableMapping
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from proxy.futures import wake
 from proxy.log import log_event
 
 if TYPE_CHECKING:
@@ -177,9 +180,31 @@ class Tracing:
             span.set_status(self._trace.StatusCode.ERROR)
         span.end()
 
-    def close(self) -> None:
-        """Send what is batched (at shutdown)."""
-        self._provider.shutdown()
+    async def close(self, within: float) -> bool:
+        """Send what is batched (at shutdown), for ``within`` seconds at most; False when that
+        was not enough and the spans left are dropped.
+
+        The SDK's shutdown waits for as long as a collector that accepts and never answers
+        takes to time out (each batch's export, retried, up to 30 s in all), past a pod's grace
+        period; so it runs in a daemon thread that, past the bound, ends with the process."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def shut_down() -> None:
+            try:
+                self._provider.shutdown()
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(wake, done)
+
+        threading.Thread(target=shut_down, name="n-proxy-tracing-close", daemon=True).start()
+        try:
+            async with asyncio.timeout(within):
+                await done
+        except TimeoutError:
+            log_event("spans not sent at shutdown: dropped", within_s=round(within, 1))
+            return False
+        return True
 
 
 class Traced(Generic[T]):

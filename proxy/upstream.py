@@ -43,6 +43,7 @@ from proxy.upstreamstate import UpstreamState
 # (upstream name, any replica healthy, each replica's URL -> takes work) after a health round.
 HealthReport = Callable[[str, bool, dict[str, bool]], None]
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
+_DISCARD_SECONDS = 1.0  # ... if it comes this soon: a retry must not wait on a stalled body
 _RELAY_BUFFER = 32 * 1024  # a pass-through body: bytes read ahead of the client at most
 
 WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
@@ -166,7 +167,8 @@ class UpstreamPool:
         a way ``retry_on`` lists, the fallback upstream is tried (not its own fallback).
 
         Each wait is a cancellation point that holds nothing: the failed try's connection and
-        its replica's ``outstanding`` count are let go before it."""
+        its replica's ``outstanding`` count are let go before it. A retry is counted, logged
+        and spent from the budget only once its wait is over and it goes out."""
         upstream = state.upstream
         replicas = state.replicas
         tried: list[str] = []
@@ -181,6 +183,7 @@ class UpstreamPool:
                 trace.replica = replica.url
             replica.outstanding += 1
             reason: Reason | None
+            failed: UpstreamResponse | None = None
             try:
                 response = await self._open(replica, request, upstream)
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -188,7 +191,7 @@ class UpstreamPool:
                 reason = failure_kind(exc)
                 if reason is not None:
                     state.failed(replica.url)
-                verdict = self._judge(state, replica, len(tried), reason, None, trace)
+                verdict = self._judge(state, replica, len(tried), reason, None)
                 if verdict.outcome != "retry":
                     place = self._fallback_place(state, verdict) if fallback else None
                     if place is None:
@@ -208,7 +211,7 @@ class UpstreamPool:
                 reason = status
                 header = response.headers.get("Retry-After")
                 wait = None if header is None else parse_retry_after(header, time.time())
-                verdict = self._judge(state, replica, len(tried), status, wait, trace)
+                verdict = self._judge(state, replica, len(tried), status, wait)
                 if verdict.outcome != "retry":
                     place = self._fallback_place(state, verdict) if fallback else None
                     if place is None:
@@ -216,8 +219,16 @@ class UpstreamPool:
                     replica.outstanding -= 1
                     return await self._fall_back(state, place, request, trace, response)
                 replica.outstanding -= 1
-                await self._discard(response, upstream.timeouts.idle)
-            await self.sleep(verdict.delay)
+                failed = response
+            await self._wait_to_retry(state, verdict, failed)
+            # The wait is over and the retry goes out: only now is it counted and logged.
+            self.metrics.retries.labels(upstream.name, str(reason)).inc()
+            if trace is not None:
+                trace.retries += 1
+            log_event(
+                "upstream retry", upstream=upstream.name, replica=replica.url, reason=str(reason),
+                retry=len(tried), delay_ms=round(verdict.delay * 1000, 1),
+            )  # fmt: skip
             replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
 
     def _judge(
@@ -227,25 +238,30 @@ class UpstreamPool:
         tries: int,
         reason: Reason | None,
         retry_after: float | None,
-        trace: Trace | None,
     ) -> Verdict:
-        """The retry policy's verdict on a failed try, counted and logged."""
+        """The retry policy's verdict on a failed try; a refusal by the budget counted."""
         verdict = state.retry.decide(tries, reason, retry_after, time.monotonic())
-        name = state.upstream.name
-        if verdict.outcome == "retry":
-            self.metrics.retries.labels(name, str(reason)).inc()
-            if trace is not None:
-                trace.retries += 1
-            log_event(
-                "upstream retry", upstream=name, replica=replica.url, reason=str(reason),
-                retry=tries, delay_ms=round(verdict.delay * 1000, 1),
-            )  # fmt: skip
-        elif verdict.outcome == "budget":
+        if verdict.outcome == "budget":
+            name = state.upstream.name
             self.metrics.retries_refused.labels(name, str(reason)).inc()
             log_event(
                 "retry budget exhausted", upstream=name, replica=replica.url, reason=str(reason)
             )
         return verdict
+
+    async def _wait_to_retry(
+        self, state: UpstreamState, verdict: Verdict, failed: UpstreamResponse | None
+    ) -> None:
+        """Between a failed try and its retry: the failed answer let go, then the backoff.
+        Cancelled here (the client left, a sibling failed), the retry never goes out: its
+        budget share goes back, and nothing counts it."""
+        try:
+            if failed is not None:
+                await self._discard(failed, state.upstream.timeouts.idle)
+            await self.sleep(verdict.delay)
+        except BaseException:
+            state.retry.unsent(verdict)
+            raise
 
     def _fallback_place(self, state: UpstreamState, verdict: Verdict) -> Place | None:
         """A place in the fallback upstream's line, when it has one and is to be tried."""
@@ -304,12 +320,14 @@ class UpstreamPool:
         )  # fmt: skip
 
     async def _discard(self, response: UpstreamResponse, within: float) -> None:
-        """Be done with an answer not relayed: a small body is read so its connection can be
-        reused, anything else is closed."""
+        """Be done with an answer not relayed: a small body that comes within ``within`` and
+        ``_DISCARD_SECONDS`` is read so its connection can be reused; anything else is closed.
+        The request waits on this (a retry, a fallback, with its slot held), so never for as
+        long as ``timeouts.idle``."""
         try:
             length = response.content_length
             if length is not None and length <= _DISCARD_LIMIT:
-                async with asyncio.timeout(within):
+                async with asyncio.timeout(min(within, _DISCARD_SECONDS)):
                     await response.read(_DISCARD_LIMIT)
         except (TimeoutError, aiohttp.ClientError, BodyTooLong):
             pass

@@ -1,7 +1,8 @@
 """Several worker processes on one listening port (SO_REUSEPORT), to use more than one core.
 
-The parent only supervises: it forwards SIGTERM and SIGINT, waits while the workers drain, and
-exits non-zero if a worker dies. Worker 0 alone serves the admin port; its ``/metrics`` adds up
+The parent only supervises: it forwards SIGTERM and SIGINT, waits while the workers drain (a
+worker still there ``EXIT_MARGIN`` past ``drain_seconds`` is killed), and exits non-zero if a
+worker dies. Worker 0 alone serves the admin port; its ``/metrics`` adds up
 every worker through prometheus-client's multiprocess mode. The configured limits are the
 proxy's, not each worker's: every worker enforces its share of them (``worker_config``).
 """
@@ -16,6 +17,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from multiprocessing.connection import wait
 from pathlib import Path
 from types import FrameType
@@ -32,6 +34,10 @@ MiB = 1024 * 1024
 WORKER_MEMORY_BYTES = 256 * MiB
 SUPERVISOR_MEMORY_BYTES = 64 * MiB  # the parent process: Python, the imports, no requests
 _UNLIMITED = 1 << 62  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+# Past drain_seconds, what a stopping worker may take to exit (its listeners closed, the last
+# spans sent: a few seconds) before it is killed; a worker that hangs must not hold the exit.
+EXIT_MARGIN = 10.0
+_POLL = 1.0  # seconds between the supervisor's looks at its workers
 
 
 def auto_workers(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
@@ -154,11 +160,12 @@ def run_workers(config: Config, count: int) -> int:
         context.Process(target=_work, args=(config, index, count), name=f"n-proxy-worker-{index}")
         for index in range(count)
     ]
-    stopping = False
+    stopping_since: float | None = None
 
     def stop(signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
-        nonlocal stopping
-        stopping = True
+        nonlocal stopping_since
+        if stopping_since is None:
+            stopping_since = time.monotonic()
         for worker in workers:
             if worker.pid is not None and worker.exitcode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -171,11 +178,18 @@ def run_workers(config: Config, count: int) -> int:
         for worker in workers:
             worker.start()
         while running := [w for w in workers if w.exitcode is None]:
-            wait([w.sentinel for w in running])
+            wait([w.sentinel for w in running], _POLL)
             died = [w for w in workers if w.exitcode not in (None, 0)]
-            if died and not stopping:
+            if died and stopping_since is None:
                 failed = True
                 stop()  # one worker gone: stop the rest and let the orchestrator restart us
+            if stopping_since is None:
+                continue
+            if time.monotonic() - stopping_since > config.drain_seconds + EXIT_MARGIN:
+                for worker in running:
+                    if worker.exitcode is None:
+                        worker.kill()  # it outlived its drain: the exit is not held for it
+                        failed = True
         return 1 if failed or any(w.exitcode for w in workers) else 0
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

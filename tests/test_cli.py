@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
-from proxy.workers import MiB
+from proxy.workers import EXIT_MARGIN, MiB
 from tests.conftest import with_upstream
 from tests.ports import free_port
 
@@ -415,3 +415,35 @@ async def test_two_workers_send_the_upstream_at_most_max_concurrency_children_at
                 os.killpg(process.pid, signal.SIGKILL)
             await asyncio.wait_for(process.wait(), 10)
         await runner.cleanup()
+
+
+async def test_a_worker_that_never_exits_is_killed_past_its_drain_and_the_supervisor_exits(
+    make_backend: Any, tmp_path: Path
+) -> None:
+    backend = await make_backend()
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"upstreams: [{{name: a, url: '{backend.url}'}}]\n"
+        "drain_seconds: 0.5\ndrain_grace_seconds: 0.1\n"
+    )
+    command = [sys.executable, "-m", "proxy", "--config", str(path), "--workers", "2"]
+    command += ["--port", str(free_port())]
+    # Its own session: whatever happens, the workers go down with it (killpg below).
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert process.stdout is not None
+        banners = [(await process.stdout.readline()).decode() for _ in range(2)]
+        stuck = int(re.findall(r"pid (\d+)", banners[0])[0])
+        os.kill(stuck, signal.SIGSTOP)  # a hung worker: it will never handle its SIGTERM
+        process.send_signal(signal.SIGTERM)
+        # The bound: the drain, the margin, and room for a loaded machine.
+        assert await asyncio.wait_for(process.wait(), 0.5 + EXIT_MARGIN + 15) == 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(stuck, 0)  # killed, and reaped by the supervisor
+    finally:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.wait_for(process.wait(), 10)

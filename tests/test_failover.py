@@ -214,6 +214,31 @@ async def start_slammer(servers: Servers) -> tuple[str, Recorded]:
     return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", recorded
 
 
+async def start_staller(servers: Servers) -> tuple[str, list[bytes]]:
+    """A replica that answers every generation request 503 with a Content-Length body it never
+    sends, holding the connection open; its health check passes."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /health "):
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            else:
+                heads.append(head)
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\n")
+            await writer.drain()
+            await reader.read()  # until the proxy lets go of the connection
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    servers.servers.append(server)
+    return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", heads
+
+
 # --- requests -----------------------------------------------------------------------------------
 
 
@@ -729,6 +754,32 @@ async def test_the_fallback_upstream_answers_when_every_replica_failed(
     assert all(r.outstanding == 0 for r in spare_state.replicas)
 
 
+@pytest.mark.parametrize("then", ["retry", "fallback"])
+async def test_a_retried_answer_whose_body_stalls_lets_its_retry_go_at_once(
+    client: aiohttp.ClientSession, make_backend: MakeBackend, servers: Servers, then: str
+) -> None:
+    live = await make_backend()
+    stalled, heads = await start_staller(servers)
+    options: dict[str, Any] = {
+        "retry_on": (503,), "eject": Eject(failures=0), "timeouts": {"idle": 3600},
+    }  # fmt: skip
+    upstreams: tuple[Upstream, ...]
+    if then == "retry":
+        options["placement"] = "pack"  # the first try on the stalling replica
+        upstreams = (Upstream(name="u", urls=(stalled, live.url), **options),)
+    else:
+        primary = Upstream(name="u", urls=(stalled,), retries=0, fallback="spare", **options)
+        upstreams = (primary, Upstream(name="spare", urls=(live.url,)))
+    proxy = await serve_proxy(servers, Config(upstreams=upstreams))
+    record_waits(proxy)
+    # Within WITHIN (post's bound), far below timeouts.idle: the stalled body is not waited for.
+    status, _ = await post(client, proxy, chat(1), "stalled")
+    assert status == 200
+    assert len(heads) == 1
+    assert rids(live) == ["stalled"]
+    assert not proxy.pool.connections.in_use  # the stalled answer's connection was closed
+
+
 async def test_a_failure_retry_on_does_not_list_never_goes_to_the_fallback(
     client: aiohttp.ClientSession, make_backend: MakeBackend, servers: Servers
 ) -> None:
@@ -769,6 +820,88 @@ async def test_a_backoff_wait_cancelled_by_the_client_leaves_nothing_behind(
         await until_true(lambda: state.slots.in_use == 0 and len(asyncio.all_tasks()) <= before)
         assert state.slots.queued == 0
         assert all(r.outstanding == 0 for r in state.replicas)
+
+
+@dataclass
+class HeldWaits:
+    """The pool's waits between tries, held until ``release`` is set; each one that the proxy
+    cancels (its client left) is counted."""
+
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: int = 0
+    cancelled: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def __call__(self, delay: float) -> None:
+        self.waiting += 1
+        self.changed.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            self.changed.set()
+            raise
+        finally:
+            self.waiting -= 1
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        async with asyncio.timeout(WITHIN):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+async def test_a_retry_whose_wait_is_cancelled_is_neither_counted_nor_spent(
+    client: aiohttp.ClientSession, make_proxy: MakeProxy, servers: Servers
+) -> None:
+    busy, recorded = await start_app(servers, answer_503)
+    budget = {"percent": 0, "min_per_second": 0.1, "window": 10}  # one retry in the window
+    proxy = await make_proxy(
+        [busy], retries=1, retry_on=(503,), retry_budget=budget, eject=Eject(failures=0)
+    )
+    waits = HeldWaits()
+    proxy.pool.sleep = waits
+    leaving = asyncio.ensure_future(post(client, proxy, chat(1), "leaves"))
+    await waits.until(lambda: waits.waiting == 1)
+    leaving.cancel()  # the client leaves during the backoff wait
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    await waits.until(lambda: waits.cancelled == 1)
+    assert proxy.metric("n_proxy_retries_total", reason="503") == 0
+    waits.release.set()
+    # The budget's one retry was given back: the next request's retry goes out.
+    assert (await post(client, proxy, chat(1), "stays"))[0] == 503
+    assert [rid for _, rid, _ in recorded.generation()] == ["leaves", "stays", "stays"]
+    assert proxy.metric("n_proxy_retries_total", reason="503") == 1
+    assert proxy.metric("n_proxy_retries_refused_total") == 0
+
+
+async def test_under_a_503_storm_with_clients_leaving_counted_retries_are_the_retries_sent(
+    client: aiohttp.ClientSession,
+    make_proxy: MakeProxy,
+    servers: Servers,
+    request_lines: RequestLines,
+) -> None:
+    busy, recorded = await start_app(servers, answer_503)
+    budget = {"percent": 100, "min_per_second": 100}
+    proxy = await make_proxy(
+        [busy], retries=2, retry_on=(503,), retry_budget=budget, eject=Eject(failures=0)
+    )
+    waits = HeldWaits()
+    proxy.pool.sleep = waits
+    clients = 8
+    jobs = [asyncio.ensure_future(post(client, proxy, chat(1), f"s{i}")) for i in range(clients)]
+    await waits.until(lambda: waits.waiting == clients)  # every first try failed: all wait
+    for job in jobs[::2]:
+        job.cancel()  # half the clients leave during their first wait
+    await asyncio.gather(*jobs[::2], return_exceptions=True)
+    await waits.until(lambda: waits.cancelled == clients // 2)
+    waits.release.set()
+    assert [status for status, _ in await asyncio.gather(*jobs[1::2])] == [503] * (clients // 2)
+    sent = len(recorded.generation()) - clients  # every try the upstream saw but the first ones
+    assert sent == clients // 2 * 2  # the clients that stayed: two retries each
+    assert proxy.metric("n_proxy_retries_total", reason="503") == sent
+    assert sum(line["retries"] for line in request_lines.lines) == sent
 
 
 async def test_a_client_leaving_a_fallback_stream_gives_back_the_fallbacks_places(

@@ -458,16 +458,47 @@ async def test_expect_is_never_forwarded(fake: Fake, n: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "line", [b"GET /v1/models\r\n\r\n", b"GET /v1/models HTTP/0.9\r\n\r\n"], ids=["bare", "0.9"]
+    "line",
+    [
+        b"GET /v1/models\r\n",  # HTTP/0.9 as it is: one line end, then the answer is awaited
+        b"GET /v1/models\n",
+        b"GET /v1/models\r\n\r\n",
+        b"GET /v1/models HTTP/0.9\r\n\r\n",
+    ],
+    ids=["0.9-real", "0.9-lf", "bare", "0.9"],
 )
-async def test_http_0_9_request_line_is_400_before_any_upstream_contact(
+async def test_http_0_9_request_line_is_400_at_once_before_any_upstream_contact(
     fake: Fake, line: bytes
 ) -> None:
-    async with running(fake) as server:
+    # The header deadline far off: the answer must not wait for it.
+    async with running(fake, client_timeouts=ClientTimeouts(headers=600)) as server:
         answer = await exchange(server.proxy_port, line)
     assert answer.status == 400
     assert answer.error()["type"] == "invalid_request_error"
     assert fake.seen == []
+
+
+async def test_http_0_9_split_across_reads_is_400_and_http_1_split_alike_is_served(
+    fake: Fake,
+) -> None:
+    async with running(fake, client_timeouts=ClientTimeouts(headers=600)) as server:
+        for pieces, status in (
+            ([b"GE", b"T /v1/mo", b"dels\r", b"\n"], 400),
+            (
+                [b"GET /v1/mo", b"dels HT", b"TP/1.1\r\nHost: x\r\n", b"Connection: close\r\n\r\n"],
+                200,
+            ),
+        ):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+            try:
+                for piece in pieces:
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0.02)  # separate reads, not a timing assertion
+                raw = await asyncio.wait_for(reader.read(-1), 20)
+            finally:
+                writer.close()
+            assert parse(raw).status == status
 
 
 async def test_every_response_the_proxy_writes_says_server_n_proxy(fake: Fake) -> None:

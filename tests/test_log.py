@@ -13,15 +13,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from yarl import URL
 
 from proxy import log
 from proxy.cli import _config, _parser
-from proxy.config import Listen, single_upstream_config
+from proxy.clienterrors import LINES_PER_SECOND
+from proxy.config import ClientTimeouts, Listen, single_upstream_config
+from proxy.metrics import PROTOCOL_ERROR_KINDS
 from proxy.server import Server
 from tests.conftest import Backend
 
 MESSAGES = [{"role": "user", "content": "hello"}]
+WITHIN = 30.0  # seconds any one wait may take
 
 
 @pytest.fixture
@@ -121,7 +127,35 @@ def test_text_format_keeps_the_traceback_readable(stream: io.StringIO) -> None:
         logging.getLogger("aiohttp.server").exception("Error handling request")
     head, *rest = stream.getvalue().splitlines()
     assert head.endswith("error Error handling request logger=aiohttp.server")
-    assert rest[0] == "Traceback (most recent call last):"
+    # Indented: no line of it (an exception's message may hold a client's bytes) starts
+    # like a log line.
+    assert rest[0] == "  Traceback (most recent call last):"
+    assert rest[-1] == "  KeyError: 'k'"
+
+
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+FORGED = "\n2030-01-01 00:00:00,000 info request request_id=admin status=200"
+
+
+def test_text_format_escapes_what_a_client_chose(stream: io.StringIO) -> None:
+    setup("text", stream)
+    log.log_request(
+        path="/v1/models" + FORGED, model="m x=1", request_id='r"1\\', status=200, n=1,
+        replica="\u2028\x1b[31m", upstream="",
+    )  # fmt: skip
+    log.log_event("event" + FORGED, field="\r\t")
+    request, event = stream.getvalue().splitlines()  # two records, two lines
+    assert re.fullmatch(
+        STAMP + r" info request path=\"/v1/models\\n2030-01-01 00:00:00,000 info request "
+        r"request_id=admin status=200\" model=\"m x=1\" request_id=\"r\\\"1\\\\\" "
+        r"status=200 n=1 replica=\"\\u2028\\x1b\[31m\" upstream=",
+        request,
+    ), request
+    assert re.fullmatch(
+        STAMP + r" info event\\n2030-01-01 00:00:00,000 info request request_id=admin "
+        r"status=200 field=\"\\r\\t\"",
+        event,
+    ), event
 
 
 @pytest.mark.parametrize(
@@ -157,23 +191,152 @@ async def running(backend: Backend) -> Server:
     return server
 
 
-async def test_malformed_request_is_one_json_line_not_a_traceback(
+# Requests the HTTP parser refuses, each with the kind it is counted under.
+MALFORMED = {
+    "request_line": [b"G@T / HTTP/1.1\r\nHost: x\r\n\r\n"],
+    "header": [b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"],
+    "too_long": [b"GET / HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70_000 + b"\r\n\r\n"],
+    "body": [
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+    ],
+    "body-in-a-later-read": [  # the head handled first, then a bad chunk size
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"3\r\nabc\r\nzz\r\nmore\r\n",
+    ],
+    "http/0.9": [b"GET /v1/models\r\n"],
+}
+KIND = {"body-in-a-later-read": "body", "http/0.9": "request_line"}
+
+
+async def running_with_admin(backend: Backend) -> Server:
+    config = single_upstream_config(backend.url).model_copy(
+        update={
+            "listen": Listen(host="127.0.0.1", port=0),
+            "admin": Listen(host="127.0.0.1", port=0),
+            # far longer than any answer below may take: they come at once, not at a deadline
+            "client_timeouts": ClientTimeouts(headers=600, body=600),
+        }
+    )
+    server = Server(config)
+    await server.start()
+    return server
+
+
+async def send_raw(port: int, pieces: list[bytes]) -> bytes:
+    """Each piece in its own write, once the proxy has taken the one before; the whole answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for piece in pieces[:-1]:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)  # a later read, not a timing assertion
+        writer.write(pieces[-1])
+        async with asyncio.timeout(WITHIN):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+def protocol_errors(server: Server) -> dict[str, float]:
+    text = server.runtime.metrics.render().decode()
+    return {
+        sample.labels["kind"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "n_proxy_client_protocol_errors_total"
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "listener"),
+    # The admin listener reads no body: a broken one is never parsed there.
+    [(c, "proxy") for c in MALFORMED] + [(c, "admin") for c in MALFORMED if "later" not in c],
+)
+async def test_a_malformed_request_is_one_short_info_line_and_a_count(
+    stream: io.StringIO, backend: Backend, case: str, listener: str
+) -> None:
+    setup("json", stream)
+    server = await running_with_admin(backend)
+    port = server.proxy_port if listener == "proxy" else server.admin_port
+    try:
+        reply = await send_raw(port, MALFORMED[case])
+        counted = protocol_errors(server)
+    finally:
+        await server.close()
+    status_line, _, body = reply.partition(b"\r\n")
+    assert status_line.split(b" ")[1] == b"400", reply[:200]
+    assert orjson.loads(body.partition(b"\r\n\r\n")[2])["error"]["type"] == "invalid_request_error"
+    kind = KIND.get(case, case)
+    assert counted == {k: 1.0 if k == kind else 0.0 for k in PROTOCOL_ERROR_KINDS}
+    lines = parsed(stream)
+    assert not [line for line in lines if line.get("logger", "").startswith("aiohttp")]
+    (error,) = [line for line in lines if line["msg"] == "client protocol error"]
+    assert error["level"] == "info"  # the client's fault, as nginx logs it
+    assert error["kind"] == kind
+    assert error["remote"] == "127.0.0.1"
+    assert "exc" not in error
+    assert len(json.dumps(error)) < 200  # whatever the client sent
+
+
+async def test_log_level_warning_drops_protocol_error_lines_but_counts_them(
+    stream: io.StringIO, backend: Backend
+) -> None:
+    log.setup_logging("json", "warning")
+    assert log._direct is not None
+    log._direct[0].setStream(stream)
+    server = await running_with_admin(backend)
+    try:
+        await send_raw(server.proxy_port, MALFORMED["header"])
+        assert protocol_errors(server)["header"] == 1
+    finally:
+        await server.close()
+    assert parsed(stream) == []
+
+
+async def test_protocol_error_lines_are_rate_limited_and_say_how_many_were_held_back(
     stream: io.StringIO, backend: Backend
 ) -> None:
     setup("json", stream)
-    server = await running(backend)
+    server = await running_with_admin(backend)
+    now = [100.0]
+    server.runtime.client_errors.clock = lambda: now[0]
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
-        reply = await asyncio.wait_for(reader.read(), 5)
-        writer.close()
-        assert reply.split(b" ", 2)[1] == b"400"
+        for _ in range(LINES_PER_SECOND + 5):  # within one second of the throttle's clock
+            await send_raw(server.proxy_port, MALFORMED["header"])
+        now[0] += 1.0
+        await send_raw(server.proxy_port, MALFORMED["request_line"])
+        counted = protocol_errors(server)
     finally:
         await server.close()
-    lines = parsed(stream)
-    (error,) = [line for line in lines if line.get("logger") == "aiohttp.server"]
-    assert error["level"] == "error"
-    assert "BadHttpMessage" in error["exc"]
+    assert (counted["header"], counted["request_line"]) == (LINES_PER_SECOND + 5, 1)
+    lines = [line for line in parsed(stream) if line["msg"] == "client protocol error"]
+    assert [line.get("suppressed") for line in lines] == [None] * LINES_PER_SECOND + [5]
+    assert lines[-1]["kind"] == "request_line"
+
+
+async def test_a_path_or_model_with_a_line_break_stays_on_its_request_s_line(
+    stream: io.StringIO, backend: Backend
+) -> None:
+    setup("text", stream)
+    server = await running(backend)
+    url = f"http://127.0.0.1:{server.proxy_port}"
+    body = {"model": "m" + FORGED, "messages": MESSAGES, "max_tokens": 2}
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+            async with http.get(URL(url + "/v1/models%0Aforged", encoded=True)) as r:
+                assert r.headers["Server"] != "n-proxy"  # the backend's answer: passed through
+    finally:
+        await server.close()
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    lines = stream.getvalue().splitlines()
+    requests = [line for line in lines if " info request " in line]
+    assert len(requests) == 2
+    assert all(re.match(STAMP + " ", line) for line in lines)  # no line a client wrote
+    assert r'model="m\n2030-01-01 00:00:00,000 info request' in requests[0]
+    assert 'path="/v1/models\\nforged" ' in requests[1]
 
 
 async def test_request_line_fields(stream: io.StringIO, backend: Backend) -> None:

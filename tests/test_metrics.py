@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from proxy.config import parse_config
+from proxy.metrics import PROTOCOL_ERROR_KINDS
 from proxy.server import Server
 from proxy.tally import PlainCounter, PlainHistogram
 from tests.conftest import Backend
@@ -116,6 +117,8 @@ async def test_a_fresh_proxy_exports_labelled_counters_at_zero_and_process_metri
     for name in ("n_proxy_children_aborted_total", "n_proxy_rejected_total"):
         assert values[(name, (("upstream", "u"),))] == 0
     assert values[("n_proxy_client_timeouts_total", (("phase", "headers"),))] == 0
+    for kind in PROTOCOL_ERROR_KINDS:
+        assert values[("n_proxy_client_protocol_errors_total", (("kind", kind),))] == 0
     assert values[("n_proxy_queue_depth", (("upstream", "u"),))] == 0
     route = (("fanned_out", "true"), ("route", "/v1/chat/completions"))
     assert values[("n_proxy_request_duration_seconds_count", route)] == 0

@@ -14,6 +14,7 @@ from multidict import CIMultiDict
 
 from proxy.config import single_upstream_config
 from tests.conftest import Backend, Proxy
+from tests.rawupstream import RawUpstream, exchange
 
 # Deliberately odd SSE bytes: CRLF, a comment, no space after "data:", spacing the proxy must keep.
 ODD_STREAM = (
@@ -206,3 +207,27 @@ async def test_body_over_limit_is_413(
         assert response.status == 413
         assert (await response.json())["error"]["type"] == "invalid_request_error"
     assert rec.requests == []
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[RawUpstream]:
+    raw = await RawUpstream().start()
+    yield raw
+    await raw.stop()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [b"/v1/models%0Aforged", b"/a%0D%0Ab?q=%0A", b"/%0A", b"/x/%0a%0d/y%00"],
+)
+async def test_a_path_with_an_encoded_line_break_is_forwarded_as_the_client_wrote_it(
+    raw_upstream: RawUpstream, make_proxy: Any, target: bytes
+) -> None:
+    proxy: Proxy = await make_proxy(single_upstream_config(raw_upstream.url))
+    port = int(proxy.url.rsplit(":", 1)[1])
+    request = b"GET %s HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n" % target
+    reply = await exchange(port, request)
+    assert reply.startswith(b"HTTP/1.1 200 ")  # the upstream's answer, not aiohttp's own 404
+    (seen,) = [s for s in raw_upstream.seen if not s.path.endswith("/health")]
+    request_line = seen.head.split(b"\r\n", 1)[0]
+    assert request_line == b"GET %s HTTP/1.1" % target  # still encoded: no raw CR or LF

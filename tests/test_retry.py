@@ -147,6 +147,33 @@ def test_retries_past_the_budget_are_refused_but_connect_failures_never_are() ->
     assert rules.decide(1, "connect", None, now=0.0).outcome == "retry"  # the server saw nothing
 
 
+def test_a_retry_never_sent_gives_its_budget_share_back() -> None:
+    rules = policy(percent=0, floor=0.1)  # one retry in the window
+    first = rules.decide(1, 503, None, now=1.0)
+    assert first.outcome == "retry"
+    assert rules.decide(1, 503, None, now=1.5).outcome == "budget"
+    rules.unsent(first)  # its wait was cancelled: the client left
+    assert rules.decide(1, 503, None, now=2.0).outcome == "retry"
+    assert rules.decide(1, 503, None, now=2.0).outcome == "budget"
+
+
+def test_a_connect_retry_never_sent_gives_back_nothing_it_did_not_take() -> None:
+    rules = policy(percent=0, floor=0.1)
+    connect = rules.decide(1, "connect", None, now=0.0)
+    assert (connect.outcome, connect.spent_at) == ("retry", None)
+    assert rules.decide(1, 503, None, now=0.0).outcome == "retry"
+    rules.unsent(connect)
+    assert rules.decide(1, 503, None, now=0.0).outcome == "budget"
+
+
+def test_a_refund_after_its_slice_left_the_window_changes_nothing() -> None:
+    budget = RetryBudget(percent=0, min_per_second=0.1, window=10, slices=10)  # one retry
+    assert budget.spend(now=0.5) is True
+    assert budget.spend(now=12.0) is True  # the retry of 0.5 has left the window
+    budget.refund(spent_at=0.5)  # nothing of it is left to give back
+    assert budget.spend(now=12.0) is False
+
+
 @pytest.mark.parametrize(
     ("outcome", "falls_back"),
     [("retry", False), ("final", False), ("spent", True), ("budget", True), ("too_long", True)],

@@ -3,10 +3,15 @@ off (and opentelemetry never imported) unless ``OTEL_*`` asks for it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -226,7 +231,72 @@ print(loaded)
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_otlp_endpoint_builds_a_batching_otlp_pipeline() -> None:
+async def test_otlp_endpoint_builds_a_batching_otlp_pipeline() -> None:
     tracing = tracing_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
     assert tracing is not None
-    tracing.close()  # nothing batched: returns without reaching the endpoint
+    assert await tracing.close(WITHIN) is True  # nothing batched: the endpoint is never reached
+
+
+DRAIN_SECONDS = 3.0
+# Above DRAIN_SECONDS, what exiting may take on a loaded machine (listeners closed, the last
+# spans' bound): generous, and far below the SDK's own 30 s.
+EXIT_MARGIN = 10.0
+WITHIN = 30.0  # any one wait of these tests, bounded
+
+
+async def test_sigterm_exits_within_drain_seconds_while_the_collector_never_answers(
+    backend: Backend, tmp_path: Path
+) -> None:
+    collector_connections: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        collector_connections.append(writer)  # accepted, read, never answered
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):
+                pass
+
+    collector = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"upstreams: [{{name: chat, url: '{backend.url}'}}]\n"
+        f"drain_seconds: {DRAIN_SECONDS}\ndrain_grace_seconds: 0.2\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    environ.update(
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{collector.sockets[0].getsockname()[1]}",
+        OTEL_EXPORTER_OTLP_TIMEOUT="60",  # the SDK's own bound: one export may take a minute
+        OTEL_BSP_SCHEDULE_DELAY="600000",  # the spans wait in their batch until the shutdown
+    )
+    command = [sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"]
+    process = await asyncio.create_subprocess_exec(
+        *command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        async with asyncio.timeout(WITHIN):
+            banner = (await process.stdout.readline()).decode()
+        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", banner)
+        assert found, banner
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 2, "n": 2}
+        url = found.group(1) + "/v1/chat/completions"
+        async with aiohttp.ClientSession() as http, http.post(url, json=body) as r:
+            assert r.status == 200  # three spans batched, for a collector that never answers
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        async with asyncio.timeout(WITHIN + DRAIN_SECONDS):
+            assert await process.wait() == 0
+        exited_after = time.monotonic() - signalled
+        log = (await process.stderr.read()).decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        collector.close()
+        for writer in collector_connections:
+            writer.close()
+    assert exited_after < DRAIN_SECONDS + EXIT_MARGIN
+    (dropped,) = [json.loads(line) for line in log.splitlines() if "spans not sent" in line]
+    assert dropped["level"] == "info"

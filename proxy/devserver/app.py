@@ -6,6 +6,7 @@ from functools import partial
 
 from aiohttp import web
 
+from proxy.backlog import listen_backlog
 from proxy.devserver.config import DEFAULT_CONFIG, DEV_CONFIG, DevConfig
 from proxy.devserver.generation import handle_generation
 from proxy.devserver.routes import debug_state, echo, embeddings, health, metrics, models
@@ -36,6 +37,6 @@ async def start_devserver(
     # A short shutdown grace: cleanup must not wait on deliberately endless fault handlers.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, backlog=listen_backlog())
     await site.start()
     return runner, int(runner.addresses[0][1]), app[DEV_STATE]

@@ -6,6 +6,7 @@ import argparse
 
 from aiohttp import web
 
+from proxy.backlog import listen_backlog
 from proxy.devserver.app import build_app
 from proxy.devserver.config import DevConfig
 
@@ -22,5 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = DevConfig(token_delay=args.token_delay, native_n=args.native_n, model=args.model)
     app = build_app(config)
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=1)
+    web.run_app(
+        app, host=args.host, port=args.port, handler_cancellation=True, shutdown_timeout=1,
+        backlog=listen_backlog(),
+    )  # fmt: skip
     return 0
