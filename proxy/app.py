@@ -329,9 +329,10 @@ async def _relay(
     )
     if length is not None:
         response.content_length = length
-    await response.prepare(request)
-    transport = request.transport
     try:
+        # The head is written here: a client gone by now is the same as one gone mid-body.
+        await response.prepare(request)
+        transport = request.transport
         if transport is None:
             raise ConnectionResetError("the client left")
         write, full, drain = client_sink(request, transport)
@@ -344,12 +345,12 @@ async def _relay(
             write(data)
 
         await answer.relay(counted, full, drain)
+        await response.write_eof()
     except (TimeoutError, aiohttp.ClientError, ConnectionError):
-        # The status is sent already: cut the client's connection so it sees a truncated body.
+        # The status is sent already (or the client is gone): cut the client's connection so
+        # it sees a truncated body.
         if request.transport is not None:
             request.transport.abort()
-        return response
-    await response.write_eof()
     return response
 
 
