@@ -316,6 +316,7 @@ async def _relay(
         # A small body of known length leaves with its headers in one write: one syscall
         # and one packet fewer on the most common pass-through answer.
         data = await answer.read()
+        outcome.bytes_out = len(data)
         return web.Response(
             status=status,
             reason=upstream_response.reason,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.app import RUNTIME
 from proxy.config import single_upstream_config
 from tests.conftest import Backend, Proxy
 
@@ -206,3 +208,31 @@ async def test_body_over_limit_is_413(
         assert response.status == 413
         assert (await response.json())["error"]["type"] == "invalid_request_error"
     assert rec.requests == []
+
+
+@pytest.mark.parametrize("path", ["/small", "/slow-stream"])
+async def test_the_request_line_counts_a_passed_through_body_whole_or_streamed(
+    http: aiohttp.ClientSession,
+    make_proxy: Any,
+    recorder: tuple[Recorder, str],
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+) -> None:
+    """A small body of known length leaves whole with its head, a stream chunk by chunk:
+    ``bytes_out`` is the body's size either way."""
+    rec, url = recorder
+    rec.release.set()
+    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    with caplog.at_level(logging.INFO, logger="n_proxy"):
+        async with http.get(proxy.url + path) as response:
+            body = await response.read()
+        await proxy_idle(proxy)
+    (line,) = [r for r in caplog.records if r.getMessage() == "request"]
+    assert len(body) > 0
+    assert line.__dict__["fields"]["bytes_out"] == len(body)
+
+
+async def proxy_idle(proxy: Proxy) -> None:
+    """Until the request's handler ended (its log line is written as it ends)."""
+    async with asyncio.timeout(10):
+        await proxy.app[RUNTIME].wait_idle()
