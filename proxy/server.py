@@ -77,12 +77,14 @@ class Server:
         if self._proxy_site is not None:
             await self._proxy_site.stop()
         try:
-            await asyncio.wait_for(runtime.wait_idle(), self.config.drain_seconds - grace)
+            async with asyncio.timeout(self.config.drain_seconds - grace):
+                await runtime.wait_idle()
         except TimeoutError:
             log_event("drain time is up; cutting streams", in_flight=runtime.in_flight)
             runtime.cut_streams("the proxy is shutting down")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(runtime.wait_idle(), _CUT_GRACE)
+                async with asyncio.timeout(_CUT_GRACE):
+                    await runtime.wait_idle()
 
     async def close(self) -> None:
         await self._proxy.cleanup()
