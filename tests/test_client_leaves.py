@@ -28,6 +28,9 @@ from proxy.app import POOL, RUNTIME, build_app
 from proxy.config import Config, single_upstream_config
 from tests.conftest import Backend
 from tests.rawupstream import RawUpstream
+from tests.test_faults import MakeRig, make_rig
+
+__all__ = ["make_rig"]  # the fixture, shared with test_faults
 
 WAIT = 10.0  # seconds: a bound on every wait, not a timing assertion
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -358,3 +361,60 @@ async def test_a_relayed_exact_head_whose_client_is_gone_ends_quietly(
         await settled(app)
     finally:
         await upstream.stop()
+
+
+# --- clients that leave as their children connect ------------------------------------------
+
+
+WAVES = 4
+WAVE = 100  # streams per wave
+K = 4  # children each
+
+
+async def test_clients_closing_just_after_sending_a_fan_out_strand_nothing(
+    make_rig: MakeRig,
+) -> None:
+    """Each client closes 0-4 ms after sending: its children are cancelled while they queue,
+    connect or stream. A child whose cancellation came in the same loop turn as its connect
+    once kept its slot, connection and replica count, and its handler, for ever."""
+    rig = await make_rig(max_concurrency=WAVE * K, max_queue=WAVE)
+    port = int(rig.proxy_url.rsplit(":", 1)[1])
+    body = orjson.dumps(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hello"}],
+            "n": K,
+            "stream": True,
+            "max_tokens": 30,
+            "x_demo": {"token_delay": 0.05},
+        }
+    )
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+    async def leave(j: int) -> None:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        await asyncio.sleep(j % 5 / 1000)
+        writer.close()
+        await writer.wait_closed()
+
+    pool = rig.app[POOL]
+    (upstream,) = pool.config.upstreams
+    state = pool.state(upstream)
+    for wave in range(WAVES):
+        async with asyncio.timeout(WAIT):
+            await asyncio.gather(*(leave(j) for j in range(WAVE)))
+        try:
+            async with asyncio.timeout(WAIT):
+                await rig.app[RUNTIME].wait_idle()
+        except TimeoutError:
+            pytest.fail(f"wave {wave}: {rig.app[RUNTIME].in_flight} handlers never ended")
+        held = (
+            state.slots.in_use,
+            [r.outstanding for r in state.replicas],
+            len(pool.connections.in_use),
+        )
+        assert held == (0, [0], 0), f"wave {wave}: slots, outstanding, connections held"
