@@ -114,6 +114,8 @@ class UpstreamConnection(asyncio.Protocol):
             return False
         probe = socket.socket(raw.family, raw.type, raw.proto, fileno=raw.fileno())
         try:
+            if probe.gettimeout() is not None:  # a default timeout would poll before the recv
+                probe.setblocking(False)
             probe.recv(1, _PEEK)  # b"": the server's EOF; a byte: nothing we asked for
         except BlockingIOError:
             return False  # nothing there: the connection is as the server left it
