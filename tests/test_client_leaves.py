@@ -346,21 +346,25 @@ async def test_a_stream_whose_client_is_gone_at_its_head_ends_quietly(
     await backend.state.wait_for(lambda s: len(s.aborted) == n)  # each stream was cut
 
 
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[RawUpstream]:
+    upstream = await RawUpstream().start()
+    yield upstream
+    await upstream.stop()
+
+
 async def test_a_relayed_exact_head_whose_client_is_gone_ends_quietly(
+    raw_upstream: RawUpstream,
     leaving_proxy: Callable[[str], Awaitable[tuple[web.Application, int]]],
 ) -> None:
     """A head with bytes that are not UTF-8 is written by ``ExactHead``: the same, there."""
-    upstream = await RawUpstream().start()
-    try:
-        upstream.scripts["/latin"] = (
-            b"HTTP/1.1 200 OK\r\nX-Name: caf\xe9\r\nTransfer-Encoding: chunked\r\n\r\n"
-            b"5\r\nhello\r\n0\r\n\r\n"
-        )
-        app, port = await leaving_proxy(upstream.url)
-        assert await leave(port, "GET", "/latin") == b""
-        await settled(app)
-    finally:
-        await upstream.stop()
+    raw_upstream.scripts["/latin"] = (
+        b"HTTP/1.1 200 OK\r\nX-Name: caf\xe9\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n0\r\n\r\n"
+    )
+    app, port = await leaving_proxy(raw_upstream.url)
+    assert await leave(port, "GET", "/latin") == b""
+    await settled(app)
 
 
 # --- clients that leave as their children connect ------------------------------------------
