@@ -13,7 +13,7 @@ the rest as a request of its own. Failures are the exceptions aiohttp's client r
 from __future__ import annotations
 
 import asyncio
-import socket
+import select
 from collections.abc import Mapping
 from typing import cast
 
@@ -30,7 +30,6 @@ _CHUNKED_END = 4  # a chunked body and a head both end in CRLF CRLF after a visi
 # Request body bytes handed to the transport at a time: past its high-water mark the rest waits
 # for ``resume_writing``, so an upload to a slow reader holds about this much in the transport.
 WRITE_PIECE = 64 * 1024
-_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 
 
 class _HeadDone(Exception):
@@ -104,26 +103,17 @@ class UpstreamConnection(asyncio.Protocol):
         return self._in_body or self._head_room < MAX_HEAD
 
     def stale(self) -> bool:
-        """Whether this idle connection is unfit to reuse: closed, or with an EOF or bytes
-        nobody asked for already in its socket that the loop has not read yet (a
-        non-blocking peek, as urllib3 does; TLS peeks its raw socket)."""
+        """Whether this idle connection is unfit to reuse: closed, or readable, with an EOF or
+        bytes nobody asked for already in its socket that the loop has not read yet (the
+        check urllib3 makes; TLS polls its raw socket). One ``poll`` with no wait."""
         if self.closing or self.transport is None:
             return True
         raw = self.transport.get_extra_info("socket")
         if raw is None:
             return False
-        probe = socket.socket(raw.family, raw.type, raw.proto, fileno=raw.fileno())
-        try:
-            if probe.gettimeout() is not None:  # a default timeout would poll before the recv
-                probe.setblocking(False)
-            probe.recv(1, _PEEK)  # b"": the server's EOF; a byte: nothing we asked for
-        except BlockingIOError:
-            return False  # nothing there: the connection is as the server left it
-        except OSError:
-            return True  # reset
-        finally:
-            probe.detach()  # the fd stays the transport's
-        return True
+        poller = select.poll()
+        poller.register(raw.fileno(), select.POLLIN)
+        return bool(poller.poll(0))  # POLLIN, POLLHUP or POLLERR: the server is done with it
 
     # ---- asyncio.Protocol
 

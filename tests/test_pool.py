@@ -764,7 +764,7 @@ async def test_a_pooled_connection_whose_fin_is_already_queued_is_not_reused(
     pool: ConnectionPool, serve: Serve
 ) -> None:
     """A server that says keep-alive and closes after every answer: its FIN is in the socket
-    before the next request goes out, unread by the loop yet. The peek sees it, so neither a
+    before the next request goes out, unread by the loop yet. The poll sees it, so neither a
     GET nor a POST goes out on that connection."""
     closing = b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok"
 

@@ -256,6 +256,7 @@ class EarlyAnswers:
     def __init__(self) -> None:
         self.go = asyncio.Event()  # the upload's body is read only once this is set
         self.server: asyncio.Server | None = None
+        self.handlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -265,8 +266,20 @@ class EarlyAnswers:
         assert self.server is not None
         self.server.close()
         await self.server.wait_closed()
+        for handler in self.handlers:  # one may still be reading what the proxy sent
+            handler.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        try:
+            await self._answer(reader, writer)
+        finally:
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             for _ in range(100):  # requests on one connection, bounded
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -288,7 +301,6 @@ class EarlyAnswers:
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(marker), marker)
                 )
-        writer.close()
 
 
 async def test_a_connection_answered_before_its_upload_was_written_is_never_reused() -> None:
