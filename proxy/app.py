@@ -339,6 +339,7 @@ async def _relay(
         # A small body of known length leaves with its headers in one write: one syscall
         # and one packet fewer on the most common pass-through answer.
         data = await answer.read()
+        outcome.bytes_out = len(data)
         return web.Response(
             status=status,
             reason=upstream_response.reason,
@@ -352,9 +353,10 @@ async def _relay(
     )
     if length is not None:
         response.content_length = length
-    await response.prepare(request)
-    transport = request.transport
     try:
+        # The head is written here: a client gone by now is the same as one gone mid-body.
+        await response.prepare(request)
+        transport = request.transport
         if transport is None:
             raise ConnectionResetError("the client left")
         write, full, drain = client_sink(request, transport)
@@ -367,12 +369,12 @@ async def _relay(
             write(data)
 
         await answer.relay(counted, full, drain)
+        await response.write_eof()
     except (TimeoutError, aiohttp.ClientError, ConnectionError):
-        # The status is sent already: cut the client's connection so it sees a truncated body.
+        # The status is sent already (or the client is gone): cut the client's connection so
+        # it sees a truncated body.
         if request.transport is not None:
             request.transport.abort()
-        return response
-    await response.write_eof()
     return response
 
 

@@ -265,20 +265,23 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 "X-Request-Id": plan.parent_id,
             }
         )
-        await response.prepare(request)  # the 200 leaves now, not with the first chunk
-        transport = request.transport
-        if transport is None:
-            raise ConnectionResetError("the client left")
-        stitcher = StreamStitcher(plan)
-        fanout.runtime.streams.add(mailbox)
         try:
-            sink = client_sink(request, transport)
-            await _merge(stitcher, mailbox, sink, config.sse_keepalive_seconds, fanout)
-        finally:
-            fanout.runtime.streams.discard(mailbox)
-            fanout.usage = stitcher.usage()
-            fanout.runtime.metrics.stitched_chunks.inc(stitcher.chunks)
-        await response.write_eof()
+            await response.prepare(request)  # the 200 leaves now, not with the first chunk
+            if request.transport is None:
+                raise ConnectionResetError("the client left")
+            sink = client_sink(request, request.transport)
+            stitcher = StreamStitcher(plan)
+            fanout.runtime.streams.add(mailbox)
+            try:
+                await _merge(stitcher, mailbox, sink, config.sse_keepalive_seconds, fanout)
+            finally:
+                fanout.runtime.streams.discard(mailbox)
+                fanout.usage = stitcher.usage()
+                fanout.runtime.metrics.stitched_chunks.inc(stitcher.chunks)
+            await response.write_eof()
+        except ConnectionError:  # the client is gone (at the head, mid-stream, at the end)
+            if request.transport is not None:
+                request.transport.abort()
         return response
     finally:
         start.close()
@@ -309,7 +312,6 @@ async def _merge(
     running = len(plan.children)
     write, full, drain = sink
     keepalive = PingTimer(mailbox, seconds)
-
     fanout.bytes_out = 0
 
     async def send(data: bytes) -> None:

@@ -4,12 +4,16 @@ At most one response is in flight, and the parser stops at its end: a byte past 
 message (a Content-Length shorter than the body sent, a 204 with a body, a second response)
 is never delivered nor parsed as the next answer; it spoils the connection, which is closed,
 never pooled. The head is capped on raw bytes as they arrive, partial lines included.
-Failures are the exceptions aiohttp's client raises (see ``proxy.pool``).
+A request body goes out as the transport takes it (``pause_writing``), and a connection whose
+request was not all written when its answer ended is never pooled either: the server may read
+the rest as a request of its own. Failures are the exceptions aiohttp's client raises (see
+``proxy.pool``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 from collections.abc import Mapping
 from typing import cast
 
@@ -23,6 +27,9 @@ MAX_HEAD = 256 * 1024  # status line and headers together, interim (1xx) heads i
 _NO_BODY_STATUS = frozenset({204, 304})
 _CRLF = b"\r\n"
 _CHUNKED_END = 4  # a chunked body and a head both end in CRLF CRLF after a visible byte
+# Request body bytes handed to the transport at a time: past its high-water mark the rest waits
+# for ``resume_writing``, so an upload to a slow reader holds about this much in the transport.
+WRITE_PIECE = 64 * 1024
 
 
 class _HeadDone(Exception):
@@ -53,6 +60,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._recent = b""  # the last bytes received: at least 8, unless fewer came
         self._chunked = False
         self._in_body = False  # the final head is in: reads go straight to the parser
+        self._unsent: memoryview | None = None  # request body bytes not handed to the transport
+        self._writing_paused = False  # the transport's buffer is past its high-water mark
 
     def begin(self, response: UpstreamResponse) -> None:
         """A new exchange on this connection; its request is about to be written."""
@@ -63,6 +72,48 @@ class UpstreamConnection(asyncio.Protocol):
         self._last_body = b""
         self._recent = b""
         self._in_body = False
+        self._unsent = None
+
+    def send(self, head: bytes, body: bytes | None) -> None:
+        """Write the request: whole when small (one write), else piece by piece as the
+        transport takes it; the rest goes out from ``resume_writing``, no task needed."""
+        transport = self.transport
+        assert transport is not None
+        if not body:
+            transport.write(head)
+        elif len(body) <= WRITE_PIECE:
+            transport.write(head + body)
+        else:
+            transport.write(head)
+            self._unsent = memoryview(body)
+            self._write_more()
+
+    def _write_more(self) -> None:
+        transport = self.transport
+        unsent = self._unsent
+        while unsent is not None and not self._writing_paused and not self.closing:
+            assert transport is not None
+            piece = unsent[:WRITE_PIECE]
+            unsent = self._unsent = unsent[WRITE_PIECE:] or None
+            transport.write(piece)  # may pause writing at once
+
+    @property
+    def answered(self) -> bool:
+        """Whether any byte of an answer to the current request arrived."""
+        return self._in_body or self._head_room < MAX_HEAD
+
+    def stale(self) -> bool:
+        """Whether this idle connection is unfit to reuse: closed, or readable, with an EOF or
+        bytes nobody asked for already in its socket that the loop has not read yet (the
+        check urllib3 makes; TLS polls its raw socket). One ``poll`` with no wait."""
+        if self.closing or self.transport is None:
+            return True
+        raw = self.transport.get_extra_info("socket")
+        if raw is None:
+            return False
+        poller = select.poll()
+        poller.register(raw.fileno(), select.POLLIN)
+        return bool(poller.poll(0))  # POLLIN, POLLHUP or POLLERR: the server is done with it
 
     # ---- asyncio.Protocol
 
@@ -72,6 +123,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = self.closing = True
         self.reusable = False
+        self._unsent = None
         response = self.response
         if response is None or response.ended or response.error is not None:
             return
@@ -154,10 +206,12 @@ class UpstreamConnection(asyncio.Protocol):
         return None if run == len(body) else run
 
     def pause_writing(self) -> None:
-        pass  # request bodies are written whole; the kernel buffer takes them
+        self._writing_paused = True
 
     def resume_writing(self) -> None:
-        pass
+        self._writing_paused = False
+        if self._unsent is not None:
+            self._write_more()
 
     # ---- httptools callbacks
 
@@ -213,8 +267,20 @@ class UpstreamConnection(asyncio.Protocol):
         if response is None or not response.head.done():
             return  # the end of an interim (1xx) response
         self._ended = True
+        # The whole request left this process before the answer ended, or the connection is
+        # never reused (as nginx): a server that answered early (a 413 to an upload) may read
+        # what follows as the next request, and its answers would go to other clients. The
+        # rest of such a body is not sent.
+        transport = self.transport
+        written = (
+            self._unsent is None and transport is not None and not transport.get_write_buffer_size()
+        )
+        self._unsent = None
         self.reusable = (
-            self.parser.should_keep_alive() and not response.until_close and not self.closing
+            self.parser.should_keep_alive()
+            and not response.until_close
+            and not self.closing
+            and written
         )
         response.on_end()
 

@@ -289,7 +289,10 @@ class UpstreamResponse:
         """Hand every body byte to ``sink`` from ``data_received``, until the body ends.
 
         ``paused`` says the sink's buffer is full; this task then awaits ``drain()`` and
-        resumes reading. Raises the body's failure; cancelling it aborts the connection.
+        resumes reading. ``drain`` must suspend until there is room, or raise (the sink's
+        client is gone, which ends the relay at once): one that returns at once while the
+        sink stays full would spin this loop and freeze the event loop. Raises the body's
+        failure; cancelling it aborts the connection.
         """
         self.sink = sink
         self._sink_paused = paused

@@ -19,14 +19,20 @@ from aiohttp import web
 class Sink(NamedTuple):
     write: Callable[[bytes], None]
     full: Callable[[], bool]  # the transport's high-water mark, or the client gone
-    drain: Callable[[], Awaitable[None]]  # until below the low-water mark again
+    # Until below the low-water mark again; raises ConnectionResetError once the client is
+    # gone. Never returns while the sink is full without having suspended: a writer loops
+    # on ``if full(): await drain()``, and a drain that neither waits nor raises spins it.
+    drain: Callable[[], Awaitable[None]]
 
 
 def client_sink(request: web.Request, transport: asyncio.Transport) -> Sink:
     """For a response already prepared: its body's bytes go to ``transport`` directly.
 
-    Writing once the client is gone raises ``ConnectionResetError``, the error callers handle
-    (uvloop itself would raise ``RuntimeError`` on a transport whose connection is lost).
+    Writing or draining once the client is gone raises ``ConnectionResetError``, the error
+    callers handle (uvloop itself would raise ``RuntimeError`` on a transport whose connection
+    is lost). A write that finds the client's socket reset marks the transport closing at once
+    and runs ``connection_lost`` only later: aiohttp's ``drain`` would return at once meanwhile
+    (it waits only while the protocol is paused), so the check here comes first.
     """
     writer = request.writer
     send_headers = getattr(writer, "send_headers", None)  # aiohttp >= 3.12 holds the head back
@@ -53,7 +59,14 @@ def client_sink(request: web.Request, transport: asyncio.Transport) -> Sink:
                 raise ConnectionResetError("the client left")
             send(data)
 
-    return Sink(write, full, writer.drain)
+    drain_writer = writer.drain
+
+    async def drain() -> None:
+        if closing():
+            raise ConnectionResetError("the client left")
+        await drain_writer()  # suspends: not closing and full means the protocol is paused
+
+    return Sink(write, full, drain)
 
 
 _FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # as aiohttp's writer (RFC 9110 §5.5)

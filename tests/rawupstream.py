@@ -111,6 +111,13 @@ def get_request(path: str, *headers: bytes) -> bytes:
     return b"GET %s HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n%s\r\n" % (path.encode(), extra)
 
 
+def post_request(path: str, body: bytes) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+        % (path.encode(), len(body), body)
+    )
+
+
 def framed_whole(raw: bytes) -> bool:
     """Whether a raw HTTP/1.1 answer carries its whole body as its framing announced it."""
     head, _, body = raw.partition(b"\r\n\r\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy.app import RUNTIME
 from proxy.config import single_upstream_config
 from tests.conftest import Backend, Proxy
 from tests.rawupstream import RawUpstream, exchange
@@ -231,3 +233,31 @@ async def test_a_path_with_an_encoded_line_break_is_forwarded_as_the_client_wrot
     (seen,) = [s for s in raw_upstream.seen if not s.path.endswith("/health")]
     request_line = seen.head.split(b"\r\n", 1)[0]
     assert request_line == b"GET %s HTTP/1.1" % target  # still encoded: no raw CR or LF
+
+
+@pytest.mark.parametrize("path", ["/small", "/slow-stream"])
+async def test_the_request_line_counts_a_passed_through_body_whole_or_streamed(
+    http: aiohttp.ClientSession,
+    make_proxy: Any,
+    recorder: tuple[Recorder, str],
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+) -> None:
+    """A small body of known length leaves whole with its head, a stream chunk by chunk:
+    ``bytes_out`` is the body's size either way."""
+    rec, url = recorder
+    rec.release.set()
+    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    with caplog.at_level(logging.INFO, logger="n_proxy"):
+        async with http.get(proxy.url + path) as response:
+            body = await response.read()
+        await proxy_idle(proxy)
+    (line,) = [r for r in caplog.records if r.getMessage() == "request"]
+    assert len(body) > 0
+    assert line.__dict__["fields"]["bytes_out"] == len(body)
+
+
+async def proxy_idle(proxy: Proxy) -> None:
+    """Until the request's handler ended (its log line is written as it ends)."""
+    async with asyncio.timeout(10):
+        await proxy.app[RUNTIME].wait_idle()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import gzip
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
 
-from proxy.http1 import _crlf_after_end
+from proxy.http1 import WRITE_PIECE, _crlf_after_end
 from proxy.pool import ConnectionPool
 from proxy.response import BodyTooLong, UpstreamResponse
 
@@ -250,29 +251,54 @@ async def test_garbage_is_a_payload_error(pool: ConnectionPool, serve: Serve) ->
     assert not pool.in_use
 
 
-async def test_reset_on_a_reused_connection_is_an_error_not_a_hidden_retry(
-    pool: ConnectionPool, serve: Serve
-) -> None:
-    """The server drops a kept-alive connection as the next request goes out on it: the pool
-    does not send that request again behind the caller's back (``retry_on`` decides)."""
+def dropping_the_second_request(seen: list[bytes]) -> Handler:
+    """The first connection answers once, then drops the next request on it unanswered (the
+    server closing a kept-alive connection as a request goes out); later ones answer."""
     ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-    seen = 0
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
-        nonlocal seen
         await read_request(reader)
         writer.write(ok)
         await writer.drain()
-        await read_request(reader)  # the reused request arrives: drop it unanswered
-        seen += 1
-        writer.transport.abort()
+        head, _ = await read_request(reader)
+        seen.append(head.split(b" ", 1)[0])
+        if n == 1:
+            writer.transport.abort()
+            return
+        writer.write(ok)
+        await reader.read()
 
-    raw, url = await serve(handler)
+    return handler
+
+
+async def test_reset_on_a_reused_connection_fails_a_post_without_a_hidden_retry(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    """The server drops a kept-alive connection as a POST goes out on it: the pool does not
+    send it again behind the caller's back (the server may have acted on it; ``retry_on``
+    decides)."""
+    seen: list[bytes] = []
+    raw, url = await serve(dropping_the_second_request(seen))
     _, body = await fetch(pool, url)
     assert body == b"ok"
     with pytest.raises(aiohttp.ServerDisconnectedError):
-        await get(pool, url)
-    assert (raw.connections, seen) == (1, 1)
+        await pool.request(url, "POST", "/x", {}, b"{}", connect=WAIT, first_byte=WAIT, idle=WAIT)
+    assert (raw.connections, seen, pool.resent) == (1, [b"POST"], 0)
+    assert not pool.in_use
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "OPTIONS"])
+async def test_a_safe_request_on_a_reused_connection_reset_before_any_answer_goes_once_more(
+    pool: ConnectionPool, serve: Serve, method: str
+) -> None:
+    """RFC 9110 §9.2.2, as nginx and Go: sent once more, on a fresh connection, and counted."""
+    seen: list[bytes] = []
+    raw, url = await serve(dropping_the_second_request(seen))
+    await fetch(pool, url)
+    response, _ = await fetch(pool, url, method)
+    assert response.status == 200
+    assert (raw.connections, pool.resent) == (2, 1)
+    assert seen[0] == method.encode()  # the reused connection got it first
     assert not pool.in_use
 
 
@@ -521,3 +547,241 @@ async def test_bytes_after_the_end_in_a_later_read_are_nobodys_and_spoil_the_con
 )
 def test_crlf_after_a_message_end_is_counted(data: bytes, own: int | None, after: bool) -> None:
     assert _crlf_after_end(data, own) is after
+
+
+# --- cancellation, connect turns, request writing and stale connections (issue 23) ----------
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+EVERY = (OK,) * 1000  # an answer to each request on a connection, bounded
+
+
+async def post(pool: ConnectionPool, url: str, body: bytes = b"{}") -> UpstreamResponse:
+    return await pool.request(url, "POST", "/x", {}, body, connect=WAIT, first_byte=WAIT, idle=WAIT)
+
+
+def assert_nothing_held(pool: ConnectionPool) -> None:
+    assert not pool.in_use
+    assert pool.connecting == {}
+    assert not pool._turns
+
+
+async def test_a_connect_that_completes_as_its_caller_is_cancelled_leaves_nothing_open(
+    pool: ConnectionPool, serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancellation and the connect's completion in one loop turn (CPython gh-86296,
+    where ``wait_for`` returned the connection and dropped the cancellation)."""
+    raw, url = await serve(answering(OK))
+    loop = asyncio.get_running_loop()
+    connect = loop.create_connection
+    victim: asyncio.Task[UpstreamResponse] | None = None
+
+    async def cancelled_as_it_connects(*args: Any, **kwargs: Any) -> Any:
+        made = await connect(*args, **kwargs)
+        assert victim is not None
+        victim.cancel()  # in the same turn as the connect's result
+        return made
+
+    monkeypatch.setattr(loop, "create_connection", cancelled_as_it_connects)
+    victim = asyncio.ensure_future(get(pool, url))
+    with pytest.raises(asyncio.CancelledError):
+        await victim
+    await asyncio.wait_for(raw.closed.wait(), WAIT)  # the connection made was closed
+    assert_nothing_held(pool)
+    assert pool.idle_count() == 0
+
+
+class Connects:
+    """``loop.create_connection`` counted: how many are in progress, and the most at once;
+    each waits for ``go`` before connecting when it is cleared."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.real = loop.create_connection
+        self.now = self.peak = self.started = 0
+        self.go = asyncio.Event()
+        self.go.set()
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.now += 1
+        self.started += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await self.go.wait()
+            return await self.real(*args, **kwargs)
+        finally:
+            self.now -= 1
+
+
+@pytest.fixture
+async def connects(monkeypatch: pytest.MonkeyPatch) -> Connects:
+    loop = asyncio.get_running_loop()
+    counted = Connects(loop)
+    monkeypatch.setattr(loop, "create_connection", counted)
+    return counted
+
+
+async def test_a_burst_to_one_origin_opens_at_most_max_connecting_at_once(
+    serve: Serve, connects: Connects
+) -> None:
+    pool = ConnectionPool(max_connecting=8)
+    try:
+        raw, url = await serve(answering(*EVERY))
+        async with asyncio.timeout(WAIT * 3):
+            bodies = await asyncio.gather(*(fetch(pool, url) for _ in range(200)))
+        assert [body for _, body in bodies] == [b"ok"] * 200
+        assert connects.peak == 8  # the bound, reached
+        assert raw.connections == connects.started  # later ones took pooled connections too
+        assert_nothing_held(pool)
+    finally:
+        await pool.close()
+
+
+async def test_cancelled_waiters_for_a_connect_turn_leave_nothing_held(
+    serve: Serve, connects: Connects
+) -> None:
+    pool = ConnectionPool(max_connecting=2)
+    try:
+        _, url = await serve(answering(*EVERY))
+        connects.go.clear()  # the first two connects hang; the rest wait in line
+        tasks = [asyncio.ensure_future(get(pool, url)) for _ in range(20)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert connects.now == 2
+        assert len(pool._turns[next(iter(pool._turns))]) == 18
+        for task in tasks[::2]:  # two connecting and eight in line
+            task.cancel()
+        await asyncio.sleep(0)
+        connects.go.set()
+        for task in tasks[1::2]:  # the others get their answers, in turn
+            response = await asyncio.wait_for(task, WAIT)
+            assert await response.read(LIMIT) == b"ok"
+            pool.release(response)
+        for task in tasks[::2]:
+            assert task.cancelled()
+        assert_nothing_held(pool)
+        assert connects.peak == 2
+    finally:
+        await pool.close()
+
+
+async def test_a_waiter_cancelled_as_its_turn_comes_passes_the_turn_on(
+    serve: Serve, connects: Connects
+) -> None:
+    pool = ConnectionPool(max_connecting=1)
+    try:
+        _, url = await serve(answering(*EVERY))
+        connects.go.clear()
+        first, second, third = (asyncio.ensure_future(get(pool, url)) for _ in range(3))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        loop = asyncio.get_running_loop()
+        real = connects.real
+
+        async def then_cancel_the_next(*args: Any, **kwargs: Any) -> Any:
+            made = await real(*args, **kwargs)
+            # Runs once the turn is given to ``second`` and before ``second`` runs.
+            loop.call_soon(second.cancel)
+            return made
+
+        connects.real = then_cancel_the_next
+        connects.go.set()
+        # ``first`` keeps its connection meanwhile: only the turn passed on lets ``third`` in.
+        for task in (third, first):
+            response = await asyncio.wait_for(task, WAIT)
+            assert await response.read(LIMIT) == b"ok"
+            pool.release(response)
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert_nothing_held(pool)
+    finally:
+        await pool.close()
+
+
+BIG = 32 << 20  # an upload far past what the kernel's socket buffers hold on loopback
+
+
+async def test_an_upload_to_a_slow_reader_is_written_as_the_transport_takes_it(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    reading = asyncio.Event()
+    got: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reading.wait()  # reads nothing until told
+        got.append(len(await reader.readexactly(BIG)))
+        writer.write(OK)
+        await reader.read()
+
+    _, url = await serve(handler)
+    upload = asyncio.ensure_future(post(pool, url, b"u" * BIG))
+    (connection,) = await wait_until(lambda: pool.in_use)
+    transport = connection.transport
+    assert transport is not None
+    for _ in range(20):  # while the server reads nothing, the proxy holds about one piece
+        await asyncio.sleep(0.01)
+        assert transport.get_write_buffer_size() <= 2 * WRITE_PIECE
+    reading.set()
+    response = await asyncio.wait_for(upload, WAIT)
+    assert got == [BIG]
+    assert await response.read(LIMIT) == b"ok"
+    pool.release(response)
+    assert pool.idle_count() == 1  # written whole before the answer: reusable
+
+
+async def test_an_answer_before_the_upload_was_written_never_pools_its_connection(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    """A 413 with keep-alive before reading the body: the server may take the rest of the
+    body as requests, so the connection is closed and the next request gets a new one."""
+    too_large = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n"
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(too_large if n == 1 else OK)
+        await reader.read()
+
+    raw, url = await serve(handler)
+    response = await post(pool, url, b"u" * BIG)
+    assert response.status == 413
+    assert await response.read(LIMIT) == b""
+    pool.release(response)
+    assert pool.idle_count() == 0
+    _, body = await fetch(pool, url)
+    assert (body, raw.connections) == (b"ok", 2)
+
+
+async def wait_until(probe: Callable[[], Any]) -> Any:
+    for _ in range(500):  # bounded: 5 s
+        value = probe()
+        if value:
+            return value
+        await asyncio.sleep(0.01)
+    raise AssertionError("never happened")
+
+
+async def test_a_pooled_connection_whose_fin_is_already_queued_is_not_reused(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    """A server that says keep-alive and closes after every answer: its FIN is in the socket
+    before the next request goes out, unread by the loop yet. The poll sees it, so neither a
+    GET nor a POST goes out on that connection."""
+    closing = b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nContent-Length: 2\r\n\r\nok"
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(closing)
+        writer.write_eof()  # the FIN right behind the answer
+        await reader.read()
+
+    raw, url = await serve(handler)
+    for i in range(20):
+        if i % 2:
+            response = await post(pool, url)
+            body = await response.read(LIMIT)
+            pool.release(response)
+        else:
+            _, body = await fetch(pool, url)
+        assert body == b"ok", i
+    assert (raw.connections, pool.resent) == (20, 0)  # never reused, never resent
+    assert_nothing_held(pool)

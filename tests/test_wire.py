@@ -7,16 +7,25 @@ and the next two requests, sent on the same upstream pool, each get their own an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
 
+from proxy.app import POOL
 from proxy.config import Timeouts, single_upstream_config
 from tests.conftest import start_proxy, with_upstream
 from tests.rawhttp import parse_raw
-from tests.rawupstream import RawUpstream, exchange, framed_whole, get_request
+from tests.rawupstream import (
+    WAIT,
+    RawUpstream,
+    exchange,
+    framed_whole,
+    get_request,
+    post_request,
+)
 
 OK5 = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
 SMUGGLED = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled"
@@ -100,6 +109,12 @@ async def _get(
     port: int, path: str, seen: bytes | None = None, then: asyncio.Event | None = None
 ) -> tuple[int, bytes, bool]:
     raw = await exchange(port, get_request(path), seen, then)
+    status_line, _, body = parse_raw(raw)
+    return int(status_line.split()[1]), body, framed_whole(raw)
+
+
+async def _post(port: int, path: str) -> tuple[int, bytes, bool]:
+    raw = await exchange(port, post_request(path, b"{}"))
     status_line, _, body = parse_raw(raw)
     return int(status_line.split()[1]), body, framed_whole(raw)
 
@@ -190,13 +205,14 @@ async def test_the_upstream_urls_path_prefixes_requests_and_health_checks(
 async def test_a_reset_on_a_reused_connection_is_not_retried_unless_retry_on_says_so(
     upstream: RawUpstream,
 ) -> None:
+    """A POST: the pool's own once-more on a stale connection is for safe methods only."""
     config = single_upstream_config(upstream.url)  # retry_on: [connect], the default
     app_runner, url = await start_proxy(config)
     try:
         port = int(url.rsplit(":", 1)[1])
         assert await _get(port, "/ok/warm") == (200, b"warm", True)
         upstream.resets.add("/reset")
-        status, _, _ = await _get(port, "/reset")
+        status, _, _ = await _post(port, "/reset")
         assert status == 502
         assert len(upstream.requests("/reset")) == 1
         warm = upstream.requests("/ok/warm")[0]
@@ -214,11 +230,101 @@ async def test_a_reset_listed_in_retry_on_is_retried_counted_and_logged(
         port = int(url.rsplit(":", 1)[1])
         assert await _get(port, "/ok/warm") == (200, b"warm", True)
         upstream.resets.add("/ok/again")
-        with caplog.at_level(logging.INFO, logger="n_proxy"):
-            assert await _get(port, "/ok/again") == (200, b"again", True)
+        with caplog.at_level(logging.INFO, logger="n_proxy"):  # a POST: retry_on decides
+            assert await _post(port, "/ok/again") == (200, b"again", True)
         assert len(upstream.requests("/ok/again")) == 2
         retries = [r for r in caplog.records if r.getMessage() == "upstream retry"]
         assert len(retries) == 1
         assert retries[0].__dict__["fields"]["reason"] == "reset"
     finally:
         await runner.cleanup()
+
+
+# --- an answer before the request was written (issue 23) -----------------------------------
+
+
+# Past what loopback socket buffers hold at most (tcp_wmem's and tcp_rmem's defaults, 4 MiB
+# and 6 MiB), within the proxy's 16 MiB body limit: the upload is not all out at the 413.
+SMUGGLED_PAD = 14 << 20
+
+
+class EarlyAnswers:
+    """An upstream that answers an upload 413 with keep-alive before reading its body, then
+    reads that body as the requests that follow, answering each: what a proxy that pools such
+    a connection sends next gets the answer to a request smuggled in the body."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()  # the upload's body is read only once this is set
+        self.server: asyncio.Server | None = None
+        self.handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+        for handler in self.handlers:  # one may still be reading what the proxy sent
+            handler.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.handlers.add(task)
+        try:
+            await self._answer(reader, writer)
+        finally:
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            for _ in range(100):  # requests on one connection, bounded
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1]
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                if path == b"/upload":
+                    writer.write(
+                        b"HTTP/1.1 413 Payload Too Large\r\nConnection: keep-alive\r\n"
+                        b"Content-Length: 0\r\n\r\n"
+                    )
+                    async with asyncio.timeout(WAIT):
+                        await self.go.wait()
+                    continue  # the body is read next, as requests
+                await reader.readexactly(length)
+                marker = path.rsplit(b"/", 1)[-1]
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(marker), marker)
+                )
+
+
+async def test_a_connection_answered_before_its_upload_was_written_is_never_reused() -> None:
+    early = EarlyAnswers()
+    url = await early.start()
+    runner, proxy_url = await start_proxy(single_upstream_config(url))
+    try:
+        port = int(proxy_url.rsplit(":", 1)[1])
+        pool = runner.app[POOL].connections
+        assert await _get(port, "/ok/warm") == (200, b"warm", True)
+        smuggled = (
+            b"POST /smuggled HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % SMUGGLED_PAD
+        )
+        upload = smuggled + b"p" * SMUGGLED_PAD
+        status_line, _, _ = parse_raw(await exchange(port, post_request("/upload", upload)))
+        assert status_line.split()[1] == "413"
+        nxt = asyncio.ensure_future(_get(port, "/ok/next1"))
+        for _ in range(500):  # bounded: until the next request is out upstream (or answered)
+            if pool.in_use or nxt.done():
+                break
+            await asyncio.sleep(0.01)
+        early.go.set()  # the upstream reads the upload's body now, as requests
+        assert await nxt == (200, b"next1", True)
+        assert await _get(port, "/ok/next2") == (200, b"next2", True)
+    finally:
+        await runner.cleanup()
+        await early.stop()
