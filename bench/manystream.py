@@ -240,6 +240,7 @@ def run(
     warmup: float,
     seconds: float,
     rounds: int,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with Fleet(work / "logs") as fleet:
@@ -256,6 +257,14 @@ def run(
                 Contender("n-proxy n=1", proxy),
                 Contender("n-proxy n=4", proxy, n=4),
             ]
+            if baseline is not None:
+                base = start_proxy(
+                    fleet, work, pacer, f"baseline-{int(step * 1000)}ms", 1, baseline
+                )
+                contenders += [
+                    Contender("baseline n=1", base),
+                    Contender("baseline n=4", base, n=4),
+                ]
             for contender in contenders:
                 wait_ready(contender.server)
             names = [c.name for c in contenders]
@@ -393,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--baseline", type=Path, help="another n-proxy checkout (with .venv) measured beside"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.command == "client":
@@ -419,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             args.warmup,
             args.seconds,
             args.rounds,
+            args.baseline,
         )
     )
     results["meta"]["wall_s"] = round(time.monotonic() - started, 1)

@@ -116,17 +116,27 @@ def start_backend(
 
 
 def start_proxy(
-    fleet: Fleet, work: Path, upstream: Server, name: str = "n-proxy", workers: int = 1
+    fleet: Fleet,
+    work: Path,
+    upstream: Server,
+    name: str = "n-proxy",
+    workers: int = 1,
+    checkout: Path | None = None,
 ) -> Server:
-    """Launched only, like the backend; ``workers`` > 1 uses the proxy's ``--workers``."""
+    """Launched only, like the backend; ``workers`` > 1 uses the proxy's ``--workers``.
+
+    ``checkout``: another tree of n-proxy (a baseline, with its own ``.venv``), run beside this
+    one so that before and after are measured in the same run.
+    """
     port = free_port()
     config = work / f"{name}.yaml"
     config.write_text(_PROXY_CONFIG.format(url=upstream.url))
-    argv = [sys.executable, "-m", "proxy", "--config", str(config)]
+    python = str(checkout / ".venv" / "bin" / "python") if checkout else sys.executable
+    argv = [python, "-m", "proxy", "--config", str(config)]
     argv += ["--host", "127.0.0.1", "--port", str(port)]
     if workers > 1:
         argv += ["--workers", str(workers)]
-    return fleet.launch(name, argv, port, "/health", tree=workers > 1)
+    return fleet.launch(name, argv, port, "/health", cwd=checkout, tree=workers > 1)
 
 
 def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Server:

@@ -39,9 +39,13 @@ FANOUT = f"n-proxy n={FANOUT_N}"
 FORWARDER = "aiohttp forwarder"
 LEAN = "lean forwarder"  # the same, on n-proxy's client: aiohttp's server plus that client
 NGINX = "nginx"
+BASELINE = "baseline n-proxy"
+BASELINE_FANOUT = f"baseline n={FANOUT_N}"
 
 
-def line_up(fleet: Fleet, work: Path, nginx: str | None, canned_nginx: bool) -> dict[str, Server]:
+def line_up(
+    fleet: Fleet, work: Path, nginx: str | None, canned_nginx: bool, baseline: Path | None = None
+) -> dict[str, Server]:
     """Every contender, booted side by side; the canned upstream is "direct"."""
     canned = start_canned(fleet, work, nginx if canned_nginx else None)
     wait_ready(canned)
@@ -52,6 +56,9 @@ def line_up(fleet: Fleet, work: Path, nginx: str | None, canned_nginx: bool) -> 
     targets[FORWARDER] = start_forwarder(fleet, canned)
     targets[LEAN] = start_forwarder(fleet, canned, lean=True)
     targets[PROXY] = targets[FANOUT] = proxy
+    if baseline is not None:  # another checkout, measured in the same rounds
+        base = start_proxy(fleet, work, canned, "baseline", 1, baseline)
+        targets[BASELINE] = targets[BASELINE_FANOUT] = base
     for server in targets.values():
         wait_ready(server)
     return targets
@@ -205,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-warm-up", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--command", help="the command line to print in the report")
+    parser.add_argument(
+        "--baseline", type=Path, help="another n-proxy checkout (with .venv) measured beside"
+    )
     args = parser.parse_args(argv)
     if args.upstream == "nginx" and not args.nginx:
         raise SystemExit("bench/wire: --upstream nginx needs --nginx")
@@ -232,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         }
     }
     loader = Loader(tool, args.seconds, work, args.wrk)
-    requests = {FANOUT: chat_request(FANOUT_N)}
+    requests = {FANOUT: chat_request(FANOUT_N), BASELINE_FANOUT: chat_request(FANOUT_N)}
     with Fleet(work.parent / "logs") as fleet:
-        targets = line_up(fleet, work, args.nginx, canned_nginx)
+        targets = line_up(fleet, work, args.nginx, canned_nginx, args.baseline)
         wire = passthrough.run(
             targets,
             loader,
