@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass, field
@@ -40,7 +41,8 @@ from proxy.app import POOL, RUNTIME, take_census
 from proxy.census import Census
 
 # Generous for a loaded 2-core machine: a request that ends normally settles in milliseconds.
-SETTLE_SECONDS = 10.0
+# (The check's own tests run it with less, through the environment.)
+SETTLE_SECONDS = float(os.environ.get("N_PROXY_LIFECYCLE_SETTLE", "10"))
 _POLL = 0.01
 _PROXY_DIR = str(Path(proxy.__file__).parent) + "/"
 _BACKEND_DIR = _PROXY_DIR + "devserver/"
