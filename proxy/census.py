@@ -15,7 +15,8 @@ GAUGES = {
     "n_proxy_fanout_children": "Fan-out children running now: queued for a slot, upstream, or "
     "unwinding after a cancellation.",
     "n_proxy_upstream_connections_in_use": "Upstream connections checked out of the pool now, "
-    "health checks included (idle pooled ones are not).",
+    "health checks included.",
+    "n_proxy_upstream_connections_idle": "Upstream connections kept alive in the pool for reuse.",
 }
 
 
@@ -34,6 +35,7 @@ class Census:
     children: int  # fan-out children started and not ended (queued, upstream or unwinding)
     streams: int  # fan-out streams a drain could cut
     connections: int  # upstream connections checked out of the pool (health checks included)
+    idle: int  # pooled for reuse: open, holding nothing (not part of ``held``)
     upstreams: tuple[UpstreamCensus, ...]
 
     def gauges(self) -> dict[str, int]:
@@ -42,6 +44,7 @@ class Census:
             "n_proxy_requests_in_flight": self.requests,
             "n_proxy_fanout_children": self.children,
             "n_proxy_upstream_connections_in_use": self.connections,
+            "n_proxy_upstream_connections_idle": self.idle,
         }
 
     def held(self) -> list[str]:
