@@ -27,9 +27,10 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -39,6 +40,7 @@ from pytest_asyncio import is_async_test
 import proxy
 from proxy.app import POOL, RUNTIME, take_census
 from proxy.census import Census
+from proxy.upstream import UpstreamPool
 
 # Generous for a loaded 2-core machine: a request that ends normally settles in milliseconds.
 # (The check's own tests run it with less, through the environment.)
@@ -74,11 +76,17 @@ class LiveProxy:
         return set(pool._loops) if pool is not None else set()
 
 
+def _health_check(task: asyncio.Future[Any]) -> bool:
+    """One replica's check, run by a live pool's health loop (a task of ``asyncio.gather``)."""
+    return getattr(_coro(task), "cr_code", None) is UpstreamPool._check.__code__
+
+
 @dataclass
 class Judge:
     """The state of the test being run, and every proxy alive in this process."""
 
     live: dict[int, LiveProxy] = field(default_factory=dict)  # id(runner) -> proxy
+    test_loop: asyncio.AbstractEventLoop | None = None  # the running async test's
     test: str = "(no test)"
     judging: bool = False  # the test's setup and call passed: its leftovers are judged
     findings: list[str] = field(default_factory=list)
@@ -113,7 +121,7 @@ def _judge_census(live: LiveProxy, census: Census, moment: str) -> None:
     held = census.held()
     if held:
         live.leaked = True
-        tasks = _describe(_proxy_tasks(live.loop, exclude=_own_tasks(live.loop)))
+        tasks = _describe(_proxy_tasks(live.loop))
         JUDGE.found(
             f"{live.name} still held, {moment}, after {SETTLE_SECONDS:g} s: "
             + "; ".join(held)
@@ -128,45 +136,53 @@ def _own_tasks(loop: asyncio.AbstractEventLoop) -> set[asyncio.Future[Any]]:
     return own
 
 
-def _chain(task: asyncio.Future[Any]) -> list[str]:
-    """Where a task waits: each coroutine of its await chain as ``file:line function``."""
-    out = []
+def _coro(task: asyncio.Future[Any]) -> Any:
     get_coro = getattr(task, "get_coro", None)
-    coro: Any = get_coro() if get_coro is not None else None
+    return get_coro() if get_coro is not None else None
+
+
+def _frames(task: asyncio.Future[Any]) -> Iterator[FrameType]:
+    """The frames of a task's await chain, outermost first, down to the future it waits on."""
+    coro = _coro(task)
     for _ in range(64):  # bounded: an await chain is never this deep
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
         if frame is None:
-            break
-        path = frame.f_code.co_filename
-        short = path[len(_PROXY_DIR) - len("proxy/") :] if path.startswith(_PROXY_DIR) else path
-        out.append(f"{short}:{frame.f_lineno} {frame.f_code.co_name}")
+            return
+        yield frame
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-    return out
 
 
 def _in_proxy(task: asyncio.Future[Any]) -> bool:
     """The task runs the proxy's code, or waits in it (the demo backend's is not the proxy's)."""
-    get_coro = getattr(task, "get_coro", None)
-    coro: Any = get_coro() if get_coro is not None else None
-    for _ in range(64):
-        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        if frame is None:
-            return False
+    for frame in _frames(task):
         path = frame.f_code.co_filename
         if path.startswith(_PROXY_DIR) and not path.startswith(_BACKEND_DIR):
             return True
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
     return False
 
 
-def _proxy_tasks(
-    loop: asyncio.AbstractEventLoop, exclude: set[asyncio.Future[Any]]
-) -> list[asyncio.Future[Any]]:
+def _chain(task: asyncio.Future[Any]) -> str:
+    """Where a task waits, as ``file:line function > ...`` (the proxy's files from proxy/)."""
+    out = []
+    for frame in _frames(task):
+        path = frame.f_code.co_filename
+        short = path[len(_PROXY_DIR) - len("proxy/") :] if path.startswith(_PROXY_DIR) else path
+        out.append(f"{short}:{frame.f_lineno} {frame.f_code.co_name}")
+    return " > ".join(out) or repr(task)
+
+
+def _proxy_tasks(loop: asyncio.AbstractEventLoop) -> list[asyncio.Future[Any]]:
+    """The tasks on ``loop`` in the proxy's code, but for the live proxies' own loops."""
     current = asyncio.current_task() if _running(loop) else None
+    own = _own_tasks(loop)
     return [
         task
         for task in asyncio.all_tasks(loop)
-        if task is not current and not task.done() and task not in exclude and _in_proxy(task)
+        if task is not current
+        and not task.done()
+        and task not in own
+        and not (own and _health_check(task))
+        and _in_proxy(task)
     ]
 
 
@@ -178,7 +194,7 @@ def _running(loop: asyncio.AbstractEventLoop) -> bool:
 
 
 def _describe(tasks: list[asyncio.Future[Any]]) -> str:
-    lines = sorted(" > ".join(_chain(task)) or repr(task) for task in tasks)
+    lines = sorted(_chain(task) for task in tasks)
     return "\n".join(f"      {line}" for line in lines[:20])
 
 
@@ -187,7 +203,7 @@ async def _tasks_done(loop: asyncio.AbstractEventLoop, moment: str) -> None:
     children may still be unwinding)."""
     deadline = loop.time() + SETTLE_SECONDS
     while True:
-        pending = _proxy_tasks(loop, exclude=_own_tasks(loop))
+        pending = _proxy_tasks(loop)
         if not pending or loop.time() >= deadline:
             break
         await asyncio.sleep(_POLL)
@@ -228,7 +244,7 @@ async def _cleanup(runner: web.AppRunner) -> None:
         JUDGE.live.pop(id(runner), None)
     if judging and not live.leaked:
         _judge_census(live, await settle(live), "once it was shut down")
-        if not JUDGE.on_loop(live.loop) and live.loop is not _TEST_LOOP.get("loop"):
+        if not JUDGE.on_loop(live.loop) and live.loop is not JUDGE.test_loop:
             # A rig on a loop of its own (a thread's): the test's loop check never sees it.
             await _tasks_done(
                 live.loop, f"after the last proxy on its loop shut down ({live.name})"
@@ -270,9 +286,6 @@ def _run_on(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, None]) ->
 
 async def _judge_alive(live: LiveProxy) -> None:
     _judge_census(live, await settle(live), "at the end of the test")
-
-
-_TEST_LOOP: dict[str, asyncio.AbstractEventLoop] = {}  # the running async test's loop
 
 
 # --- pytest hooks and the fixture --------------------------------------------------------------
@@ -334,12 +347,11 @@ def lifecycle(request: pytest.FixtureRequest) -> None:
 
 @pytest.fixture
 async def _lifecycle_loop() -> AsyncIterator[None]:
-    loop = asyncio.get_running_loop()
-    _TEST_LOOP["loop"] = loop
+    loop = JUDGE.test_loop = asyncio.get_running_loop()
     try:
         yield
     finally:
-        _TEST_LOOP.pop("loop", None)
+        JUDGE.test_loop = None
     if not JUDGE.judging:
         return
     for live in JUDGE.on_loop(loop):
