@@ -452,7 +452,8 @@ async def test_clients_leaving_at_any_moment_never_freeze_the_proxy_or_strand_wh
     assert not stuck, stuck[:5]
     assert not problems, problems[:10]
     assert not after_chaos, after_chaos
-    assert not any(v for k, v in counts.items() if k != "idle"), (counts, log)
+    left = {k: v for k, v in counts.items() if v and k != "idle"}
+    assert not left, f"still held {SETTLE_SECONDS:g} s after the chaos: {left}\n{log}"
     # Idle pooled upstream connections are kept for reuse, each an fd: set them apart.
     fds_held = fds_after - counts["idle"] - (fds_before - before["idle"])
     assert fds_held <= FD_SLACK, (fds_before, before["idle"], fds_after, counts["idle"])
