@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from proxy.census import Census, UpstreamCensus
 from proxy.clienterrors import kind_of
 from proxy.config import Config, Upstream
 from proxy.discovery import Resolver
@@ -45,6 +46,7 @@ from proxy.outcome import Outcome, record
 from proxy.plan import Endpoint, Plan, endpoint_of, parse_body, plan_request
 from proxy.runtime import Runtime
 from proxy.sink import ExactHead, client_sink
+from proxy.tally import value_of
 from proxy.upstream import UpstreamPool
 
 if TYPE_CHECKING:
@@ -111,7 +113,7 @@ async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterato
     pool = UpstreamPool(runtime.config, runtime.metrics, resolver)
     await pool.start(runtime.health_reported)
     app[POOL] = pool
-    runtime.metrics.queues = functools.partial(_queues, pool)
+    runtime.metrics.census = functools.partial(take_census, runtime, pool)
     sampler = asyncio.create_task(_sample(runtime.metrics)) if MULTIPROCESS else None
     yield
     app[TRIMMER].close()
@@ -121,13 +123,29 @@ async def _pool(app: web.Application, resolver: Resolver | None) -> AsyncIterato
     await pool.close()
 
 
-def _queues(pool: UpstreamPool) -> dict[str, tuple[int, int]]:
-    """Each upstream's children queued and slots held, for /metrics."""
-    out = {}
-    for upstream in pool.config.upstreams:
-        slots = pool.state(upstream).slots
-        out[upstream.name] = (slots.queued, slots.in_use)
-    return out
+def take_census(runtime: Runtime, pool: UpstreamPool | None) -> Census:
+    """The counts as they are now; ``pool`` None before the app's start (nothing upstream)."""
+    upstreams = []
+    if pool is not None:
+        for upstream in pool.config.upstreams:
+            state = pool.state(upstream)
+            upstreams.append(
+                UpstreamCensus(
+                    upstream.name,
+                    state.slots.in_use,
+                    state.slots.queued,
+                    round(value_of(state.timings.in_flight)),
+                    {replica.url: replica.outstanding for replica in state.replicas},
+                )
+            )
+    return Census(
+        requests=runtime.in_flight,
+        children=runtime.children,
+        streams=len(runtime.streams),
+        connections=len(pool.connections.in_use) if pool is not None else 0,
+        idle=pool.connections.idle_count() if pool is not None else 0,
+        upstreams=tuple(upstreams),
+    )
 
 
 async def _sample(metrics: Metrics) -> None:

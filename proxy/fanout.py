@@ -161,7 +161,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
             )
         return body
 
-    tasks = [asyncio.ensure_future(fetch(pos)) for pos in range(len(tickets))]
+    tasks = [fanout.runtime.spawn_child(fetch(pos)) for pos in range(len(tickets))]
     try:
         bodies = await _all_or_first_failure(tasks)
     finally:
@@ -255,7 +255,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             if answered or not start.answer(upstream_error(exc, fanout.upstream)):
                 await mailbox.put((pos, exc))
 
-    tasks = [asyncio.ensure_future(run_child(pos)) for pos in range(count)]
+    tasks = [fanout.runtime.spawn_child(run_child(pos)) for pos in range(count)]
     try:
         await start.decided
         response = web.StreamResponse(

@@ -9,7 +9,7 @@ worker's files add up. Labelled families start at zero for every label set known
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import prometheus_client
@@ -27,10 +27,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from proxy.census import GAUGES
 from proxy.errors import UpstreamTimeout
 from proxy.tally import Count, Observe, PlainCounter, PlainGauge, PlainHistogram
 
 if TYPE_CHECKING:
+    from proxy.census import Census
     from proxy.config import Config
 
 # Set by ``--workers``: every worker writes its values there and /metrics adds them up.
@@ -89,8 +91,9 @@ class Metrics:
     def __init__(self) -> None:
         self.plain: list[PlainCounter | PlainHistogram] = []
         self._answered: dict[tuple[str, int, bool], tuple[Count, Observe, Observe]] = {}
-        # The proxy's queues, read at scrape time: upstream name -> (children queued, slots held).
-        self.queues: Callable[[], Mapping[str, tuple[int, int]]] | None = None
+        # What the proxy holds now (proxy.census), read at scrape time.
+        self.census: Callable[[], Census] | None = None
+        self._replicas_sampled: set[tuple[str, str]] = set()  # multiprocess: labels written
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = self._counter(
@@ -243,6 +246,17 @@ class Metrics:
                 registry=r,
                 multiprocess_mode="livesum",
             )
+            self._held = {
+                name: Gauge(name, doc, registry=r, multiprocess_mode="livesum")
+                for name, doc in GAUGES.items()
+            }
+            self._outstanding = Gauge(
+                "n_proxy_replica_outstanding",
+                _OUTSTANDING,
+                ["upstream", "replica"],
+                registry=r,
+                multiprocess_mode="livesum",
+            )
         else:
             for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
                 # The default registry's own collectors, for this registry too.
@@ -322,22 +336,46 @@ class Metrics:
             first.observe(first_chunk)
 
     def sampled(self) -> Iterator[Metric]:
-        """The queues as they are now (single process: read at scrape time)."""
+        """What the proxy holds as it is now (single process: read at scrape time)."""
         depth = GaugeMetricFamily("n_proxy_queue_depth", _QUEUE_DEPTH, labels=["upstream"])
         in_use = GaugeMetricFamily("n_proxy_slots_in_use", _SLOTS_IN_USE, labels=["upstream"])
-        if self.queues is not None:
-            for name, (queued, held) in self.queues().items():
-                depth.add_metric([name], queued)
-                in_use.add_metric([name], held)
+        outstanding = GaugeMetricFamily(
+            "n_proxy_replica_outstanding", _OUTSTANDING, labels=["upstream", "replica"]
+        )
+        held = {name: GaugeMetricFamily(name, doc) for name, doc in GAUGES.items()}
+        if self.census is not None:
+            census = self.census()
+            for name, count in census.gauges().items():
+                held[name].add_metric([], count)
+            for upstream in census.upstreams:
+                depth.add_metric([upstream.name], upstream.queued)
+                in_use.add_metric([upstream.name], upstream.slots_held)
+                for url, count in upstream.outstanding.items():
+                    outstanding.add_metric([upstream.name, url], count)
         yield depth
         yield in_use
+        yield outstanding
+        yield from held.values()
 
     def sample(self) -> None:
-        """Multiprocess mode: this worker's queues into its files (a periodic task calls this)."""
-        if MULTIPROCESS and self.queues is not None:
-            for name, (queued, held) in self.queues().items():
-                self._queue_depth.labels(name).set(queued)
-                self._slots_in_use.labels(name).set(held)
+        """Multiprocess mode: what this worker holds into its files (a periodic task calls this).
+
+        A replica that discovery dropped is written at 0, so the sum forgets it."""
+        if not MULTIPROCESS or self.census is None:
+            return
+        census = self.census()
+        for name, count in census.gauges().items():
+            self._held[name].set(count)
+        seen = set()
+        for upstream in census.upstreams:
+            self._queue_depth.labels(upstream.name).set(upstream.queued)
+            self._slots_in_use.labels(upstream.name).set(upstream.slots_held)
+            for url, count in upstream.outstanding.items():
+                self._outstanding.labels(upstream.name, url).set(count)
+                seen.add((upstream.name, url))
+        for labels in self._replicas_sampled - seen:
+            self._outstanding.labels(*labels).set(0)
+        self._replicas_sampled = seen
 
     def render(self) -> bytes:
         if MULTIPROCESS:
@@ -349,6 +387,10 @@ class Metrics:
 
 _QUEUE_DEPTH = "Children waiting for a max_concurrency slot, per upstream."
 _SLOTS_IN_USE = "max_concurrency slots held, per upstream."
+_OUTSTANDING = (
+    "Upstream requests in flight on each replica from this proxy (what least_outstanding "
+    "placement compares)."
+)
 
 
 class _Shared(Collector):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from proxy.clienterrors import ClientErrors
 from proxy.config import Config
@@ -12,6 +13,8 @@ from proxy.metrics import Metrics
 
 if TYPE_CHECKING:
     from proxy.tracing import Tracing
+
+T = TypeVar("T")
 
 
 class Cuttable(Protocol):
@@ -24,6 +27,7 @@ class Runtime:
     metrics: Metrics = field(default_factory=Metrics)
     draining: bool = False
     in_flight: int = 0
+    children: int = 0  # fan-out children running as tasks (``spawn_child``)
     healthy: dict[str, bool] = field(default_factory=dict)  # upstream name -> last health check
     replicas: dict[str, dict[str, bool]] = field(default_factory=dict)  # name -> url -> takes work
     streams: set[Cuttable] = field(default_factory=set)  # fan-out streams a drain can cut
@@ -56,6 +60,17 @@ class Runtime:
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
+
+    def spawn_child(self, child: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """A fan-out child as a task, counted until it is done, however it ends: a task
+        cancelled before it ever ran has no ``finally`` of its own to count it out."""
+        task = asyncio.ensure_future(child)
+        self.children += 1
+        task.add_done_callback(self._child_done)
+        return task
+
+    def _child_done(self, task: asyncio.Task[Any]) -> None:
+        self.children -= 1
 
     async def wait_idle(self) -> None:
         await self._idle.wait()

@@ -41,6 +41,13 @@ class _Count:
         self.value -= amount
 
 
+def value_of(gauge: object) -> float:
+    """A gauge child's value now: a plain one's, or this process's of prometheus-client's."""
+    if isinstance(gauge, _Count):
+        return gauge.value
+    return float(gauge._value.get())  # type: ignore[attr-defined]
+
+
 class _Spread:
     """A histogram's buckets as plain counts; cumulated only when scraped."""
 

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from multiprocessing.connection import wait
@@ -195,6 +196,14 @@ def run_workers(config: Config, count: int) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
+def announce(line: str) -> None:
+    """``line`` and its newline to stdout in one write: the workers share the stream, and
+    ``print`` writes the two apart when unbuffered (``PYTHONUNBUFFERED``), so one worker's
+    banner could land between another's and its newline."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _work(config: Config, index: int, count: int) -> None:
     config = worker_config(config, index, count)
     setup_logging(config.log_format, config.log_level)
@@ -207,6 +216,6 @@ def _work(config: Config, index: int, count: int) -> None:
         await server.start()
         where = f"http://{config.listen.host}:{server.proxy_port}"
         banner = f"n-proxy: worker {index} (pid {os.getpid()}) listening on {where}"
-        await run(server, signals=(signal.SIGTERM,), ready=lambda: print(banner, flush=True))
+        await run(server, signals=(signal.SIGTERM,), ready=lambda: announce(banner))
 
     asyncio.run(serve())

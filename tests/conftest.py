@@ -15,6 +15,9 @@ from proxy.app import build_app
 from proxy.config import Config, single_upstream_config
 from proxy.devserver import DevConfig, DevState, start_devserver
 
+# After every test, every in-process proxy must have given back all it held (tests/lifecycle.py).
+pytest_plugins = ("tests.lifecycle", "pytester")
+
 
 @dataclass
 class Backend:

@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
-from proxy.workers import EXIT_MARGIN, MiB
+from proxy.workers import EXIT_MARGIN, MiB, announce
 from tests.conftest import with_upstream
 from tests.ports import free_port
 
@@ -338,6 +338,26 @@ def test_more_workers_than_a_limit_can_be_divided_among_is_refused(
     assert "upstreams[0].max_concurrency: 2 cannot be divided among 3 workers" in (
         capsys.readouterr().err
     )
+
+
+def test_a_banner_leaves_in_one_write_so_workers_sharing_stdout_never_split_a_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Unbuffered (PYTHONUNBUFFERED), print() writes a line and its newline apart: two workers'
+    # banners then came out as "banner banner" and an empty line.
+    writes: list[str] = []
+
+    class Stdout:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    announce("n-proxy: worker 1 (pid 7) listening on http://127.0.0.1:8080")
+    assert writes == ["n-proxy: worker 1 (pid 7) listening on http://127.0.0.1:8080\n"]
 
 
 async def test_two_workers_send_the_upstream_at_most_max_concurrency_children_at_once(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import subprocess
+import sys
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -337,18 +339,19 @@ async def test_slow_request_body_is_408_and_the_connection_closed(fake: Fake) ->
     assert len(fake.seen) == 2
 
 
-@pytest.mark.parametrize("kept_alive", [False, True], ids=["first-request", "next-request"])
-async def test_trickled_request_headers_are_cut_with_408(fake: Fake, kept_alive: bool) -> None:
+@pytest.mark.parametrize("case", ["first-request", "next-request", "nothing-sent"])
+async def test_trickled_request_headers_are_cut_with_408(fake: Fake, case: str) -> None:
     async with running(fake, client_timeouts=QUICK) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
         try:
-            if kept_alive:
+            if case == "next-request":
                 writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
                 line = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
                 assert line.startswith(b"HTTP/1.1 200")
                 length = int(parse(line).headers["Content-Length"])
                 await reader.readexactly(length)
-            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            if case != "nothing-sent":
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
             raw = await asyncio.wait_for(reader.read(-1), 20)  # the server closes the connection
         finally:
             writer.close()
@@ -383,6 +386,47 @@ async def test_connections_past_max_connections_are_closed_at_accept(fake: Fake)
         answer = await exchange(server.proxy_port, request("/v1/models", b"", method="GET"))
         assert answer.status == 200
     assert [s.path for s in fake.seen] == ["/v1/models"]
+
+
+# Run in a child process: the open-file limit is the process's own.
+_FD_LIMIT = """
+import json, logging, resource
+from proxy.config import single_upstream_config
+from proxy.server import _raise_fd_limit
+
+events = []
+handler = logging.Handler()
+handler.emit = lambda record: events.append((record.getMessage(), record.fields))
+logger = logging.getLogger("n_proxy")
+logger.addHandler(handler)
+logger.setLevel(logging.INFO)
+config = single_upstream_config("http://127.0.0.1:1", max_connections=1000)
+config = config.model_copy(update={"upstreams": (config.upstreams[0].model_copy(
+    update={"max_concurrency": 10}),)})
+out = {}
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 2000))
+_raise_fd_limit(config)
+out["raised"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+_raise_fd_limit(config)
+out["capped"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+out["events"] = events
+print(json.dumps(out))
+"""
+
+
+def test_start_raises_the_open_file_limit_to_fit_or_logs_once_that_it_cannot() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _FD_LIMIT], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    out = orjson.loads(done.stdout)
+    # Room for every client connection, every upstream slot and the spare ones (admin, logs...).
+    assert out["raised"] == 1000 + 10 + 256
+    assert out["capped"] == 300  # the hard limit: it cannot, and says so once
+    ((message, fields),) = out["events"]
+    assert "open-file limit is below max_connections" in message
+    assert fields == {"fd_limit": 300, "needed": 1266}
 
 
 # --- one JSON policy --------------------------------------------------------------------------

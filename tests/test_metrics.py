@@ -178,6 +178,62 @@ async def test_client_seen_times_queue_and_outcomes_change_as_requests_flow(
     assert grew("n_proxy_upstream_responses_total", ("upstream", "u"), ("outcome", "2xx")) == 4
 
 
+HELD = (
+    "n_proxy_requests_in_flight",
+    "n_proxy_fanout_children",
+    "n_proxy_upstream_connections_in_use",
+    "n_proxy_upstream_connections_idle",
+)
+
+
+def held(values: Samples, backend: Backend) -> dict[str, float]:
+    """What the proxy holds, as /metrics says: the census gauges, per upstream u."""
+    u = (("upstream", "u"),)
+    out = {name: values[(name, ())] for name in HELD}
+    out["slots"] = values[("n_proxy_slots_in_use", u)]
+    out["queued"] = values[("n_proxy_queue_depth", u)]
+    out["upstream_requests"] = values[("n_proxy_children_in_flight", u)]
+    out["outstanding"] = values[("n_proxy_replica_outstanding", (("replica", backend.url), *u))]
+    return out
+
+
+async def test_what_a_request_holds_is_on_metrics_while_held_and_back_at_zero_after(
+    http: aiohttp.ClientSession, server: Server, backend: Backend
+) -> None:
+    await asyncio.wait_for(server.runtime.health_checked.wait(), 10)  # its first check is over
+    before = held(await scrape(http, server), backend)
+    before.pop("n_proxy_upstream_connections_idle")  # a health check's, kept for reuse
+    assert set(before.values()) == {0}
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "stream": True,
+        "max_tokens": 8,
+        "x_demo": {"token_delay": 0.02},
+    }
+    async with http.post(url(server, "/v1/chat/completions"), json=body) as r:
+        assert r.status == 200
+        await r.content.readline()
+        during = held(await scrape(http, server), backend)
+        await r.read()
+    # max_concurrency 1: one child upstream, two queued, all three running as tasks.
+    assert during["n_proxy_requests_in_flight"] == 1
+    assert during["n_proxy_fanout_children"] == 3
+    assert (during["slots"], during["queued"]) == (1, 2)
+    assert during["upstream_requests"] == during["outstanding"] == 1
+    assert during["n_proxy_upstream_connections_in_use"] >= 1  # a health check may add one
+    for _ in range(500):  # the handler ends a moment after its last byte: bounded, 5 s
+        after = held(await scrape(http, server), backend)
+        if after["n_proxy_requests_in_flight"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert after.pop("n_proxy_upstream_connections_idle") >= 1  # kept for the next request
+    health_check = after.pop("n_proxy_upstream_connections_in_use")
+    assert set(after.values()) == {0}
+    assert health_check <= 1  # one may be under way
+
+
 async def test_unreachable_and_timed_out_upstreams_are_counted_as_such(
     http: aiohttp.ClientSession, backend: Backend
 ) -> None:
@@ -345,6 +401,11 @@ async def test_under_workers_the_new_series_add_up_over_the_workers(backend: Bac
         ok = (("outcome", "2xx"), ("upstream", "default"))
         assert values[("n_proxy_upstream_responses_total", ok)] == 20
         assert values[("n_proxy_queue_depth", upstream)] == 0
+        replica = (("replica", backend.url), ("upstream", "default"))
+        assert values[("n_proxy_replica_outstanding", replica)] == 0
+        for name in HELD[:3]:  # sampled from each worker and added up
+            assert values[(name, ())] == 0
+        assert values[("n_proxy_upstream_connections_idle", ())] >= 1
         assert not [name for name, _ in values if name.endswith("_created")]
         exported = {_SUFFIX.sub("", name) for name, _ in values}
         queries = dashboard_queries() + [r["expr"] for g in rule_groups() for r in g["rules"]]
