@@ -458,6 +458,14 @@ async def test_clients_leaving_at_any_moment_never_freeze_the_proxy_or_strand_wh
     fds_held = fds_after - counts["idle"] - (fds_before - before["idle"])
     assert fds_held <= FD_SLACK, (fds_before, before["idle"], fds_after, counts["idle"])
     assert rss_after <= rss_before + RSS_SLACK, (rss_before, rss_after)
+    # A client that leaves is never the proxy's error: no warning or error line (the proxy
+    # logs at warning here), no traceback from a write to a socket that is gone.
+    loud = [
+        line
+        for line in rig.log.read_text(errors="replace").splitlines()
+        if '"level":"error"' in line or '"level":"warning"' in line or "Traceback" in line
+    ]
+    assert not loud, loud[:5]
 
 
 async def cpu_share(pid: int, seconds: float = 1.0) -> float:
