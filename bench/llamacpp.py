@@ -1,7 +1,7 @@
 """llama.cpp's own server behind n-proxy: first chunk and whole stream at -np 1 vs -np 4.
 
-Uses the test suite's tiny GGUF and xllamacpp launcher (tests/tinymodel.py, tests/llamacpp.py),
-so it needs no download. Run from the repository root:
+Uses the test suite's tiny GGUF and xllamacpp launcher (tests/support/tinymodel.py,
+tests/support/llamacpp.py), so it needs no download. Run from the repository root:
 
     python -m bench.llamacpp            # 20 reps per row; prints a Markdown table
 """
@@ -19,10 +19,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy.app import build_app
-from proxy.config import single_upstream_config
-from tests.llamacpp import start_llama_server
-from tests.tinymodel import build_tiny_gguf
+from proxy.config.models import single_upstream_config
+from proxy.server.app import build_app
+from tests.support.llamacpp import start_llama_server
+from tests.support.tinymodel import build_tiny_gguf
 
 CHAT = "/v1/chat/completions"
 

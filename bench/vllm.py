@@ -1,9 +1,9 @@
 """vLLM's native n against n-proxy's fan-out on the same vLLM: throughput and first-chunk time.
 
-vLLM's CPU build serves the tests' tiny random Llama (tests/vllm_model.py); n-proxy runs as its
-own process in front of it, as an upstream without native n, so ``n = k`` becomes k
-single-choice requests. Every measurement is paired: native and n-proxy take turns within a
-round. On 2 cores the absolute numbers are CPU numbers; the ratio is the point.
+vLLM's CPU build serves the tests' tiny random Llama (tests/support/vllm_model.py); n-proxy runs as
+its own process in front of it, as an upstream without native n, so ``n = k`` becomes k
+single-choice requests. Every measurement is paired: native and n-proxy take turns within a round.
+On 2 cores the absolute numbers are CPU numbers; the ratio is the point.
 
     N_PROXY_VLLM_PYTHON=../vllm-venv/bin/python python -m bench.vllm --out FILE.json  # ~5 min
 
@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from bench.procs import sample
-from tests.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
+from tests.support.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "say something"}]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import orjson
 
 from proxy import __version__
-from proxy.config import (
+from proxy.config.models import (
     MAX_N_CEILING,
     Config,
     ConfigError,
@@ -22,9 +22,9 @@ from proxy.config import (
     load_config,
     single_upstream_config,
 )
-from proxy.log import LEVELS, setup_logging
-from proxy.server import Server, install_uvloop, run
-from proxy.workers import (
+from proxy.observe.log import LEVELS, setup_logging
+from proxy.server.process import Server, install_uvloop, run
+from proxy.server.workers import (
     WORKER_MEMORY_BYTES,
     MiB,
     auto_workers,

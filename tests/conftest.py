@@ -11,12 +11,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.app import build_app
-from proxy.config import Config, single_upstream_config
+from proxy.config.models import Config, single_upstream_config
 from proxy.devserver import DevConfig, DevState, start_devserver
+from proxy.server.app import build_app
 
-# After every test, every in-process proxy must have given back all it held (tests/lifecycle.py).
-pytest_plugins = ("tests.lifecycle", "pytester")
+# After every test, every in-process proxy must have given back all it held
+# (tests/support/lifecycle.py).
+pytest_plugins = ("tests.support.lifecycle", "pytester")
 
 
 @dataclass
@@ -103,7 +104,7 @@ from pathlib import Path  # noqa: E402
 @pytest.fixture(scope="session")
 def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny GGUF with EOS reachable, so choices end with both "stop" and "length"."""
-    from tests.tinymodel import build_tiny_gguf
+    from tests.support.tinymodel import build_tiny_gguf
 
     return build_tiny_gguf(tmp_path_factory.mktemp("llama") / "tiny.gguf", eos_reachable=True)
 
@@ -111,7 +112,7 @@ def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def llama_url(llama_model: Path) -> Iterator[str]:
     """A llama-server with one slot: it rejects every n != 1, so n>1 only works via n-proxy."""
-    from tests.llamacpp import llama_server
+    from tests.support.llamacpp import llama_server
 
     with llama_server(llama_model, n_parallel=1) as server:
         yield server.base_url
@@ -120,7 +121,7 @@ def llama_url(llama_model: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def llama_url_np4(llama_model: Path) -> Iterator[str]:
     """A llama-server with four slots, as the README recommends: children decode side by side."""
-    from tests.llamacpp import llama_server
+    from tests.support.llamacpp import llama_server
 
     with llama_server(llama_model, n_parallel=4, n_ctx=2048) as server:
         yield server.base_url

@@ -6,9 +6,9 @@ import argparse
 
 from aiohttp import web
 
-from proxy.backlog import listen_backlog
 from proxy.devserver.app import build_app
 from proxy.devserver.config import DevConfig
+from proxy.server.backlog import listen_backlog
 
 
 def main(argv: list[str] | None = None) -> int:

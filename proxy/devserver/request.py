@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.core.numbers import is_int
 from proxy.devserver.config import DevConfig
 from proxy.devserver.faults import FAULTS, Knobs
 from proxy.devserver.model import STOP_MIN_MAX_TOKENS
-from proxy.numbers import is_int
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOP_LOGPROBS = 20

@@ -1,0 +1,359 @@
+"""One HTTP/1.1 connection to an upstream: an ``asyncio.Protocol`` around httptools' parser.
+
+At most one response is in flight, and the parser stops at its end: a byte past the final
+message (a Content-Length shorter than the body sent, a 204 with a body, a second response)
+is never delivered nor parsed as the next answer; it spoils the connection, which is closed,
+never pooled. The head is capped on raw bytes as they arrive, partial lines included.
+A request body goes out as the transport takes it (``pause_writing``), and a connection whose
+request was not all written when its answer ended is never pooled either: the server may read
+the rest as a request of its own. Failures are the exceptions aiohttp's client raises (see
+``proxy.http.pool``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import select
+from collections.abc import Mapping
+from typing import cast
+
+import aiohttp
+import httptools
+from multidict import CIMultiDict
+
+from proxy.http.response import UpstreamResponse
+
+MAX_HEAD = 256 * 1024  # status line and headers together, interim (1xx) heads included
+_NO_BODY_STATUS = frozenset({204, 304})
+_CRLF = b"\r\n"
+_CHUNKED_END = 4  # a chunked body and a head both end in CRLF CRLF after a visible byte
+# Request body bytes handed to the transport at a time: past its high-water mark the rest waits
+# for ``resume_writing``, so an upload to a slow reader holds about this much in the transport.
+WRITE_PIECE = 64 * 1024
+
+
+class _HeadDone(Exception):
+    """Raised from the parser's callback to stop after a HEAD response's headers."""
+
+
+class _Beyond(Exception):
+    """Raised from the parser's callback: a message began after the final one ended."""
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One keep-alive socket to one origin (``key``: host, port, TLS name)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int, str | None]) -> None:
+        self.loop = loop
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.paused = False
+        self.lost = False
+        self.closing = False  # the server sent its EOF, or this side aborted
+        self.reusable = False
+        self.idle_since = 0.0
+        self._head_room = MAX_HEAD
+        self._ended = False  # the final message ended: any byte after it spoils the connection
+        self._last_body = b""  # the last body piece parsed: how the message ends
+        self._recent = b""  # the last bytes received: at least 8, unless fewer came
+        self._chunked = False
+        self._in_body = False  # the final head is in: reads go straight to the parser
+        self._unsent: memoryview | None = None  # request body bytes not handed to the transport
+        self._writing_paused = False  # the transport's buffer is past its high-water mark
+
+    def begin(self, response: UpstreamResponse) -> None:
+        """A new exchange on this connection; its request is about to be written."""
+        self.response = response
+        self.reusable = False
+        self._head_room = MAX_HEAD
+        self._ended = False
+        self._last_body = b""
+        self._recent = b""
+        self._in_body = False
+        self._unsent = None
+
+    def send(self, head: bytes, body: bytes | None) -> None:
+        """Write the request: whole when small (one write), else piece by piece as the
+        transport takes it; the rest goes out from ``resume_writing``, no task needed."""
+        transport = self.transport
+        assert transport is not None
+        if not body:
+            transport.write(head)
+        elif len(body) <= WRITE_PIECE:
+            transport.write(head + body)
+        else:
+            transport.write(head)
+            self._unsent = memoryview(body)
+            self._write_more()
+
+    def _write_more(self) -> None:
+        transport = self.transport
+        unsent = self._unsent
+        while unsent is not None and not self._writing_paused and not self.closing:
+            assert transport is not None
+            piece = unsent[:WRITE_PIECE]
+            unsent = self._unsent = unsent[WRITE_PIECE:] or None
+            transport.write(piece)  # may pause writing at once
+
+    @property
+    def answered(self) -> bool:
+        """Whether any byte of an answer to the current request arrived."""
+        return self._in_body or self._head_room < MAX_HEAD
+
+    def stale(self) -> bool:
+        """Whether this idle connection is unfit to reuse: closed, or readable, with an EOF or
+        bytes nobody asked for already in its socket that the loop has not read yet (the
+        check urllib3 makes; TLS polls its raw socket). One ``poll`` with no wait."""
+        if self.closing or self.transport is None:
+            return True
+        raw = self.transport.get_extra_info("socket")
+        if raw is None:
+            return False
+        poller = select.poll()
+        poller.register(raw.fileno(), select.POLLIN)
+        return bool(poller.poll(0))  # POLLIN, POLLHUP or POLLERR: the server is done with it
+
+    # ---- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = self.closing = True
+        self.reusable = False
+        self._unsent = None
+        response = self.response
+        if response is None or response.ended or response.error is not None:
+            return
+        if response.until_close and exc is None and response.head.done():
+            response.on_end()  # a body delimited by the connection closing ended cleanly
+            response.after_read()
+        elif response.head.done():
+            response.fail(aiohttp.ClientPayloadError("upstream closed the connection mid-body"))
+        else:
+            response.fail(aiohttp.ServerDisconnectedError("upstream closed before a response"))
+
+    def eof_received(self) -> bool | None:
+        # The server is done with this connection: never hand it out again, whatever the
+        # response in flight still delivers. Narrows the keep-alive race to the wire's delay.
+        self.reusable = False
+        self.closing = True
+        return None  # close our side too
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None or self._ended:
+            self.spoil()  # bytes nobody asked for: this connection is not safe to reuse
+            return
+        if response.sink is not None:
+            response.last_data = self.loop.time()
+        # A message's end split over tiny reads is still told from CR/LF after it (below).
+        self._recent = data if len(data) >= 8 else self._recent[-8:] + data
+        error: BaseException | None = None
+        try:
+            if self._in_body:
+                self.parser.feed_data(data)
+            else:
+                error = self._feed_head(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            error = self._parse_failed(exc)
+        else:
+            if self._ended and self.reusable and _crlf_after_end(self._recent, self._own_crlf()):
+                self.spoil()
+        response.after_read()  # every valid byte of this read leaves first
+        if error is not None:
+            response.fail(error)
+
+    def _parse_failed(self, exc: Exception) -> BaseException | None:
+        """What a parser error means: the end of a HEAD's head, bytes after the message (the
+        connection is spoiled, the response stands), or a malformed response (returned)."""
+        cause = exc.__context__
+        response = self.response
+        if isinstance(cause, _HeadDone) and response is not None:
+            self._ended = True  # bytes after a HEAD's head are not ours to reparse
+            response.on_end()
+            return None
+        if isinstance(cause, _Beyond) or self._ended:
+            self.spoil()  # what follows the message is not a message of ours
+            return None
+        if isinstance(exc, httptools.HttpParserUpgrade):
+            return aiohttp.ClientPayloadError("upstream switched protocols")
+        return aiohttp.ClientPayloadError(f"malformed upstream response: {exc}")
+
+    def _feed_head(self, data: bytes) -> BaseException | None:
+        """Feed no more than the head may still take; a head past the cap fails the response."""
+        room = self._head_room
+        if len(data) <= room:
+            self._head_room = room - len(data)
+            self.parser.feed_data(data)
+            return None
+        self._head_room = 0
+        self.parser.feed_data(data[:room])
+        response = self.response
+        if response is None or not response.head.done():
+            return aiohttp.ClientPayloadError(f"upstream response head is over {MAX_HEAD} bytes")
+        self.parser.feed_data(data[room:])
+        return None
+
+    def _own_crlf(self) -> int | None:
+        """How many CR and LF bytes the message itself ends with; None when not known."""
+        if self._chunked or not self._last_body:
+            return _CHUNKED_END
+        body = self._last_body
+        run = _crlf_run(body, len(body))
+        return None if run == len(body) else run
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        if self._unsent is not None:
+            self._write_more()
+
+    # ---- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self._ended:
+            raise _Beyond
+        response = self.response
+        if response is not None:
+            response.headers = CIMultiDict()
+
+    def on_status(self, status: bytes) -> None:
+        if self.response is not None:
+            self.response.reason = self._text(status)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            self.response.headers.add(self._text(name), self._text(value))
+
+    def _text(self, raw: bytes) -> str:
+        """Header bytes as aiohttp's server writes them back unchanged: UTF-8. Bytes that are
+        not UTF-8 are kept as surrogate escapes and the head is marked for ``ExactHead``."""
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            if self.response is not None:
+                self.response.escaped = True
+            return raw.decode("utf-8", "surrogateescape")
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:
+                raise ValueError("upstream switched protocols")
+            return  # an interim response: the real head follows
+        headers = response.headers
+        self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        no_body = response.method == "HEAD" or status in _NO_BODY_STATUS
+        until_close = not no_body and not self._chunked and "Content-Length" not in headers
+        self._in_body = True
+        response.on_head(status, until_close)
+        if response.method == "HEAD":
+            raise _HeadDone
+
+    def on_body(self, body: bytes) -> None:
+        self._last_body = body
+        if self.response is not None:
+            self.response.on_body(body)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        if response is None or not response.head.done():
+            return  # the end of an interim (1xx) response
+        self._ended = True
+        # The whole request left this process before the answer ended, or the connection is
+        # never reused (as nginx): a server that answered early (a 413 to an upload) may read
+        # what follows as the next request, and its answers would go to other clients. The
+        # rest of such a body is not sent.
+        transport = self.transport
+        written = (
+            self._unsent is None and transport is not None and not transport.get_write_buffer_size()
+        )
+        self._unsent = None
+        self.reusable = (
+            self.parser.should_keep_alive()
+            and not response.until_close
+            and not self.closing
+            and written
+        )
+        response.on_end()
+
+    # ---- flow control and teardown
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None and not self.closing:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closing:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def spoil(self) -> None:
+        """Never reuse this connection: close it now. The response in flight keeps what it
+        has already received."""
+        self.reusable = False
+        self.abort()
+
+    def abort(self) -> None:
+        self.reusable = False
+        if self.transport is not None and not self.closing:
+            self.closing = True
+            self.transport.abort()
+
+
+def _crlf_after_end(data: bytes, own: int | None) -> bool:
+    """Whether the bytes ending in the final message's end may hold CR or LF bytes after it.
+
+    llhttp skips CR and LF between messages without a callback (RFC 9112 §2.2 leniency), so
+    they are counted here: the run of them ending ``data`` must be the message's own (``own``
+    bytes). A run that fills all of ``data`` or an unknown ``own`` cannot be told apart:
+    treated as extra, since a spoiled connection costs one reconnect at most.
+    """
+    if not data or data[-1] not in _CRLF:
+        return False
+    if own is None:
+        return True
+    run = _crlf_run(data, own + 1)
+    return run > own or run == len(data)
+
+
+def _crlf_run(data: bytes, most: int) -> int:
+    """How many CR and LF bytes end ``data``, counting no further than ``most``."""
+    run = 0
+    end = len(data) - 1
+    while run < most and end >= 0 and data[end] in _CRLF:
+        run += 1
+        end -= 1
+    return run
+
+
+def request_head(
+    method: str,
+    target: str,
+    host: str,
+    headers: Mapping[str, str] | CIMultiDict[str],
+    body: bytes | None,
+) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1\r\n", ""]
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} has a line break")
+        lower = name.lower()
+        if lower == "host":
+            host = value  # a replica reached by address keeps the configured host name
+        elif lower not in ("content-length", "transfer-encoding", "connection"):
+            lines.append(f"{name}: {value}\r\n")
+    lines[1] = f"Host: {host}\r\n"
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}\r\n")
+    lines.append("\r\n")
+    # aiohttp's server decodes header bytes as UTF-8 with surrogate escapes: this is the inverse.
+    return "".join(lines).encode("utf-8", "surrogateescape")

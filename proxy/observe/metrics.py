@@ -1,0 +1,403 @@
+"""Prometheus metrics of one proxy instance (its own registry, so tests can run several).
+
+What moves on every request is a plain Python number read at scrape time (``proxy.observe.tally``,
+through one ``Collector``): prometheus-client's own metric objects take a lock per update.
+Under ``--workers`` (multiprocess mode) those families are prometheus-client's instead, so every
+worker's files add up. Labelled families start at zero for every label set known up front.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import prometheus_client
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from proxy.core.errors import UpstreamTimeout
+from proxy.observe.census import GAUGES
+from proxy.observe.tally import Count, Observe, PlainCounter, PlainGauge, PlainHistogram
+
+if TYPE_CHECKING:
+    from proxy.config.models import Config
+    from proxy.observe.census import Census
+
+# Set by ``--workers``: every worker writes its values there and /metrics adds them up.
+MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+
+# A `_created` twin of every counter and histogram doubles the series and helps no query.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+
+_LATENCY = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+)
+
+# How an upstream answered a request or child, after any retries (SPEC §7, §10).
+UPSTREAM_OUTCOMES = ("2xx", "3xx", "4xx", "5xx", "timeout", "unreachable")
+# The part of a request the HTTP parser refused (proxy.clienterrors): never the client's words.
+PROTOCOL_ERROR_KINDS = ("request_line", "header", "too_long", "body", "other")
+_STATUS_CLASSES = ("other", "other", "2xx", "3xx", "4xx", "5xx", "other", "other", "other", "other")
+
+
+def status_outcome(status: int) -> str:
+    return _STATUS_CLASSES[status // 100 % 10]
+
+
+def failure_outcome(exc: BaseException) -> str:
+    """No status line came: out of time (a 504), or anything else (a 502)."""
+    return "timeout" if isinstance(exc, TimeoutError | UpstreamTimeout) else "unreachable"
+
+
+class _PlainCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._metrics.plain:
+            yield family.collect()
+        yield from self._metrics.sampled()
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.plain: list[PlainCounter | PlainHistogram] = []
+        self._answered: dict[tuple[str, int, bool], tuple[Count, Observe, Observe]] = {}
+        # What the proxy holds now (proxy.census), read at scrape time.
+        self.census: Callable[[], Census] | None = None
+        self._replicas_sampled: set[tuple[str, str]] = set()  # multiprocess: labels written
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = self._counter(
+            "n_proxy_requests",
+            "Requests answered, by route, status and whether they were fanned out.",
+            ["route", "status", "fanned_out"],
+        )
+        self.request_duration = self._histogram(
+            "n_proxy_request_duration_seconds",
+            "Time from a request's arrival to the end of its response, as the client sees it.",
+            ["route", "fanned_out"],
+        )
+        self.first_chunk = self._histogram(
+            "n_proxy_time_to_first_chunk_seconds",
+            "Streamed responses: time from the request's arrival to the first body chunk "
+            "written to the client (for an LLM stream, about the time to first token).",
+            ["route", "fanned_out"],
+        )
+        self.n = self._histogram(
+            "n_proxy_request_n",
+            "The n of fanned-out requests (choices per prompt, or best_of).",
+            buckets=(2, 3, 4, 5, 8, 10, 16, 32, 64, 128),
+        )
+        self.children_in_flight = self._gauge(
+            "n_proxy_children_in_flight",
+            "Upstream requests in flight, per upstream.",
+            ["upstream"],
+        )
+        self.queue_wait = self._histogram(
+            "n_proxy_queue_wait_seconds",
+            "Time a request or child waited for one of its upstream's max_concurrency slots.",
+            ["upstream"],
+        )
+        self.upstream_responses = self._counter(
+            "n_proxy_upstream_responses",
+            "Upstream requests and children by how they ended after any retries: a status "
+            "class, timeout or unreachable.",
+            ["upstream", "outcome"],
+        )
+        self.upstream_ttfb = self._histogram(
+            "n_proxy_upstream_ttfb_seconds",
+            "Time from sending an upstream request to its response headers.",
+            ["upstream"],
+        )
+        self.upstream_duration = self._histogram(
+            "n_proxy_upstream_duration_seconds",
+            "Time from sending an upstream request to the end of its body.",
+            ["upstream"],
+        )
+        self.overhead = self._histogram(
+            "n_proxy_overhead_seconds",
+            "Time the proxy itself spends on a request: before its first upstream request and "
+            "after its last upstream byte.",
+            buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1),
+        )
+        self.stitched_chunks = self._counter(
+            "n_proxy_stitched_chunks", "SSE chunks written by fan-out streams."
+        )
+        self.children_aborted = Counter(
+            "n_proxy_children_aborted",
+            "Children cancelled before they finished (a sibling failed or the client left).",
+            ["upstream"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "n_proxy_rejected",
+            "Requests refused with 429 because an upstream's queue was full.",
+            ["upstream"],
+            registry=r,
+        )
+        self.client_connections = Gauge(
+            "n_proxy_client_connections",
+            "Open client connections on the proxy listener.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.connections_refused = Counter(
+            "n_proxy_connections_refused",
+            "Client connections closed at accept because max_connections were open.",
+            registry=r,
+        )
+        self.client_timeouts = Counter(
+            "n_proxy_client_timeouts",
+            "Client connections cut for sending their request headers or body too slowly.",
+            ["phase"],
+            registry=r,
+        )
+        for phase in ("headers", "body"):
+            self.client_timeouts.labels(phase)
+        self.client_protocol_errors = Counter(
+            "n_proxy_client_protocol_errors",
+            "Requests the HTTP parser refused (answered 400), by the part it refused: "
+            "request_line, header, too_long, body or other.",
+            ["kind"],
+            registry=r,
+        )
+        for kind in PROTOCOL_ERROR_KINDS:
+            self.client_protocol_errors.labels(kind)
+
+        self.replica_up = Gauge(
+            "n_proxy_replica_up",
+            "1 when a replica takes children: its health check passes and it is not ejected.",
+            ["upstream", "replica"],
+            registry=r,
+            multiprocess_mode="livemin",  # up only where every worker sees it up
+        )
+        self.retries = Counter(
+            "n_proxy_retries",
+            "Upstream requests tried again, by cause: connect, reset or an HTTP status.",
+            ["upstream", "reason"],
+            registry=r,
+        )
+        self.retries_refused = Counter(
+            "n_proxy_retries_refused",
+            "Failed tries not tried again because the upstream's retry budget was used up.",
+            ["upstream", "reason"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "n_proxy_fallbacks",
+            "Upstream requests sent to the fallback upstream after every try failed.",
+            ["upstream", "fallback"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "n_proxy_ejections",
+            "Times a replica was taken out after consecutive failures.",
+            ["upstream", "replica"],
+            registry=r,
+        )
+        self.slot_stalls = Counter(
+            "n_proxy_slot_stalls",
+            "Watchdog findings: children queued longer than the queue in front of them explains.",
+            ["upstream"],
+            registry=r,
+        )
+        if MULTIPROCESS:
+            # A sampler writes the queues into files for worker 0's /metrics (see ``sample``).
+            self._queue_depth = Gauge(
+                "n_proxy_queue_depth",
+                _QUEUE_DEPTH,
+                ["upstream"],
+                registry=r,
+                multiprocess_mode="livesum",
+            )
+            self._slots_in_use = Gauge(
+                "n_proxy_slots_in_use",
+                _SLOTS_IN_USE,
+                ["upstream"],
+                registry=r,
+                multiprocess_mode="livesum",
+            )
+            self._held = {
+                name: Gauge(name, doc, registry=r, multiprocess_mode="livesum")
+                for name, doc in GAUGES.items()
+            }
+            self._outstanding = Gauge(
+                "n_proxy_replica_outstanding",
+                _OUTSTANDING,
+                ["upstream", "replica"],
+                registry=r,
+                multiprocess_mode="livesum",
+            )
+        else:
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                # The default registry's own collectors, for this registry too.
+                r.register(_Shared(collector))
+            r.register(_PlainCollector(self))
+
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+        if MULTIPROCESS:
+            return Counter(name, doc, labels, registry=self.registry)
+        family = PlainCounter(name, doc, labels)
+        self.plain.append(family)
+        return family
+
+    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
+        if MULTIPROCESS:
+            return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livesum")
+        family = PlainGauge(name, doc, labels)
+        self.plain.append(family)
+        return family
+
+    def _histogram(
+        self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY
+    ) -> Any:
+        if MULTIPROCESS:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+        family = PlainHistogram(name, doc, labels, buckets)
+        self.plain.append(family)
+        return family
+
+    def known(self, config: Config) -> None:
+        """Every label set the config names, at zero, so rates and ratios exist from the start."""
+        for route in (*config.fanout_paths, "other"):
+            for fanned in ("true", "false") if route != "other" else ("false",):
+                self.request_duration.labels(route, fanned)
+                self.first_chunk.labels(route, fanned)
+        for upstream in config.upstreams:
+            name = upstream.name
+            self.children_in_flight.labels(name)
+            self.queue_wait.labels(name)
+            self.upstream_ttfb.labels(name)
+            self.upstream_duration.labels(name)
+            for outcome in UPSTREAM_OUTCOMES:
+                self.upstream_responses.labels(name, outcome)
+            for family in (self.children_aborted, self.rejected, self.slot_stalls):
+                family.labels(name)
+            for reason in upstream.retry_on:
+                self.retries.labels(name, str(reason))
+                self.retries_refused.labels(name, str(reason))
+            if upstream.fallback is not None:
+                self.fallbacks.labels(name, upstream.fallback)
+            for url in upstream.urls:
+                self.ejections.labels(name, url)
+
+    def answered(
+        self,
+        route: str,
+        status: int,
+        fanned_out: bool,
+        seconds: float,
+        first_chunk: float | None,
+    ) -> None:
+        """One request answered: its count, duration and first chunk, the children looked up
+        once per label set."""
+        key = (route, status, fanned_out)
+        children = self._answered.get(key)
+        if children is None:
+            fanned = "true" if fanned_out else "false"
+            children = self._answered[key] = (
+                self.requests.labels(route, str(status), fanned),
+                self.request_duration.labels(route, fanned),
+                self.first_chunk.labels(route, fanned),
+            )
+        count, duration, first = children
+        count.inc()
+        duration.observe(seconds)
+        if first_chunk is not None:
+            first.observe(first_chunk)
+
+    def sampled(self) -> Iterator[Metric]:
+        """What the proxy holds as it is now (single process: read at scrape time)."""
+        depth = GaugeMetricFamily("n_proxy_queue_depth", _QUEUE_DEPTH, labels=["upstream"])
+        in_use = GaugeMetricFamily("n_proxy_slots_in_use", _SLOTS_IN_USE, labels=["upstream"])
+        outstanding = GaugeMetricFamily(
+            "n_proxy_replica_outstanding", _OUTSTANDING, labels=["upstream", "replica"]
+        )
+        held = {name: GaugeMetricFamily(name, doc) for name, doc in GAUGES.items()}
+        if self.census is not None:
+            census = self.census()
+            for name, count in census.gauges().items():
+                held[name].add_metric([], count)
+            for upstream in census.upstreams:
+                depth.add_metric([upstream.name], upstream.queued)
+                in_use.add_metric([upstream.name], upstream.slots_held)
+                for url, count in upstream.outstanding.items():
+                    outstanding.add_metric([upstream.name, url], count)
+        yield depth
+        yield in_use
+        yield outstanding
+        yield from held.values()
+
+    def sample(self) -> None:
+        """Multiprocess mode: what this worker holds into its files (a periodic task calls this).
+
+        A replica that discovery dropped is written at 0, so the sum forgets it."""
+        if not MULTIPROCESS or self.census is None:
+            return
+        census = self.census()
+        for name, count in census.gauges().items():
+            self._held[name].set(count)
+        seen = set()
+        for upstream in census.upstreams:
+            self._queue_depth.labels(upstream.name).set(upstream.queued)
+            self._slots_in_use.labels(upstream.name).set(upstream.slots_held)
+            for url, count in upstream.outstanding.items():
+                self._outstanding.labels(upstream.name, url).set(count)
+                seen.add((upstream.name, url))
+        for labels in self._replicas_sampled - seen:
+            self._outstanding.labels(*labels).set(0)
+        self._replicas_sampled = seen
+
+    def render(self) -> bytes:
+        if MULTIPROCESS:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            return generate_latest(registry)
+        return generate_latest(self.registry)
+
+
+_QUEUE_DEPTH = "Children waiting for a max_concurrency slot, per upstream."
+_SLOTS_IN_USE = "max_concurrency slots held, per upstream."
+_OUTSTANDING = (
+    "Upstream requests in flight on each replica from this proxy (what least_outstanding "
+    "placement compares)."
+)
+
+
+class _Shared(Collector):
+    """A collector of the default registry, for ours too (one registry per proxy instance)."""
+
+    def __init__(self, collector: Collector) -> None:
+        self._collector = collector
+
+    def collect(self) -> Iterable[Metric]:
+        return self._collector.collect()

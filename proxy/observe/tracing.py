@@ -1,0 +1,252 @@
+"""Optional OpenTelemetry tracing (the ``otel`` extra): a server span per request and a client
+span per upstream request or child, each child sent with its own ``traceparent``.
+
+Off unless the standard ``OTEL_*`` variables ask for traces (``wanted``). When off, nothing
+here imports opentelemetry and the request path only checks ``Runtime.tracing is None``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import Mapping, MutableMapping
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from proxy.core.futures import wake
+from proxy.observe.log import log_event
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span
+
+    from proxy.upstream.exchange import Trace
+
+T = TypeVar("T")
+_HOP_TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def wanted(environ: Mapping[str, str]) -> bool:
+    """Traces are asked for by ``OTEL_TRACES_EXPORTER`` (other than ``none``), else by an OTLP
+    endpoint; ``OTEL_SDK_DISABLED=true`` turns them off whatever else is set."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporter = environ.get("OTEL_TRACES_EXPORTER")
+    if exporter is not None:
+        return exporter.strip().lower() not in ("", "none")
+    return bool(
+        environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def tracing_from_env(environ: Mapping[str, str] = os.environ) -> Tracing | None:
+    if not wanted(environ):
+        return None
+    try:
+        return Tracing(_provider_from_env(environ))
+    except ImportError as exc:
+        log_event(
+            "tracing is asked for by OTEL_* but opentelemetry is missing: "
+            "pip install 'n-proxy[otel]'; running without traces",
+            error=str(exc),
+        )
+        return None
+
+
+def _provider_from_env(environ: Mapping[str, str]) -> TracerProvider:
+    """The SDK configured by its own ``OTEL_*`` variables (sampler, resource, OTLP endpoint,
+    headers, protocol); spans leave in batches from the SDK's thread, off the event loop."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SpanExporter,
+    )
+
+    attributes = {} if environ.get("OTEL_SERVICE_NAME") else {"service.name": "n-proxy"}
+    provider = TracerProvider(resource=Resource.create(attributes))
+    names = [n.strip().lower() for n in environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")]
+    for name in names:
+        exporter: SpanExporter
+        if name == "console":
+            exporter = ConsoleSpanExporter()
+        elif name == "otlp":
+            protocol = environ.get(
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            )
+            if protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
+                    OTLPSpanExporter as GrpcExporter,
+                )
+
+                exporter = GrpcExporter()
+            else:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+                exporter = OTLPSpanExporter()
+        else:
+            raise ImportError(f"no span exporter named {name!r} here (otlp or console)")
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+class Tracing:
+    """Spans for one proxy instance, from ``provider`` (tests pass one with an in-memory
+    exporter)."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        from opentelemetry import propagate, trace
+
+        self._provider = provider
+        self._tracer = provider.get_tracer("n-proxy")
+        self._propagate = propagate
+        self._trace = trace
+
+    def server_span(self, method: str, path: str, headers: Mapping[str, str]) -> Span:
+        """The request's span, a child of the client's ``traceparent`` when it sent one."""
+        parent = self._propagate.extract(headers)
+        return self._tracer.start_span(
+            method,
+            context=parent,
+            kind=self._trace.SpanKind.SERVER,
+            attributes={"http.request.method": method, "url.path": path},
+        )
+
+    def end_server(
+        self, span: Span, route: str, upstream: str, n: int, children: int, status: int
+    ) -> None:
+        if route != "other":  # semantic conventions: "{method} {route}", else the method
+            span.update_name(f"{span.name} {route}")  # type: ignore[attr-defined]
+            span.set_attribute("http.route", route)
+        span.set_attributes(
+            {
+                "http.response.status_code": status,
+                "n_proxy.upstream": upstream,
+                "n_proxy.n": n,
+                "n_proxy.children": children,
+            }
+        )
+        if status >= 500:
+            span.set_status(self._trace.StatusCode.ERROR)
+        span.end()
+
+    def traced(
+        self,
+        parent: Span,
+        exchange: AbstractAsyncContextManager[T],
+        trace: Trace,
+        method: str,
+        upstream: str,
+        replica: str,
+        index: int | None,
+        headers: MutableMapping[str, str],
+    ) -> Traced[T]:
+        """``exchange`` inside a client span, its ``headers`` (not sent yet) carrying the span's
+        own ``traceparent`` instead of the client's: a fan-out child is its own hop."""
+        span = self._tracer.start_span(
+            f"{method} {upstream}",
+            context=self._trace.set_span_in_context(parent),
+            kind=self._trace.SpanKind.CLIENT,
+            attributes={"http.request.method": method, "n_proxy.upstream": upstream,
+                        "n_proxy.replica": replica},
+        )  # fmt: skip
+        if index is not None:
+            span.set_attribute("n_proxy.child_index", index)
+        for name in _HOP_TRACE_HEADERS:
+            if name in headers:
+                del headers[name]
+        self._propagate.inject(headers, context=self._trace.set_span_in_context(span))
+        return Traced(self, span, exchange, trace)
+
+    def end_client(
+        self, span: Span, trace: Trace, status: int | None, error: BaseException | None
+    ) -> None:
+        attributes: dict[str, Any] = {"n_proxy.retries": trace.retries}
+        if trace.replica is not None:
+            attributes["n_proxy.replica"] = trace.replica
+        if status is not None:
+            attributes["http.response.status_code"] = status
+        if error is not None:
+            attributes["error.type"] = type(error).__name__
+            span.record_exception(error)
+        span.set_attributes(attributes)
+        if error is not None or (status is not None and status >= 500):
+            span.set_status(self._trace.StatusCode.ERROR)
+        span.end()
+
+    async def close(self, within: float) -> bool:
+        """Send what is batched (at shutdown), for ``within`` seconds at most; False when that
+        was not enough and the spans left are dropped.
+
+        The SDK's shutdown waits for as long as a collector that accepts and never answers
+        takes to time out (each batch's export, retried, up to 30 s in all), past a pod's grace
+        period; so it runs in a daemon thread that, past the bound, ends with the process."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def shut_down() -> None:
+            try:
+                self._provider.shutdown()
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(wake, done)
+
+        threading.Thread(target=shut_down, name="n-proxy-tracing-close", daemon=True).start()
+        try:
+            async with asyncio.timeout(within):
+                await done
+        except TimeoutError:
+            log_event("spans not sent at shutdown: dropped", within_s=round(within, 1))
+            return False
+        return True
+
+
+class Traced(Generic[T]):
+    """An upstream exchange inside its client span: the span ends with the exchange."""
+
+    __slots__ = ("_error", "_exchange", "_span", "_status", "_trace", "_tracing")
+
+    def __init__(
+        self, tracing: Tracing, span: Span, exchange: AbstractAsyncContextManager[T], trace: Trace
+    ) -> None:
+        self._tracing = tracing
+        self._span = span
+        self._exchange = exchange
+        self._trace = trace
+        self._status: int | None = None
+
+    async def __aenter__(self) -> T:
+        try:
+            reply = await self._exchange.__aenter__()
+        except BaseException as exc:
+            self._tracing.end_client(self._span, self._trace, None, _failure(exc))
+            raise
+        self._status = getattr(getattr(reply, "response", None), "status", None)
+        return reply
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self._exchange.__aexit__(exc_type, exc, tb)
+        finally:
+            failure = _failure(exc) if exc is not None else None
+            self._tracing.end_client(self._span, self._trace, self._status, failure)
+
+
+def _failure(exc: BaseException) -> BaseException | None:
+    """A cancelled child (a sibling failed, the client left) is not the upstream's error."""
+    return None if isinstance(exc, asyncio.CancelledError | GeneratorExit) else exc
+
+
+def trace_id(span: Span) -> str:
+    return f"{span.get_span_context().trace_id:032x}"

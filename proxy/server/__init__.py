@@ -1,0 +1,3 @@
+"""The process: the aiohttp app, the listeners and client connections, the admin endpoints, drain on
+SIGTERM, workers and memory.
+"""

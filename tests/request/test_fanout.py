@@ -1,0 +1,535 @@
+"""End to end: n-proxy in front of the real demo backend on loopback, driven by aiohttp."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from multidict import CIMultiDictProxy
+
+from proxy.core.sse import SSEDecoder
+from tests.conftest import Backend, Proxy
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "tell me a story"}]
+
+
+def sse_payloads(raw: bytes) -> list[Any]:
+    """Every data payload of a stream, decoded; ``[DONE]`` stays a string."""
+    decoder = SSEDecoder()
+    events = decoder.feed(raw) + decoder.close()
+    return [e.data if e.data == "[DONE]" else orjson.loads(e.data) for e in events]
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str
+) -> tuple[int, bytes, CIMultiDictProxy[str]]:
+    async with http.post(url, json=body, headers=headers) as response:
+        return response.status, await response.read(), response.headers
+
+
+async def direct_choice(
+    http: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any]
+) -> Any:
+    status, raw, _ = await post(http, backend.url + path, body)
+    assert status == 200, raw
+    choice = orjson.loads(raw)["choices"][0]
+    return choice["message"]["content"] if path == CHAT else choice["text"]
+
+
+async def test_chat_n3_choices_equal_n1_answers_with_seed_plus_i(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {"model": "m", "messages": MESSAGES, "n": 3, "seed": 40, "max_tokens": 8}
+    status, raw, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "abc"})
+    assert status == 200, raw
+    merged = orjson.loads(raw)
+    assert merged["id"] == "chatcmpl-abc"
+    assert headers["X-Request-Id"] == "abc"
+    assert [c["index"] for c in merged["choices"]] == [0, 1, 2]
+    for i, choice in enumerate(merged["choices"]):
+        expected = await direct_choice(
+            http,
+            backend,
+            CHAT,
+            {"model": "m", "messages": MESSAGES, "seed": 40 + i, "max_tokens": 8},
+        )
+        assert choice["message"]["content"] == expected
+    usage = merged["usage"]
+    assert usage["completion_tokens"] == 24
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 24
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 3 * (8 // 4)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] // 2
+    seen = {rid for rid, _, _ in backend.state.seen}
+    assert {"0_abc", "1_abc", "2_abc"} <= seen
+
+
+async def test_children_carry_seed_request_id_and_no_n(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 2,
+        "seed": 7,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "vendor_x": {"k": 1},
+    }
+    status, raw, _ = await post(
+        http, proxy.url + CHAT, body, **{"X-Request-Id": "r1", "Authorization": "Bearer secret"}
+    )
+    assert status == 200, raw
+    children = {rid: (b, h) for rid, b, h in backend.state.seen}
+    for i in range(2):
+        child_body, child_headers = children[f"{i}_r1"]
+        assert "n" not in child_body
+        assert child_body["seed"] == 7 + i
+        assert child_body["tools"] == body["tools"]
+        assert child_body["vendor_x"] == {"k": 1}
+        assert child_headers["authorization"] == "Bearer secret"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_body_request_id_names_the_answer_as_native_n_does(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, stream: bool
+) -> None:
+    # vLLM names a request by X-Request-Id, else by the body's request_id: chatcmpl-<it>.
+    body = {"model": "m", "messages": MESSAGES, "n": 2, "request_id": "mine", "stream": stream}
+    status, raw, headers = await post(http, proxy.url + CHAT, body)
+    assert status == 200, raw
+    ids = {p["id"] for p in sse_payloads(raw)[:-1]} if stream else {orjson.loads(raw)["id"]}
+    assert ids == {"chatcmpl-mine"}
+    assert headers["X-Request-Id"] == "mine"
+    children = {rid: b for rid, b, _ in backend.state.seen}
+    assert [children[f"{i}_mine"]["request_id"] for i in range(2)] == ["0_mine", "1_mine"]
+
+
+async def test_header_request_id_wins_over_the_body_one(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {"model": "m", "messages": MESSAGES, "n": 2, "request_id": "body"}
+    status, raw, _ = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "head"})
+    assert status == 200, raw
+    assert orjson.loads(raw)["id"] == "chatcmpl-head"
+
+
+async def test_request_id_with_inner_spaces_is_kept_as_vllm_echoes_it(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {"model": "m", "messages": MESSAGES, "n": 2}
+    status, raw, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "a b"})
+    assert status == 200, raw
+    assert orjson.loads(raw)["id"] == "chatcmpl-a b"
+    assert headers["X-Request-Id"] == "a b"
+    assert {"0_a b", "1_a b"} <= {rid for rid, _, _ in backend.state.seen}
+
+
+async def test_completions_list_prompts_index_p_times_n_plus_i(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body: dict[str, Any] = {
+        "model": "m",
+        "prompt": ["one two", "three four five"],
+        "n": 2,
+        "seed": 1,
+        "max_tokens": 4,
+    }
+    status, raw, _ = await post(http, proxy.url + COMPLETIONS, body, **{"X-Request-Id": "lp"})
+    assert status == 200, raw
+    merged = orjson.loads(raw)
+    assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3]
+    for p, prompt in enumerate(body["prompt"]):
+        for i in range(2):
+            expected = await direct_choice(
+                http,
+                backend,
+                COMPLETIONS,
+                {"model": "m", "prompt": prompt, "seed": 1 + i, "max_tokens": 4},
+            )
+            assert merged["choices"][p * 2 + i]["text"] == expected
+    seen = {rid for rid, _, _ in backend.state.seen}
+    assert {"0_lp-0", "1_lp-0", "0_lp-1", "1_lp-1"} <= seen
+    # prompt tokens counted once per prompt: "one two" -> 3, "three four five" -> 4 (words + 1)
+    assert merged["usage"]["prompt_tokens"] == 3 + 4
+    assert merged["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+async def test_stream_n3_interleaves_rewrites_and_ends_with_one_done(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, include_usage: bool
+) -> None:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": 5,
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": include_usage},
+    }
+    status, raw, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "s1"})
+    assert status == 200, raw
+    assert headers["Content-Type"].startswith("text/event-stream")
+    payloads = sse_payloads(raw)
+    assert payloads[-1] == "[DONE]"
+    assert payloads.count("[DONE]") == 1
+    chunks = payloads[:-1]
+    choice_chunks = [c for c in chunks if c["choices"]]
+    usage_chunks = [c for c in chunks if not c["choices"]]
+    assert {c["id"] for c in chunks} == {"chatcmpl-s1"}
+    assert len({c["created"] for c in chunks}) == 1
+    assert {c["model"] for c in chunks} == {"m"}
+    texts = {0: "", 1: "", 2: ""}
+    for chunk in choice_chunks:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["delta"].get("content") or ""
+    for i in range(3):
+        expected = await direct_choice(
+            http,
+            backend,
+            CHAT,
+            {"model": "m", "messages": MESSAGES, "seed": 5 + i, "max_tokens": 6},
+        )
+        assert texts[i] == expected
+    finishes = [
+        c["choices"][0]["index"] for c in choice_chunks if c["choices"][0].get("finish_reason")
+    ]
+    assert sorted(finishes) == [0, 1, 2]
+    if include_usage:
+        (usage_chunk,) = usage_chunks
+        assert usage_chunk is chunks[-1]
+        assert usage_chunk["usage"]["completion_tokens"] == 18
+        assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + 18
+    else:
+        assert usage_chunks == []
+
+
+async def test_stream_continuous_usage_keeps_each_childs_own_usage(
+    http: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    body = {
+        "model": "m",
+        "prompt": "a b c",
+        "n": 2,
+        "seed": 3,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    status, raw, _ = await post(http, proxy.url + COMPLETIONS, body)
+    assert status == 200
+    chunks = [p for p in sse_payloads(raw) if p != "[DONE]"]
+    per_choice = [c for c in chunks if c["choices"]]
+    assert all(c["usage"]["completion_tokens"] <= 4 for c in per_choice)
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"n": 0}, "n"),
+        ({"n": 11}, "n"),
+        ({"n": "3"}, "n"),
+        ({"n": True}, "n"),
+        ({"n": 2.5}, "n"),
+        ({"n": 3, "seed": 2**63 - 2}, "seed"),
+        ({"n": 2, "seed": -(2**63) - 1}, "seed"),
+    ],
+)
+async def test_invalid_n_or_seed_is_400_and_nothing_reaches_upstream(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, body: dict[str, Any], param: str
+) -> None:
+    status, raw, _ = await post(
+        http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, **body}
+    )
+    assert status == 400
+    error = orjson.loads(raw)["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert backend.state.seen == []
+
+
+@pytest.mark.parametrize("raw_body", [b"{not json", b"[1, 2]", b'"n"'])
+async def test_fanout_path_with_bad_json_is_400(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, raw_body: bytes
+) -> None:
+    async with http.post(
+        proxy.url + CHAT, data=raw_body, headers={"Content-Type": "application/json"}
+    ) as response:
+        assert response.status == 400
+        assert (await response.json())["error"]["type"] == "invalid_request_error"
+    assert backend.state.seen == []
+
+
+async def test_child_500_before_headers_returns_that_status_and_aborts_siblings_when_all(
+    http: aiohttp.ClientSession, make_proxy: Any, backend: Backend
+) -> None:
+    from tests.conftest import proxy_config
+
+    proxy = await make_proxy(proxy_config(backend, stream_start="all"))
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": 10,
+        "stream": True,
+        "max_tokens": 50,
+        "x_demo": {"only_seed": 11, "fault": "status_500"},
+    }
+    status, raw, _ = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "f1"})
+    assert status == 500
+    assert "error" in orjson.loads(raw)
+    await backend.state.wait_for(lambda s: not s.active)
+
+
+async def test_child_400_non_streaming_relays_status_and_body(
+    http: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 2,
+        "seed": 0,
+        "x_demo": {"only_seed": 1, "fault": "status_400"},
+    }
+    status, raw, _ = await post(http, proxy.url + CHAT, body)
+    assert status == 400
+    assert orjson.loads(raw)["error"]["type"] == "invalid_request_error"
+
+
+async def test_child_reset_mid_stream_sends_one_error_event_then_done(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": 20,
+        "stream": True,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        "x_demo": {
+            "only_seed": 22,
+            "fault": "reset_mid_stream",
+            "after_tokens": 2,
+            "token_delay": 0.001,
+        },
+    }
+    status, raw, _ = await post(http, proxy.url + CHAT, body)
+    assert status == 200
+    payloads = sse_payloads(raw)
+    assert payloads[-1] == "[DONE]"
+    assert payloads.count("[DONE]") == 1
+    errors = [p for p in payloads[:-1] if "error" in p]
+    assert len(errors) == 1
+    assert errors[0]["error"]["type"] == "server_error"
+    assert "choice 2" in errors[0]["error"]["message"]
+    assert payloads[-2] is errors[0]
+    assert not [p for p in payloads[:-1] if "error" not in p and not p["choices"]]  # no usage chunk
+    await backend.state.wait_for(lambda s: not s.active)
+
+
+async def test_error_event_mid_stream_is_relayed_as_one_error(
+    http: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    body = {
+        "model": "m",
+        "prompt": "x",
+        "n": 2,
+        "seed": 0,
+        "stream": True,
+        "max_tokens": 8,
+        "x_demo": {"only_seed": 0, "fault": "error_event", "after_tokens": 1},
+    }
+    status, raw, _ = await post(http, proxy.url + COMPLETIONS, body)
+    assert status == 200
+    payloads = sse_payloads(raw)
+    error = next(p for p in payloads if p != "[DONE]" and "error" in p)["error"]
+    assert error["message"].startswith("choice 0")
+    assert payloads[-1] == "[DONE]"
+
+
+async def test_client_disconnect_aborts_every_child(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 3,
+        "seed": 1,
+        "stream": True,
+        "max_tokens": 10_000,
+        "ignore_eos": True,
+        "x_demo": {"token_delay": 0.01},
+    }
+    async with http.post(proxy.url + CHAT, json=body, headers={"X-Request-Id": "gone"}) as response:
+        assert response.status == 200
+        await response.content.readline()
+        await backend.state.wait_for(lambda s: len(s.active) == 3)
+        response.close()
+    children = {"0_gone", "1_gone", "2_gone"}
+    await backend.state.wait_for(lambda s: children <= set(s.aborted), timeout=3)
+    assert not backend.state.active
+
+
+async def test_client_disconnect_non_streaming_aborts_every_child(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 2,
+        "seed": 1,
+        "max_tokens": 10_000,
+        "ignore_eos": True,
+        "x_demo": {"token_delay": 0.01},
+    }
+    task = asyncio.create_task(post(http, proxy.url + CHAT, body, **{"X-Request-Id": "gone2"}))
+    await backend.state.wait_for(lambda s: len(s.active) == 2)
+    task.cancel()
+    await backend.state.wait_for(lambda s: {"0_gone2", "1_gone2"} <= set(s.aborted), timeout=3)
+
+
+async def test_upstream_unreachable_is_502(http: aiohttp.ClientSession, make_proxy: Any) -> None:
+    from proxy.config.models import single_upstream_config
+
+    proxy = await make_proxy(single_upstream_config("http://127.0.0.1:9"))
+    for body in (
+        {"model": "m", "messages": MESSAGES, "n": 2},
+        {"model": "m", "messages": MESSAGES},
+    ):
+        status, raw, _ = await post(http, proxy.url + CHAT, body)
+        assert status == 502
+        assert orjson.loads(raw)["error"]["type"] == "server_error"
+
+
+async def test_finish_reason_abort_is_a_normal_choice(
+    http: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 2,
+        "seed": 0,
+        "max_tokens": 8,
+        "x_demo": {"only_seed": 1, "fault": "abort", "after_tokens": 2},
+    }
+    status, raw, _ = await post(http, proxy.url + CHAT, body)
+    assert status == 200
+    reasons = [c["finish_reason"] for c in orjson.loads(raw)["choices"]]
+    assert reasons[1] == "abort"
+
+
+async def test_configured_prefix_path_fans_out(
+    http: aiohttp.ClientSession, make_proxy: Any, backend: Backend
+) -> None:
+    from tests.conftest import proxy_config
+
+    # The backend serves /v1/...; a prefix is configured where the backend mounts the same API.
+    proxy = await make_proxy(proxy_config(backend, fanout_paths=("/v1/chat/completions",)))
+    status, raw, _ = await post(
+        http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, "n": 2}
+    )
+    assert status == 200
+    assert len(orjson.loads(raw)["choices"]) == 2
+    status, raw, _ = await post(
+        http, proxy.url + COMPLETIONS, {"model": "m", "prompt": "x", "n": 2}
+    )
+    assert status == 400  # not a fan-out path here: passed through, and the backend rejects n=2
+    assert orjson.loads(raw)["error"]["message"] == "Only n=1 is supported"
+
+
+async def test_native_n_upstream_passes_n_through(
+    http: aiohttp.ClientSession, make_proxy: Any, make_backend: Any
+) -> None:
+    from tests.conftest import proxy_config, with_upstream
+
+    native = await make_backend(native_n=True)
+    proxy = await make_proxy(with_upstream(proxy_config(native), native_n=True))
+    status, raw, _ = await post(
+        http,
+        proxy.url + CHAT,
+        {"model": "m", "messages": MESSAGES, "n": 3},
+        **{"X-Request-Id": "nat"},
+    )
+    assert status == 200
+    assert len(orjson.loads(raw)["choices"]) == 3
+    assert [rid for rid, _, _ in native.state.seen] == ["nat"]
+
+
+@pytest.mark.parametrize("mode", ["uuid", "omit"])
+async def test_child_request_id_mode_for_servers_that_reject_prefixed_ids(
+    http: aiohttp.ClientSession, make_proxy: Any, backend: Backend, mode: str
+) -> None:
+    import uuid
+
+    from tests.conftest import proxy_config, with_upstream
+
+    proxy = await make_proxy(with_upstream(proxy_config(backend), child_request_id=mode))
+    body = {"model": "m", "messages": MESSAGES, "n": 2}
+    status, _, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "mine"})
+    assert status == 200
+    assert headers["X-Request-Id"] == "mine"
+    sent = [h.get("x-request-id") for _, _, h in backend.state.seen]
+    if mode == "uuid":
+        assert len({str(uuid.UUID(rid)) for rid in sent if rid}) == 2
+    else:
+        assert sent == [None, None]
+
+
+async def test_child_error_with_empty_body_becomes_an_openai_error(
+    http: aiohttp.ClientSession, make_proxy: Any
+) -> None:
+    from aiohttp import web
+
+    from proxy.config.models import single_upstream_config
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.Response(status=400)  # llama-cpp-python's answer to a request id it dislikes
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", refuse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        proxy = await make_proxy(
+            single_upstream_config(f"http://127.0.0.1:{runner.addresses[0][1]}")
+        )
+        status, raw, _ = await post(
+            http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, "n": 2}
+        )
+        assert status == 400
+        error = orjson.loads(raw)["error"]
+        assert error["message"] == "upstream answered 400 with an empty body"
+        assert error["type"] == "invalid_request_error"
+    finally:
+        await runner.cleanup()
+
+
+async def test_stream_needing_more_children_than_max_concurrency_is_400_when_all(
+    http: aiohttp.ClientSession, make_proxy: Any, backend: Backend
+) -> None:
+    from proxy.config.models import parse_config
+
+    config = parse_config(
+        f'stream_start: all\nupstreams: [{{name: u, url: "{backend.url}", max_concurrency: 4}}]',
+        env={},
+    )
+    proxy = await make_proxy(config)
+    body = {"model": "m", "prompt": ["a", "b", "c"], "n": 2, "stream": True}
+    status, raw, _ = await post(http, proxy.url + COMPLETIONS, body)
+    assert status == 400
+    assert orjson.loads(raw)["error"]["param"] == "prompt"
+    assert backend.state.seen == []
+    # without streaming the same batch is answered: its children take turns in 4 slots
+    status, raw, _ = await post(http, proxy.url + COMPLETIONS, {**body, "stream": False})
+    assert status == 200
+    assert [c["index"] for c in orjson.loads(raw)["choices"]] == [0, 1, 2, 3, 4, 5]

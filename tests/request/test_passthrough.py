@@ -1,0 +1,263 @@
+"""Pass-through (SPEC §1, §9): n=1 and every other path, byte for byte, both ways, streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.config.models import single_upstream_config
+from proxy.request.runtime import RUNTIME
+from tests.conftest import Backend, Proxy
+from tests.support.rawupstream import RawUpstream, exchange
+
+# Deliberately odd SSE bytes: CRLF, a comment, no space after "data:", spacing the proxy must keep.
+ODD_STREAM = (
+    b': hello\r\n\r\ndata:{"id":"x","choices":[{"index":0,"delta":{"content":"a"}}]}\r\n\r\n'
+    b'data: {"id":"x",  "choices":[]}\n\ndata: [DONE]\n\n'
+)
+
+
+class Recorder:
+    """A raw upstream that records what it receives and answers fixed bytes."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, CIMultiDict[str], bytes]] = []
+        self.release = asyncio.Event()
+        self.first_part_sent = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        if request.path == "/health":  # the proxy's own health checks
+            return web.Response(text="ok")
+        self.requests.append((request.method, request.path_qs, CIMultiDict(request.headers), body))
+        if request.path == "/slow-stream":
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(b"data: part1\n\n")
+            self.first_part_sent.set()
+            await asyncio.wait_for(self.release.wait(), 10)
+            await response.write(b"data: part2\n\n")
+            await response.write_eof()
+            return response
+        if request.path == "/v1/chat/completions":
+            response = web.StreamResponse(
+                status=200,
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "X-Upstream": "yes",
+                    "Connection": "keep-alive, X-Hop",
+                    "X-Hop": "1",
+                },
+            )
+            await response.prepare(request)
+            for piece in (ODD_STREAM[:30], ODD_STREAM[30:77], ODD_STREAM[77:]):
+                await response.write(piece)
+            await response.write_eof()
+            return response
+        return web.Response(
+            status=418,
+            body=b"\x00\x01teapot",
+            headers={"X-Upstream": "yes"},
+            content_type="application/octet-stream",
+        )
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
+    rec = Recorder()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", rec.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield rec, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    rec.release.set()
+    await runner.cleanup()
+
+
+async def test_n1_request_and_response_bytes_pass_unchanged(
+    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]
+) -> None:
+    rec, url = recorder
+    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    raw_body = b'{"model":"m",  "n": 1, "seed": 5, "stream": true, "messages":[]}'
+    headers = {
+        "X-Request-Id": "keep-me",
+        "Content-Type": "application/json",
+        "Authorization": "Bearer k",
+    }
+    async with http.post(
+        proxy.url + "/v1/chat/completions?x=1", data=raw_body, headers=headers
+    ) as response:
+        assert response.status == 200
+        assert response.headers["X-Upstream"] == "yes"
+        assert "X-Hop" not in response.headers
+        assert await response.read() == ODD_STREAM
+    method, path_qs, seen_headers, seen_body = rec.requests[0]
+    assert (method, path_qs, seen_body) == ("POST", "/v1/chat/completions?x=1", raw_body)
+    assert seen_headers["X-Request-Id"] == "keep-me"
+    assert seen_headers["Authorization"] == "Bearer k"
+    assert seen_headers["Host"] == url.removeprefix("http://")
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "PATCH"])
+async def test_other_methods_and_paths_keep_status_body_and_query(
+    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str], method: str
+) -> None:
+    rec, url = recorder
+    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    async with http.request(
+        method, proxy.url + "/tokenize/a%20b?q=1&q=2", data=b"payload" if method != "GET" else None
+    ) as response:
+        assert response.status == 418
+        assert await response.read() == b"\x00\x01teapot"
+        assert response.headers["X-Upstream"] == "yes"
+    assert rec.requests[0][:2] == (method, "/tokenize/a%20b?q=1&q=2")
+
+
+async def test_hop_by_hop_request_headers_are_not_forwarded(
+    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]
+) -> None:
+    rec, url = recorder
+    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    headers = {
+        "Connection": "keep-alive, X-Private",
+        "X-Private": "1",
+        "Keep-Alive": "timeout=5",
+        "Proxy-Authorization": "x",
+        "TE": "trailers",
+        "X-End": "ok",
+    }
+    async with http.get(proxy.url + "/v1/models", headers=headers) as response:
+        await response.read()
+    seen = rec.requests[0][2]
+    assert seen["x-end"] == "ok"
+    for name in ("x-private", "keep-alive", "proxy-authorization", "te"):
+        assert name not in seen
+
+
+async def test_pass_through_streams_without_buffering(
+    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]
+) -> None:
+    rec, url = recorder
+    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    async with http.get(proxy.url + "/slow-stream") as response:
+        # part1 arrives while the upstream is still holding part2 back
+        assert await response.content.readline() == b"data: part1\n"
+        rec.release.set()
+        assert await response.read() == b"\ndata: part2\n\n"
+
+
+async def test_n1_through_demo_backend_equals_direct_call(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "seed": 3,
+        "max_tokens": 5,
+    }
+    async with http.post(
+        backend.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "d"}
+    ) as r:
+        direct = orjson.loads(await r.read())
+    async with http.post(
+        proxy.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "d"}
+    ) as r:
+        proxied = orjson.loads(await r.read())
+    direct.pop("created")
+    proxied.pop("created")
+    assert proxied == direct
+    assert [rid for rid, _, _ in backend.state.seen] == ["d", "d"]
+
+
+async def test_absolute_uri_and_host_never_choose_the_destination(
+    make_proxy: Any, recorder: tuple[Recorder, str]
+) -> None:
+    rec, url = recorder
+    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"GET http://evil.example/steal?x=1 HTTP/1.1\r\n"
+        b"Host: evil.example\r\nConnection: close\r\n\r\n"
+    )
+    await writer.drain()
+    reply = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    assert reply.startswith(b"HTTP/1.1 418")
+    _, path_qs, headers, _ = rec.requests[0]
+    assert path_qs == "/steal?x=1"
+    assert headers["Host"] == url.removeprefix("http://")
+
+
+async def test_body_over_limit_is_413(
+    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]
+) -> None:
+    rec, url = recorder
+    proxy: Proxy = await make_proxy(single_upstream_config(url, max_body_bytes=1000))
+    async with http.post(proxy.url + "/v1/chat/completions", data=b"x" * 2000) as response:
+        assert response.status == 413
+        assert (await response.json())["error"]["type"] == "invalid_request_error"
+    assert rec.requests == []
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[RawUpstream]:
+    raw = await RawUpstream().start()
+    yield raw
+    await raw.stop()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [b"/v1/models%0Aforged", b"/a%0D%0Ab?q=%0A", b"/%0A", b"/x/%0a%0d/y%00"],
+)
+async def test_a_path_with_an_encoded_line_break_is_forwarded_as_the_client_wrote_it(
+    raw_upstream: RawUpstream, make_proxy: Any, target: bytes
+) -> None:
+    proxy: Proxy = await make_proxy(single_upstream_config(raw_upstream.url))
+    port = int(proxy.url.rsplit(":", 1)[1])
+    request = b"GET %s HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n" % target
+    reply = await exchange(port, request)
+    assert reply.startswith(b"HTTP/1.1 200 ")  # the upstream's answer, not aiohttp's own 404
+    (seen,) = [s for s in raw_upstream.seen if not s.path.endswith("/health")]
+    request_line = seen.head.split(b"\r\n", 1)[0]
+    assert request_line == b"GET %s HTTP/1.1" % target  # still encoded: no raw CR or LF
+
+
+@pytest.mark.parametrize("path", ["/small", "/slow-stream"])
+async def test_the_request_line_counts_a_passed_through_body_whole_or_streamed(
+    http: aiohttp.ClientSession,
+    make_proxy: Any,
+    recorder: tuple[Recorder, str],
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+) -> None:
+    """A small body of known length leaves whole with its head, a stream chunk by chunk:
+    ``bytes_out`` is the body's size either way."""
+    rec, url = recorder
+    rec.release.set()
+    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    with caplog.at_level(logging.INFO, logger="n_proxy"):
+        async with http.get(proxy.url + path) as response:
+            body = await response.read()
+        await proxy_idle(proxy)
+    (line,) = [r for r in caplog.records if r.getMessage() == "request"]
+    assert len(body) > 0
+    assert line.__dict__["fields"]["bytes_out"] == len(body)
+
+
+async def proxy_idle(proxy: Proxy) -> None:
+    """Until the request's handler ended (its log line is written as it ends)."""
+    async with asyncio.timeout(10):
+        await proxy.app[RUNTIME].wait_idle()
