@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, Field, PlainValidator, ValidationInfo, WithJsonSchema
 
-from proxy.core.numbers import is_int
+from proxy.core.plan import is_int
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 

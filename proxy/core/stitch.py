@@ -15,8 +15,7 @@ from typing import Any
 import orjson
 
 from proxy.core.errors import error_body
-from proxy.core.numbers import is_number
-from proxy.core.plan import Child, Plan
+from proxy.core.plan import Child, Plan, is_number
 from proxy.core.template import Learner, Template
 from proxy.core.usage import merge_usage
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from proxy.core.numbers import is_int, is_number
+from proxy.core.plan import is_int, is_number
 
 
 def merge_usage(
