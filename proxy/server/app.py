@@ -12,8 +12,7 @@ from aiohttp import web
 
 from proxy.config.models import Config
 from proxy.observe.census import Census, UpstreamCensus
-from proxy.observe.metrics import MULTIPROCESS, Metrics
-from proxy.observe.tally import value_of
+from proxy.observe.metrics import MULTIPROCESS, Metrics, value_of
 from proxy.request.handler import handle
 from proxy.request.passthrough import UPSTREAM_SERVER
 from proxy.request.responses import SERVER
