@@ -2,7 +2,9 @@
 
 The I/O shell around ``plan`` and ``stitch``: children run as tasks, each taking its own upstream
 slot; every pending child is cancelled (its connection closed, its slot or place in line given
-back) in a ``finally``, so nothing generates for a client that is gone.
+back) in a ``finally``, so nothing generates for a client that is gone. A stream's children hand
+their events to its one writer through a bounded ``Mailbox`` (backpressure reaches the upstream),
+and a ``PingTimer`` wakes the writer when nothing was written for a while (SPEC §5).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -22,11 +25,11 @@ from multidict import CIMultiDict
 
 from proxy.config.models import Upstream
 from proxy.core.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
+from proxy.core.futures import wake
 from proxy.core.plan import Plan
-from proxy.core.sse import MAX_EVENT_BYTES, SSEDecoder
+from proxy.core.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
 from proxy.core.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.observe.metrics import failure_outcome, status_outcome
-from proxy.request.mailbox import PING, Mailbox, PingTimer
 from proxy.request.runtime import Runtime
 from proxy.request.sink import Sink, client_sink
 from proxy.upstream.exchange import Answer, Trace, UpstreamRequest, upstream_error
@@ -398,3 +401,112 @@ async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> int:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     return len(running)
+
+
+# ---- the hand-off between a stream's child tasks and its one writer
+
+Item = list[RawEvent] | BaseException | None  # events, a failure, or None: the child ended cleanly
+PING = b": keep-alive\n\n"  # an SSE comment: load balancers see bytes, clients ignore it
+
+
+class Mailbox:
+    """A bounded hand-off from the child tasks to the one writer.
+
+    Bounded so a slow client stalls the children's reads (backpressure reaches the upstream);
+    ``cut`` wakes the writer at once, for a drain that has run out of time.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._items: deque[tuple[int, Item]] = deque()
+        self._size = size
+        self._getter: asyncio.Future[None] | None = None
+        self._putters: deque[asyncio.Future[None]] = deque()
+        self.cut_reason: str | None = None
+        self._pinged = False
+
+    async def put(self, item: tuple[int, Item]) -> None:
+        while len(self._items) >= self._size:
+            await self._taken()
+        self.put_nowait(item)
+
+    def full(self) -> bool:
+        """Over the bound: as ``put`` blocks, one item per child may wait without a pause."""
+        return len(self._items) > self._size
+
+    def put_nowait(self, item: tuple[int, Item]) -> None:
+        """Past the bound by at most one item per child: its reader pauses until ``room``,
+        so a child behind a slow client still holds about one read in the proxy."""
+        self._items.append(item)
+        wake(self._getter)
+
+    async def room(self) -> None:
+        """Until the mailbox is back within its bound."""
+        while self.full():
+            await self._taken()
+
+    async def _taken(self) -> None:
+        """Until the writer next takes what is waiting."""
+        putter = asyncio.get_running_loop().create_future()
+        self._putters.append(putter)
+        try:
+            await putter
+        finally:
+            if putter in self._putters:
+                self._putters.remove(putter)
+
+    async def take(self) -> list[tuple[int, Item]] | None:
+        """Everything waiting (at least one item), [] once cut, None when woken by ``ping``."""
+        if not self._items and self.cut_reason is None and not self._pinged:
+            getter = self._getter = asyncio.get_running_loop().create_future()
+            await getter
+        if self.cut_reason is not None:
+            return []
+        self._pinged = False
+        if not self._items:
+            return None
+        items = list(self._items)
+        self._items.clear()
+        while self._putters:
+            wake(self._putters.popleft())
+        return items
+
+    def ping(self) -> None:
+        """Wake the writer with nothing to take (its keep-alive is due)."""
+        self._pinged = True
+        wake(self._getter)
+
+    def cut(self, reason: str) -> None:
+        self.cut_reason = reason
+        wake(self._getter)
+
+
+class PingTimer:
+    """Pings the mailbox after ``seconds`` with nothing written (0: never).
+
+    One timer per stream, moved on lazily when it fires: a write costs a clock read, not a
+    timer of its own.
+    """
+
+    def __init__(self, mailbox: Mailbox, seconds: float) -> None:
+        self._mailbox = mailbox
+        self._seconds = seconds
+        self._loop = asyncio.get_running_loop()
+        self._written_at = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+        if seconds:
+            self._timer = self._loop.call_at(self._written_at + seconds, self._check)
+
+    def wrote(self) -> None:
+        self._written_at = self._loop.time()
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        due = self._written_at + self._seconds
+        if now >= due:
+            self._mailbox.ping()
+            due = now + self._seconds
+        self._timer = self._loop.call_at(due, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
