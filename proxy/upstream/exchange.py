@@ -14,13 +14,11 @@ from typing import Literal, NamedTuple
 
 import aiohttp
 from multidict import CIMultiDict
-from prometheus_client import Gauge, Histogram
 
 from proxy.config.models import Upstream
 from proxy.core.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.http.response import BodyTooLong, UpstreamResponse
-from proxy.upstream.replicas import Replica
-from proxy.upstream.slots import Place
+from proxy.upstream.state import Place, Replica, Timings
 
 
 class UpstreamRequest(NamedTuple):
@@ -52,15 +50,6 @@ class Trace:
     done_at: float | None = None
     retries: int = 0
     replica: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Timings:
-    """One upstream's labelled metrics of its exchanges, looked up once."""
-
-    in_flight: Gauge
-    ttfb: Histogram
-    duration: Histogram
 
 
 class Exchange:

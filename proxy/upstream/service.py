@@ -35,10 +35,7 @@ from proxy.upstream.exchange import (
     failure_kind,
     upstream_error,
 )
-from proxy.upstream.replicas import Replica
-from proxy.upstream.retry import Reason, Verdict, parse_retry_after
-from proxy.upstream.slots import Place
-from proxy.upstream.state import UpstreamState
+from proxy.upstream.state import Place, Reason, Replica, UpstreamState, Verdict, parse_retry_after
 
 # (upstream name, any replica healthy, each replica's URL -> takes work) after a health round.
 HealthReport = Callable[[str, bool, dict[str, bool]], None]

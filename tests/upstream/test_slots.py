@@ -1,4 +1,5 @@
-"""Tests for proxy.slots: FIFO per-child admission under every cancellation interleaving (#10).
+"""Tests for the admission line (proxy.upstream.state): FIFO per-child admission under every
+cancellation interleaving (#10).
 
 The unit tests pin each interleaving that once leaked a slot; the property test cancels random
 requests and children at random moments and checks that every slot comes back and that no
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from proxy.config.models import Config
 from proxy.core.errors import Overloaded
 from proxy.request.runtime import POOL
-from proxy.upstream.slots import Place, Slots
+from proxy.upstream.state import Place, Slots
 from tests.conftest import Backend, Proxy, proxy_config, with_upstream
 
 CLIENTS = 50
