@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
 
-    from proxy.upstream.exchange import Trace
+    from proxy.upstream.service import Trace
 
 T = TypeVar("T")
 _HOP_TRACE_HEADERS = ("traceparent", "tracestate")

@@ -32,8 +32,14 @@ from proxy.core.stitch import StreamError, StreamStitcher, error_event, stitch_j
 from proxy.observe.metrics import failure_outcome, status_outcome
 from proxy.request.runtime import Runtime
 from proxy.request.sink import Sink, client_sink
-from proxy.upstream.exchange import Answer, Trace, UpstreamRequest, upstream_error
-from proxy.upstream.service import Ticket, UpstreamPool
+from proxy.upstream.service import (
+    Answer,
+    Ticket,
+    Trace,
+    UpstreamPool,
+    UpstreamRequest,
+    upstream_error,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span

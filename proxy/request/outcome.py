@@ -14,7 +14,7 @@ from proxy.observe.log import log_enabled, log_request
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import trace_id
 from proxy.request.fanout import Fanout
-from proxy.upstream.exchange import Trace
+from proxy.upstream.service import Trace
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span

@@ -20,7 +20,7 @@ from proxy.observe.metrics import Metrics, failure_outcome, status_outcome
 from proxy.request.outcome import Outcome
 from proxy.request.runtime import POOL, RUNTIME
 from proxy.request.sink import ExactHead, client_sink
-from proxy.upstream.exchange import Answer, UpstreamRequest
+from proxy.upstream.service import Answer, UpstreamRequest
 
 UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)  # a pass-through keeps that header
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
