@@ -36,8 +36,8 @@ from proxy.upstream.service import (
     Answer,
     Ticket,
     Trace,
-    UpstreamPool,
     UpstreamRequest,
+    Upstreams,
     upstream_error,
 )
 
@@ -56,7 +56,7 @@ CHILD_READ_BUFFER = 16 * 1024
 class Fanout:
     """One fan-out request: where its children go, what they carry, what came of them."""
 
-    pool: UpstreamPool
+    upstreams: Upstreams
     runtime: Runtime
     upstream: Upstream
     plan: Plan
@@ -93,9 +93,9 @@ class Fanout:
         return headers
 
     def admit(self, count: int) -> list[Ticket]:
-        """Each child's replica and place in line (``UpstreamPool.admit``)."""
+        """Each child's replica and place in line (``Upstreams.admit``)."""
         self.joined_at = time.perf_counter()
-        return self.pool.admit(self.upstream, count)
+        return self.upstreams.admit(self.upstream, count)
 
     def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Answer]:
         """Child ``pos``'s request, once its place is granted (inside its span when tracing)."""
@@ -109,7 +109,7 @@ class Fanout:
             inflate=True, read_bufsize=CHILD_READ_BUFFER,
         )  # fmt: skip
         trace = self.traces[pos]
-        exchange = self.pool.send(self.upstream, url, request, trace)
+        exchange = self.upstreams.send(self.upstream, url, request, trace)
         if self.tracing is None or self.span is None:
             return exchange
         index = self.plan.children[pos].index

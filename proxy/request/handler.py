@@ -33,7 +33,7 @@ from proxy.request.fanout import Fanout, respond_json, respond_stream
 from proxy.request.outcome import Outcome, record
 from proxy.request.passthrough import pass_through
 from proxy.request.responses import child_failed_response, error_response
-from proxy.request.runtime import POOL, RUNTIME, TRIMMER, Runtime
+from proxy.request.runtime import RUNTIME, TRIMMER, UPSTREAMS, Runtime
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -80,7 +80,7 @@ async def _dispatch(request: web.Request, outcome: Outcome) -> web.StreamRespons
         runtime.metrics.n.observe(outcome.n)
         headers = child_headers(request.headers, upstream.headers)
         fanout = outcome.fanout = Fanout(
-            pool=request.app[POOL],
+            upstreams=request.app[UPSTREAMS],
             runtime=runtime,
             upstream=upstream,
             plan=plan,

@@ -18,7 +18,7 @@ from proxy.core.errors import (
 from proxy.core.headers import request_headers, response_headers
 from proxy.observe.metrics import Metrics, failure_outcome, status_outcome
 from proxy.request.outcome import Outcome
-from proxy.request.runtime import POOL, RUNTIME
+from proxy.request.runtime import RUNTIME, UPSTREAMS
 from proxy.request.sink import ExactHead, client_sink
 from proxy.upstream.service import Answer, UpstreamRequest
 
@@ -29,7 +29,7 @@ _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, 
 async def pass_through(
     request: web.Request, upstream: Upstream, body: bytes, outcome: Outcome
 ) -> web.StreamResponse:
-    pool = request.app[POOL]
+    upstreams = request.app[UPSTREAMS]
     metrics = request.app[RUNTIME].metrics
     trace = outcome.trace
     headers = request_headers(request.headers, upstream.headers)
@@ -37,13 +37,13 @@ async def pass_through(
         request.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
     )
     joined = time.perf_counter()
-    ((url, place),) = pool.admit(upstream, 1)
+    ((url, place),) = upstreams.admit(upstream, 1)
     exchange: AbstractAsyncContextManager[Answer]
     try:
         async with place:
             outcome.queued = waited = time.perf_counter() - joined
             metrics.queue_wait.labels(upstream.name).observe(waited)
-            exchange = pool.send(upstream, url, sent, trace)
+            exchange = upstreams.send(upstream, url, sent, trace)
             tracing, span = request.app[RUNTIME].tracing, outcome.span
             if tracing is not None and span is not None:
                 exchange = tracing.traced(span, exchange, trace, request.method, upstream.name,

@@ -12,7 +12,7 @@ from aiohttp import web
 from proxy.config.models import Config
 from proxy.observe.clienterrors import ClientErrors
 from proxy.observe.metrics import Metrics
-from proxy.upstream.service import UpstreamPool
+from proxy.upstream.service import Upstreams
 
 if TYPE_CHECKING:
     from proxy.observe.tracing import Tracing
@@ -91,5 +91,5 @@ class Trims(Protocol):
 
 # What the request layer reads from its app; ``proxy.server.app`` puts them there.
 RUNTIME = web.AppKey("runtime", Runtime)
-POOL = web.AppKey("pool", UpstreamPool)
+UPSTREAMS = web.AppKey("upstreams", Upstreams)
 TRIMMER = web.AppKey("trimmer", Trims)

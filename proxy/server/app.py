@@ -16,11 +16,11 @@ from proxy.observe.metrics import MULTIPROCESS, Metrics, value_of
 from proxy.request.handler import handle
 from proxy.request.passthrough import UPSTREAM_SERVER
 from proxy.request.responses import SERVER
-from proxy.request.runtime import POOL, RUNTIME, TRIMMER, Runtime
+from proxy.request.runtime import RUNTIME, TRIMMER, UPSTREAMS, Runtime
 from proxy.server.connection import EveryPath
 from proxy.server.memory import Trimmer
 from proxy.upstream.discovery import Resolver
-from proxy.upstream.service import UpstreamPool
+from proxy.upstream.service import Upstreams
 
 DEMO_HEADER = "X-N-Proxy-Demo"
 _SAMPLE_SECONDS = 1.0  # --workers: how often each worker writes its queue depths for /metrics
@@ -46,7 +46,7 @@ def build_app(
     app.on_response_prepare.append(_server_header)
     if notice is not None:
         app.on_response_prepare.append(functools.partial(_notice_header, notice))
-    app.cleanup_ctx.append(functools.partial(_pool, resolver=resolver, trimmer=trimmer))
+    app.cleanup_ctx.append(functools.partial(_upstreams, resolver=resolver, trimmer=trimmer))
     every = EveryPath("/")
     app.router.register_resource(every)
     every.add_route("*", handle)
@@ -62,30 +62,30 @@ async def _notice_header(notice: str, request: web.Request, response: web.Stream
     response.headers[DEMO_HEADER] = notice  # replaces any copy a pass-through brought along
 
 
-async def _pool(
+async def _upstreams(
     app: web.Application, resolver: Resolver | None, trimmer: Trimmer
 ) -> AsyncIterator[None]:
     runtime = app[RUNTIME]
-    pool = UpstreamPool(runtime.config, runtime.metrics, resolver)
-    await pool.start(runtime.health_reported)
-    app[POOL] = pool
-    runtime.metrics.census = functools.partial(take_census, runtime, pool)
+    upstreams = Upstreams(runtime.config, runtime.metrics, resolver)
+    await upstreams.start(runtime.health_reported)
+    app[UPSTREAMS] = upstreams
+    runtime.metrics.census = functools.partial(take_census, runtime, upstreams)
     sampler = asyncio.create_task(_sample(runtime.metrics)) if MULTIPROCESS else None
     yield
     trimmer.close()
     if sampler is not None:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
-    await pool.close()
+    await upstreams.close()
 
 
-def take_census(runtime: Runtime, pool: UpstreamPool | None) -> Census:
-    """The counts as they are now; ``pool`` None before the app's start (nothing upstream)."""
-    upstreams = []
-    if pool is not None:
-        for upstream in pool.config.upstreams:
-            state = pool.state(upstream)
-            upstreams.append(
+def take_census(runtime: Runtime, upstreams: Upstreams | None) -> Census:
+    """The counts as they are now; ``upstreams`` None before the app's start (nothing upstream)."""
+    counted = []
+    if upstreams is not None:
+        for upstream in upstreams.config.upstreams:
+            state = upstreams.state(upstream)
+            counted.append(
                 UpstreamCensus(
                     upstream.name,
                     state.slots.in_use,
@@ -98,9 +98,9 @@ def take_census(runtime: Runtime, pool: UpstreamPool | None) -> Census:
         requests=runtime.in_flight,
         children=runtime.children,
         streams=len(runtime.streams),
-        connections=len(pool.connections.in_use) if pool is not None else 0,
-        idle=pool.connections.idle_count() if pool is not None else 0,
-        upstreams=tuple(upstreams),
+        connections=len(upstreams.connections.in_use) if upstreams is not None else 0,
+        idle=upstreams.connections.idle_count() if upstreams is not None else 0,
+        upstreams=tuple(counted),
     )
 
 

@@ -2,7 +2,7 @@
 DNS discovery, concurrency and timeouts.
 
 Every byte sent upstream, health checks included, goes through one ``ConnectionPool``
-(``proxy.http.pool``), http and https alike; requests go through ``UpstreamPool.send``, an
+(``proxy.http.pool``), http and https alike; requests go through ``Upstreams.send``, an
 ``Exchange`` from sending the request to the end of its body, whose ``Answer`` is what callers
 read; upstream client failures become the proxy's own errors here (SPEC §7: 502 unreachable, 504
 timeout). The upstreams' state itself lives in ``proxy.upstream.state``; this module does its I/O.
@@ -81,7 +81,7 @@ class Trace:
 
 
 class Exchange:
-    """One upstream request, from sending it to the end of its body (``UpstreamPool.send``).
+    """One upstream request, from sending it to the end of its body (``Upstreams.send``).
 
     A class, not an ``asynccontextmanager``: it is on every request's path, and a generator
     behind two awaits per request costs more than these few lines.
@@ -166,7 +166,7 @@ class Answer:
         """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7).
 
         Past ``max_bytes`` the read stops at once and the request fails with 502; leaving the
-        body unread makes ``UpstreamPool.send`` drop the connection, so the upstream stops too.
+        body unread makes ``Upstreams.send`` drop the connection, so the upstream stops too.
         """
         length = self.response.content_length
         try:
@@ -208,7 +208,11 @@ class Ticket(NamedTuple):
     place: Place
 
 
-class UpstreamPool:
+class Upstreams:
+    """Every upstream of the config: where a request goes, its admission, its exchanges with
+    retries and fallback, the health checks and DNS discovery (not "a pool": ``ConnectionPool``
+    is the connections')."""
+
     def __init__(self, config: Config, metrics: Metrics, resolver: Resolver | None = None) -> None:
         self.config = config
         self.metrics = metrics
@@ -221,7 +225,7 @@ class UpstreamPool:
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # between tries
 
     async def start(self, report: HealthReport | None = None) -> None:
-        """The pool's own loops: the slot watchdog, each upstream's health checks (results to
+        """The service's own loops: the slot watchdog, each upstream's health checks (results to
         ``report``) and, where configured, its DNS discovery. ``close`` ends them."""
         loops = [self._watch()]
         loops += [self._check_health(u, report) for u in self.config.upstreams]
@@ -287,7 +291,7 @@ class UpstreamPool:
     def send(
         self, upstream: Upstream, url: str, request: UpstreamRequest, trace: Trace | None = None
     ) -> Exchange:
-        """Open one upstream request: ``async with pool.send(...) as answer``.
+        """Open one upstream request: ``async with upstreams.send(...) as answer``.
 
         Failures listed in ``retry_on`` are retried before the answer is given out: nothing of a
         retried answer can have reached the client (SPEC §10). The response is closed (never

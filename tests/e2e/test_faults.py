@@ -24,8 +24,8 @@ from multidict import CIMultiDict
 from proxy.config.models import Config, Timeouts
 from proxy.core.sse import SSEDecoder
 from proxy.devserver import DevConfig, DevState, generate, start_devserver
-from proxy.request.runtime import POOL, RUNTIME
-from proxy.upstream.service import UpstreamPool
+from proxy.request.runtime import RUNTIME, UPSTREAMS
+from proxy.upstream.service import Upstreams
 from tests.conftest import Backend, proxy_config, start_proxy
 
 CHAT = "/v1/chat/completions"
@@ -86,7 +86,7 @@ class Rig:
         """After ``requests`` proxied requests: nothing held, running or open past the baseline."""
         await self.log.wait_for(requests)
         assert self.app[RUNTIME].in_flight == 0
-        pool = self.app[POOL]
+        pool = self.app[UPSTREAMS]
         assert not pool.connections.in_use  # one here is a leaked child
         # Idle keep-alive connections are not leaks: close them, then everything they ran must end.
         await self.client.close()
@@ -110,10 +110,10 @@ MakeRig = Callable[..., Awaitable[Rig]]
 async def make_rig(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeRig]:
     """Build a rig; the proxy's health probe is stubbed so that every connection is the test's."""
 
-    async def always_healthy(self: UpstreamPool, *args: Any, **kwargs: Any) -> bool:
+    async def always_healthy(self: Upstreams, *args: Any, **kwargs: Any) -> bool:
         return True
 
-    monkeypatch.setattr(UpstreamPool, "healthy", always_healthy)
+    monkeypatch.setattr(Upstreams, "healthy", always_healthy)
     runners: list[web.AppRunner] = []
     clients: list[aiohttp.ClientSession] = []
     logger = logging.getLogger("n_proxy")

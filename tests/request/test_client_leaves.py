@@ -25,7 +25,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config.models import Config, single_upstream_config
-from proxy.request.runtime import POOL, RUNTIME
+from proxy.request.runtime import RUNTIME, UPSTREAMS
 from proxy.server.app import build_app
 from tests.conftest import Backend
 from tests.e2e.test_faults import MakeRig, make_rig
@@ -262,7 +262,7 @@ async def test_clients_resetting_a_passthrough_stream_never_freeze_the_proxy(
         assert await answers(proxy.port), f"frozen after a reset at {moment}"
         upstream.close(stream)
     await proxy.run(lambda app: app[RUNTIME].wait_idle())  # every handler ended
-    assert not await proxy.run(lambda app: idle(app[POOL].connections.in_use))
+    assert not await proxy.run(lambda app: idle(app[UPSTREAMS].connections.in_use))
 
 
 # --- the client gone as the head is written ---------------------------------------------------
@@ -313,7 +313,7 @@ async def leave(port: int, method: str, path: str, body: bytes = b"") -> bytes:
 
 async def settled(app: web.Application) -> None:
     """Every handler ended and every upstream request let its connection, slot and replica go."""
-    pool = app[POOL]
+    pool = app[UPSTREAMS]
     await app[RUNTIME].wait_idle()
     (upstream,) = pool.config.upstreams
     state = pool.state(upstream)
@@ -406,7 +406,7 @@ async def test_clients_closing_just_after_sending_a_fan_out_strand_nothing(
         writer.close()
         await writer.wait_closed()
 
-    pool = rig.app[POOL]
+    pool = rig.app[UPSTREAMS]
     (upstream,) = pool.config.upstreams
     state = pool.state(upstream)
     for wave in range(WAVES):

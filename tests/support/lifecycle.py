@@ -39,9 +39,9 @@ from pytest_asyncio import is_async_test
 
 import proxy
 from proxy.observe.census import Census
-from proxy.request.runtime import POOL, RUNTIME
+from proxy.request.runtime import RUNTIME, UPSTREAMS
 from proxy.server.app import take_census
-from proxy.upstream.service import UpstreamPool
+from proxy.upstream.service import Upstreams
 
 # Generous for a loaded 2-core machine: a request that ends normally settles in milliseconds.
 # (The check's own tests run it with less, through the environment.)
@@ -69,17 +69,17 @@ class LiveProxy:
         return f"proxy{where} (started in {self.started_by})"
 
     def census(self) -> Census:
-        return take_census(self.app[RUNTIME], self.app.get(POOL))
+        return take_census(self.app[RUNTIME], self.app.get(UPSTREAMS))
 
     def own_tasks(self) -> set[asyncio.Future[Any]]:
         """The pool's background loops: health checks, discovery, the slot watchdog."""
-        pool = self.app.get(POOL)
+        pool = self.app.get(UPSTREAMS)
         return set(pool._loops) if pool is not None else set()
 
 
 def _health_check(task: asyncio.Future[Any]) -> bool:
     """One replica's check, run by a live pool's health loop (a task of ``asyncio.gather``)."""
-    return getattr(_coro(task), "cr_code", None) is UpstreamPool._check.__code__
+    return getattr(_coro(task), "cr_code", None) is Upstreams._check.__code__
 
 
 @dataclass

@@ -23,10 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.config.models import Config, Eject, Upstream
 from proxy.core.sse import SSEDecoder
 from proxy.devserver import start_devserver
-from proxy.request.runtime import POOL, RUNTIME
+from proxy.request.runtime import RUNTIME, UPSTREAMS
 from proxy.server.app import build_app
 from proxy.upstream.discovery import Resolver
-from proxy.upstream.service import UpstreamPool
+from proxy.upstream.service import Upstreams
 from tests.conftest import Backend
 from tests.support import ports
 
@@ -58,8 +58,8 @@ class Proxy:
     runner: web.AppRunner
 
     @property
-    def pool(self) -> UpstreamPool:
-        return self.app[POOL]
+    def pool(self) -> Upstreams:
+        return self.app[UPSTREAMS]
 
     @property
     def upstream(self) -> Upstream:
