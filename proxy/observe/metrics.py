@@ -34,8 +34,9 @@ from prometheus_client.core import (
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from proxy.core.errors import UpstreamTimeout
+from proxy.core.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.observe.census import GAUGES
+from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
 if TYPE_CHECKING:
     from proxy.config.models import Config
@@ -74,16 +75,7 @@ PROTOCOL_ERROR_KINDS = ("request_line", "header", "too_long", "body", "other")
 _STATUS_CLASSES = ("other", "other", "2xx", "3xx", "4xx", "5xx", "other", "other", "other", "other")
 
 
-def status_outcome(status: int) -> str:
-    return _STATUS_CLASSES[status // 100 % 10]
-
-
-def failure_outcome(exc: BaseException) -> str:
-    """No status line came: out of time (a 504), or anything else (a 502)."""
-    return "timeout" if isinstance(exc, TimeoutError | UpstreamTimeout) else "unreachable"
-
-
-# ---- plain counts: counters, gauges and histograms that are Python numbers, turned into metric
+# ---- plain counts: counters and histograms that are Python numbers, turned into metric
 # families only when scraped (one process only; ``--workers`` uses prometheus-client's).
 
 
@@ -103,16 +95,6 @@ class _Count:
 
     def inc(self, amount: float = 1) -> None:
         self.value += amount
-
-    def dec(self, amount: float = 1) -> None:
-        self.value -= amount
-
-
-def value_of(gauge: object) -> float:
-    """A gauge child's value now: a plain one's, or this process's of prometheus-client's."""
-    if isinstance(gauge, _Count):
-        return gauge.value
-    return float(gauge._value.get())  # type: ignore[attr-defined]
 
 
 class _Spread:
@@ -139,8 +121,6 @@ class _Family:
 
 
 class PlainCounter(_Family):
-    kind = "counter"
-
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(name, documentation, labelnames)
         self._children: dict[tuple[str, ...], _Count] = {}
@@ -157,16 +137,10 @@ class PlainCounter(_Family):
         self.labels().inc(amount)
 
     def collect(self) -> Metric:
-        family = (GaugeMetricFamily if self.kind == "gauge" else CounterMetricFamily)(
-            self.name, self.documentation, labels=self.labelnames
-        )
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in list(self._children.items()):
             family.add_metric(values, child.value)
         return family
-
-
-class PlainGauge(PlainCounter):
-    kind = "gauge"
 
 
 class PlainHistogram(_Family):
@@ -218,7 +192,6 @@ class _PlainCollector(Collector):
 class Metrics:
     def __init__(self) -> None:
         self.plain: list[PlainCounter | PlainHistogram] = []
-        self._answered: dict[tuple[str, int, bool], tuple[Count, Observe, Observe]] = {}
         # What the proxy holds now (proxy.census), read at scrape time.
         self.census: Callable[[], Census] | None = None
         self._replicas_sampled: set[tuple[str, str]] = set()  # multiprocess: labels written
@@ -244,11 +217,6 @@ class Metrics:
             "n_proxy_request_n",
             "The n of fanned-out requests (choices per prompt, or best_of).",
             buckets=(2, 3, 4, 5, 8, 10, 16, 32, 64, 128),
-        )
-        self.children_in_flight = self._gauge(
-            "n_proxy_children_in_flight",
-            "Upstream requests in flight, per upstream.",
-            ["upstream"],
         )
         self.queue_wait = self._histogram(
             "n_proxy_queue_wait_seconds",
@@ -374,6 +342,13 @@ class Metrics:
                 registry=r,
                 multiprocess_mode="livesum",
             )
+            self._in_flight = Gauge(
+                "n_proxy_children_in_flight",
+                _IN_FLIGHT,
+                ["upstream"],
+                registry=r,
+                multiprocess_mode="livesum",
+            )
             self._held = {
                 name: Gauge(name, doc, registry=r, multiprocess_mode="livesum")
                 for name, doc in GAUGES.items()
@@ -398,13 +373,6 @@ class Metrics:
         self.plain.append(family)
         return family
 
-    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
-        if MULTIPROCESS:
-            return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livesum")
-        family = PlainGauge(name, doc, labels)
-        self.plain.append(family)
-        return family
-
     def _histogram(
         self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY
     ) -> Any:
@@ -422,7 +390,6 @@ class Metrics:
                 self.first_chunk.labels(route, fanned)
         for upstream in config.upstreams:
             name = upstream.name
-            self.children_in_flight.labels(name)
             self.queue_wait.labels(name)
             self.upstream_ttfb.labels(name)
             self.upstream_duration.labels(name)
@@ -438,35 +405,23 @@ class Metrics:
             for url in upstream.urls:
                 self.ejections.labels(name, url)
 
-    def answered(
-        self,
-        route: str,
-        status: int,
-        fanned_out: bool,
-        seconds: float,
-        first_chunk: float | None,
-    ) -> None:
-        """One request answered: its count, duration and first chunk, the children looked up
-        once per label set."""
-        key = (route, status, fanned_out)
-        children = self._answered.get(key)
-        if children is None:
-            fanned = "true" if fanned_out else "false"
-            children = self._answered[key] = (
-                self.requests.labels(route, str(status), fanned),
-                self.request_duration.labels(route, fanned),
-                self.first_chunk.labels(route, fanned),
-            )
-        count, duration, first = children
-        count.inc()
-        duration.observe(seconds)
-        if first_chunk is not None:
-            first.observe(first_chunk)
+    def answered_series(
+        self, route: str, status: int, fanned_out: bool
+    ) -> tuple[Count, Observe, Observe]:
+        """The request count, duration and first-chunk children of one (route, status, fanned
+        out) label set."""
+        fanned = "true" if fanned_out else "false"
+        return (
+            self.requests.labels(route, str(status), fanned),
+            self.request_duration.labels(route, fanned),
+            self.first_chunk.labels(route, fanned),
+        )
 
     def sampled(self) -> Iterator[Metric]:
         """What the proxy holds as it is now (single process: read at scrape time)."""
         depth = GaugeMetricFamily("n_proxy_queue_depth", _QUEUE_DEPTH, labels=["upstream"])
         in_use = GaugeMetricFamily("n_proxy_slots_in_use", _SLOTS_IN_USE, labels=["upstream"])
+        in_flight = GaugeMetricFamily("n_proxy_children_in_flight", _IN_FLIGHT, labels=["upstream"])
         outstanding = GaugeMetricFamily(
             "n_proxy_replica_outstanding", _OUTSTANDING, labels=["upstream", "replica"]
         )
@@ -478,10 +433,12 @@ class Metrics:
             for upstream in census.upstreams:
                 depth.add_metric([upstream.name], upstream.queued)
                 in_use.add_metric([upstream.name], upstream.slots_held)
+                in_flight.add_metric([upstream.name], upstream.exchanges)
                 for url, count in upstream.outstanding.items():
                     outstanding.add_metric([upstream.name, url], count)
         yield depth
         yield in_use
+        yield in_flight
         yield outstanding
         yield from held.values()
 
@@ -498,6 +455,7 @@ class Metrics:
         for upstream in census.upstreams:
             self._queue_depth.labels(upstream.name).set(upstream.queued)
             self._slots_in_use.labels(upstream.name).set(upstream.slots_held)
+            self._in_flight.labels(upstream.name).set(upstream.exchanges)
             for url, count in upstream.outstanding.items():
                 self._outstanding.labels(upstream.name, url).set(count)
                 seen.add((upstream.name, url))
@@ -515,6 +473,7 @@ class Metrics:
 
 _QUEUE_DEPTH = "Children waiting for a max_concurrency slot, per upstream."
 _SLOTS_IN_USE = "max_concurrency slots held, per upstream."
+_IN_FLIGHT = "Upstream requests in flight, per upstream, retries and backoff waits included."
 _OUTSTANDING = (
     "Upstream requests in flight on each replica from this proxy (what least_outstanding "
     "placement compares)."
@@ -529,3 +488,81 @@ class _Shared(Collector):
 
     def collect(self) -> Iterable[Metric]:
         return self._collector.collect()
+
+
+class RequestMetrics(Observer):
+    """Every metric a request's steps move, from its record: the queue wait, each upstream
+    request's answer (status class, timeout or unreachable), time to its head and to its end,
+    retries, children aborted, the request's count, duration, first chunk and n, the proxy's
+    overhead, the chunks a stream stitched. Labelled children are looked up once per upstream
+    (and per route and status), not on every request."""
+
+    def __init__(self, metrics: Metrics, config: Config) -> None:
+        self._metrics = metrics
+        self._upstreams = {u.name: _UpstreamSeries(metrics, u.name) for u in config.upstreams}
+        self._answered: dict[tuple[str, int, bool], tuple[Count, Observe, Observe]] = {}
+
+    def admitted(self, child: ChildRecord) -> None:
+        self._upstreams[child.record.upstream].queue_wait.observe(child.queued)
+
+    def retry(self, child: ChildRecord, reason: str) -> None:
+        self._metrics.retries.labels(child.record.upstream, reason).inc()
+
+    def head(self, child: ChildRecord) -> None:
+        series = self._upstreams[child.record.upstream]
+        series.ttfb.observe(child.head_at - child.sent_at)
+        series.answered(child.status).inc()
+
+    def child_ended(self, child: ChildRecord, failure: BaseException | None) -> None:
+        series = self._upstreams[child.record.upstream]
+        series.duration.observe(child.done_at - child.sent_at)
+        if not child.status and isinstance(failure, UpstreamTimeout | UpstreamUnavailable):
+            # No status line came: out of time (a 504), or anything else (a 502).
+            (series.timeout if isinstance(failure, UpstreamTimeout) else series.unreachable).inc()
+
+    def ended(self, record: RequestRecord) -> None:
+        key = (record.route, record.status, record.fanned_out)
+        children = self._answered.get(key)
+        if children is None:
+            children = self._answered[key] = self._metrics.answered_series(*key)
+        count, duration, first = children
+        count.inc()
+        duration.observe(record.seconds)
+        first_chunk = record.first_chunk
+        if first_chunk is not None:
+            first.observe(first_chunk)
+        overhead = record.overhead
+        if overhead is not None:
+            self._metrics.overhead.observe(overhead)
+        if record.fanned_out:
+            self._metrics.n.observe(record.n)
+            if record.aborted:
+                self._upstreams[record.upstream].aborted.inc(record.aborted)
+            if record.chunks:
+                self._metrics.stitched_chunks.inc(record.chunks)
+
+
+class _UpstreamSeries:
+    """One upstream's labelled children of the request-path families."""
+
+    __slots__ = ("_by_class", "_name", "_responses", "aborted", "duration", "queue_wait",
+                 "timeout", "ttfb", "unreachable")  # fmt: skip
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self._name = name
+        self._responses = metrics.upstream_responses
+        self.queue_wait: Observe = metrics.queue_wait.labels(name)
+        self.ttfb: Observe = metrics.upstream_ttfb.labels(name)
+        self.duration: Observe = metrics.upstream_duration.labels(name)
+        self.timeout: Count = self._responses.labels(name, "timeout")
+        self.unreachable: Count = self._responses.labels(name, "unreachable")
+        self.aborted: Count = metrics.children_aborted.labels(name)
+        self._by_class: list[Count | None] = [None] * 10  # status // 100 % 10 -> its count
+
+    def answered(self, status: int) -> Count:
+        """The count of upstream answers of ``status``'s class."""
+        at = status // 100 % 10
+        count = self._by_class[at]
+        if count is None:
+            count = self._by_class[at] = self._responses.labels(self._name, _STATUS_CLASSES[at])
+        return count

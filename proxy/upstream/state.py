@@ -1,7 +1,8 @@
 """One upstream's state, pure but for the futures its line parks on: the admission line to
 its ``max_concurrency`` (``Slots``), its replicas and where each request goes (``ReplicaSet``),
 its retry policy and budget (``RetryPolicy``), and ``UpstreamState``, which holds them with its
-labelled metrics. ``proxy.upstream.service`` does the I/O around it; callers pass the time in.
+count of requests in flight. ``proxy.upstream.service`` does the I/O around it; callers pass the
+time in.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
-
-from prometheus_client import Gauge, Histogram
 
 from proxy.config.models import Upstream
 from proxy.core.errors import Overloaded
@@ -557,17 +556,8 @@ class RetryPolicy:
 # ---- the whole of one upstream
 
 
-@dataclass(frozen=True, slots=True)
-class Timings:
-    """One upstream's labelled metrics of its exchanges, looked up once."""
-
-    in_flight: Gauge
-    ttfb: Histogram
-    duration: Histogram
-
-
 class UpstreamState:
-    """What the proxy holds for one upstream: replicas, slots, retry policy, metric children."""
+    """What the proxy holds for one upstream: replicas, slots, retry policy, requests in flight."""
 
     def __init__(self, upstream: Upstream, metrics: Metrics) -> None:
         self.upstream = upstream
@@ -588,13 +578,7 @@ class UpstreamState:
             backoff.retry_after_cap,
             RetryBudget(budget.percent, budget.min_per_second, budget.window),
         )
-        # Labelled children looked up once, not on every request.
-        name = upstream.name
-        self.timings = Timings(
-            metrics.children_in_flight.labels(name),
-            metrics.upstream_ttfb.labels(name),
-            metrics.upstream_duration.labels(name),
-        )
+        self.exchanges = 0  # upstream requests in flight, retries and backoff waits included
         self.health_rounds = 0  # completed health checks of every replica
         # A fresh event per change, as the devserver does: waiters re-check their condition.
         self._changed = asyncio.Event()

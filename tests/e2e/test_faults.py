@@ -24,7 +24,7 @@ from multidict import CIMultiDict
 from proxy.config.models import Config, Timeouts
 from proxy.core.sse import SSEDecoder
 from proxy.devserver import DevConfig, DevState, generate, start_devserver
-from proxy.request.runtime import RUNTIME, UPSTREAMS
+from proxy.server.app import IN_FLIGHT, UPSTREAMS
 from proxy.upstream.service import Upstreams
 from tests.conftest import Backend, proxy_config, start_proxy
 
@@ -85,7 +85,7 @@ class Rig:
     async def assert_no_leaks(self, requests: int) -> None:
         """After ``requests`` proxied requests: nothing held, running or open past the baseline."""
         await self.log.wait_for(requests)
-        assert self.app[RUNTIME].in_flight == 0
+        assert self.app[IN_FLIGHT].requests == 0
         pool = self.app[UPSTREAMS]
         assert not pool.connections.in_use  # one here is a leaked child
         # Idle keep-alive connections are not leaks: close them, then everything they ran must end.

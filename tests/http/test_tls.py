@@ -17,8 +17,7 @@ import trustme
 from aiohttp import web
 
 from proxy.config.models import Config, Discovery, Upstream
-from proxy.request.runtime import UPSTREAMS
-from proxy.server.app import build_app
+from proxy.server.app import UPSTREAMS, build_app
 
 Start = Callable[..., Awaitable[tuple[str, int]]]
 CHAT = "/v1/chat/completions"

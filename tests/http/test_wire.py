@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from proxy.config.models import Timeouts, single_upstream_config
-from proxy.request.runtime import UPSTREAMS
+from proxy.server.app import UPSTREAMS
 from tests.conftest import start_proxy, with_upstream
 from tests.support.rawhttp import parse_raw
 from tests.support.rawupstream import (

@@ -21,7 +21,7 @@ import threading
 
 import pytest
 
-from proxy.request.runtime import UPSTREAMS, RUNTIME
+from proxy.server.app import UPSTREAMS
 from proxy.devserver import DevConfig, start_devserver
 from proxy.config.models import Listen
 from proxy.request.fanout import Mailbox
@@ -81,10 +81,10 @@ async def server_with_a_request_in_flight(backend, http, drain_seconds):
     url = f"http://127.0.0.1:{server.proxy_port}{CHAT}"
     request = asyncio.ensure_future(http.post(url, json=body))
     for _ in range(500):
-        if server.runtime.in_flight:
+        if server.in_flight.requests:
             break
         await asyncio.sleep(0.01)
-    assert server.runtime.in_flight == 1
+    assert server.in_flight.requests == 1
     return server, request
 
 
@@ -120,7 +120,7 @@ def test_slot_left_held_on_a_thread_s_loop(threaded):
     loop, runner = threaded
 
     async def admit():
-        (upstream,) = runner.app[RUNTIME].config.upstreams
+        (upstream,) = runner.app[UPSTREAMS].config.upstreams
         runner.app[UPSTREAMS].admit(upstream, 1)
 
     asyncio.run_coroutine_threadsafe(admit(), loop).result(30)

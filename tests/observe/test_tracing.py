@@ -26,7 +26,6 @@ from opentelemetry.trace import SpanKind
 from proxy.config.models import single_upstream_config
 from proxy.observe import log
 from proxy.observe.tracing import Tracing, tracing_from_env, wanted
-from proxy.request.runtime import Runtime
 from proxy.server.app import build_app
 from tests.conftest import Backend
 
@@ -85,8 +84,8 @@ async def traced_proxy(backend: Backend, exporter: InMemorySpanExporter) -> Asyn
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = single_upstream_config(backend.url)
-    runtime = Runtime(config, tracing=Tracing(provider))
-    runner = web.AppRunner(build_app(config, runtime), handler_cancellation=True, access_log=None)
+    app = build_app(config, tracing=Tracing(provider))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -173,7 +172,7 @@ async def test_unreachable_upstream_marks_the_child_span_as_an_error(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = single_upstream_config("http://127.0.0.1:9")  # discard port: nothing listens
-    runner = web.AppRunner(build_app(config, Runtime(config, tracing=Tracing(provider))))
+    runner = web.AppRunner(build_app(config, tracing=Tracing(provider)))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -214,7 +213,7 @@ async def main():
         for n in (1, 3):
             async with http.post(url, json={**body, "n": n}) as r:
                 assert r.status == 200, r.status
-    assert server.runtime.tracing is None
+    assert server.tracing is None
     await server.close()
     await runner.cleanup()
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from proxy.config.models import Config, single_upstream_config
-from proxy.request.runtime import UPSTREAMS
+from proxy.server.app import UPSTREAMS
 from tests.conftest import Backend, Proxy, proxy_config, with_upstream
 from tests.request.test_fanout import CHAT, MESSAGES, direct_choice, sse_payloads
 from tests.support.gate import Gate, gate_in_front

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config.models import Config, parse_config
-from proxy.request.runtime import UPSTREAMS
+from proxy.server.app import UPSTREAMS
 from proxy.server.process import Server
 from tests.conftest import Backend, Proxy
 
@@ -184,7 +184,7 @@ def url(server: Server, path: str, admin: bool = False) -> str:
 
 
 async def wait_ready(http: aiohttp.ClientSession, server: Server) -> None:
-    await asyncio.wait_for(server.runtime.health_checked.wait(), 5)
+    await asyncio.wait_for(server.upstreams.health_checked.wait(), 5)
     async with http.get(url(server, "/readyz", admin=True)) as r:
         assert r.status == 200
 

@@ -23,8 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.config.models import Config, Eject, Upstream
 from proxy.core.sse import SSEDecoder
 from proxy.devserver import start_devserver
-from proxy.request.runtime import RUNTIME, UPSTREAMS
-from proxy.server.app import build_app
+from proxy.server.app import UPSTREAMS, build_app
 from proxy.upstream.discovery import Resolver
 from proxy.upstream.service import Upstreams
 from tests.conftest import Backend
@@ -63,7 +62,7 @@ class Proxy:
 
     @property
     def upstream(self) -> Upstream:
-        return self.app[RUNTIME].config.upstreams[0]
+        return self.app[UPSTREAMS].config.upstreams[0]
 
     def usable(self) -> dict[str, bool]:
         return self.pool.replica_health(self.upstream)
@@ -72,7 +71,7 @@ class Proxy:
         await self.pool.state(self.upstream).wait_for(predicate, WITHIN)
 
     def metric(self, name: str, **labels: str) -> float:
-        text = self.app[RUNTIME].metrics.render().decode()
+        text = self.app[UPSTREAMS].metrics.render().decode()
         total = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -146,7 +145,7 @@ def record_waits(proxy: Proxy, real: bool = False, draw: float = 0.0) -> Waits:
     """Record the proxy's waits; ``draw`` fixes the jitter (0: each wait is half its ceiling)."""
     waits = Waits(real=real)
     proxy.pool.sleep = waits
-    for upstream in proxy.app[RUNTIME].config.upstreams:
+    for upstream in proxy.app[UPSTREAMS].config.upstreams:
         proxy.pool.state(upstream).retry.draw = lambda: draw
     return waits
 
@@ -326,10 +325,12 @@ async def test_a_replica_that_comes_to_life_gets_children_within_one_health_inte
     later = f"http://127.0.0.1:{free_port}"
     proxy = await make_proxy([live.url, later], health_interval=0.2)
     state = proxy.pool.state(proxy.upstream)
-    runtime = proxy.app[RUNTIME]
     await proxy.until(lambda: state.health_rounds >= 1)
     assert proxy.usable() == {live.url: True, later: False}
-    assert runtime.replicas["u"] == {live.url: True, later: False}  # what /readyz lists
+    assert proxy.pool.checked_replicas["u"] == {
+        live.url: True,
+        later: False,
+    }  # what /readyz lists
     for i in range(2):
         assert (await post(client, proxy, chat(2), f"before{i}"))[0] == 200
     assert len(rids(live)) == 4  # spread, but only over the healthy replica
@@ -340,7 +341,7 @@ async def test_a_replica_that_comes_to_life_gets_children_within_one_health_inte
         await proxy.until(lambda: proxy.usable()[later])
         # A round that began before the replica listened may still fail it; the next passes.
         assert state.health_rounds <= rounds + 2
-        assert runtime.replicas["u"] == {live.url: True, later: True}
+        assert proxy.pool.checked_replicas["u"] == {live.url: True, later: True}
         for i in range(2):
             assert (await post(client, proxy, chat(2), f"after{i}"))[0] == 200
         parents = [rid.split("_", 1)[1] for rid, _, _ in revived.seen]
@@ -914,7 +915,7 @@ async def test_a_client_leaving_a_fallback_stream_gives_back_the_fallbacks_place
         servers, Config(upstreams=(primary, Upstream(name="spare", urls=(spare.url,))))
     )
     record_waits(proxy)
-    other = proxy.pool.state(proxy.app[RUNTIME].config.upstream("spare"))
+    other = proxy.pool.state(proxy.app[UPSTREAMS].config.upstream("spare"))
     long = chat(2, stream=True, max_tokens=10_000, ignore_eos=True, x_demo={"token_delay": 0.05})
     async with client.post(proxy.url + CHAT, json=long) as stream:
         assert stream.status == 200

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from proxy.config.models import Config
 from proxy.core.errors import Overloaded
-from proxy.request.runtime import UPSTREAMS
+from proxy.server.app import UPSTREAMS
 from proxy.upstream.state import Place, Slots
 from tests.conftest import Backend, Proxy, proxy_config, with_upstream
 
