@@ -4,7 +4,7 @@ The I/O shell around ``plan`` and ``stitch``: children run as tasks, each taking
 slot; every pending child is cancelled (its connection closed, its slot or place in line given
 back) in a ``finally``, so nothing generates for a client that is gone. A stream's children hand
 their events to its one writer through a bounded ``Mailbox`` (backpressure reaches the upstream),
-and a ``PingTimer`` wakes the writer when nothing was written for a while (SPEC §5).
+and a ``PingTimer`` wakes the writer to send a keep-alive when nothing was written for a while.
 """
 
 from __future__ import annotations

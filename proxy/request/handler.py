@@ -177,7 +177,7 @@ class Handler:
             parsed = self._routing_json(request, body, codings)
         found = parsed.get("model") if parsed is not None else None
         model = found if isinstance(found, str) else None
-        upstream = config.choose_upstream(request.rel_url.path, model)
+        upstream = self.upstreams.route(request.rel_url.path, model)
         model = model[:200] if model is not None else None  # the log's: bounded
         if endpoint is None or parsed is None or upstream.native_n:
             return upstream, None, model
@@ -198,11 +198,14 @@ class Handler:
 
         Declared JSON is held to the same policy as a fan-out body (no NaN, Infinity, BOM...).
         """
-        config = self.config
-        if not config.routes_by_model or not body or request.content_type != "application/json":
+        if (
+            not self.upstreams.routes_by_model
+            or not body
+            or request.content_type != "application/json"
+        ):
             return None
         try:
-            plain = inflate(body, codings, config.max_body_bytes) if codings else body
+            plain = inflate(body, codings, self.config.max_body_bytes) if codings else body
         except UnsupportedEncoding:
             return None  # unreadable here: the default route gets it as it came
         try:

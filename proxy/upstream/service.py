@@ -5,14 +5,15 @@ Every byte sent upstream, health checks included, goes through one ``ConnectionP
 (``proxy.http.pool``), http and https alike. A request enters once per upstream request it
 sends: ``Upstreams.admit`` gives each a place in line, and ``Upstreams.exchange`` is everything
 after, from the wait for that place to the end of the body, reported step by step to the
-request's record; upstream client failures become the proxy's own errors here (SPEC §7: 502
-unreachable, 504 timeout). The upstreams' state lives in ``proxy.upstream.state``; this module
+request's record; upstream client failures become the proxy's own errors here (502 when
+unreachable, 504 on a timeout). The upstreams' state lives in ``proxy.upstream.state``; this module
 does its I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
@@ -179,8 +180,9 @@ Answered = tuple[UpstreamResponse, Replica, Place | None]
 
 
 class Upstreams:
-    """Every upstream of the config: its admission, its exchanges with retries and fallback, its
-    health checks and DNS discovery (not "a pool": ``ConnectionPool`` is the connections').
+    """Every upstream of the config: which one a request goes to (``route``), its admission, its
+    exchanges with retries and fallback, its health checks and DNS discovery (not "a pool":
+    ``ConnectionPool`` is the connections').
 
     ``checked_health`` and ``checked_replicas`` hold each upstream's last health round, as
     ``/readyz`` shows it; ``health_checked`` is set once every upstream has had one."""
@@ -198,6 +200,12 @@ class Upstreams:
         self.checked_health: dict[str, bool] = {}  # upstream name -> any replica passed
         self.checked_replicas: dict[str, dict[str, bool]] = {}  # name -> replica -> takes work
         self.health_checked = asyncio.Event()
+        # Each route as (path prefix or None, model glob or None, its upstream), in config order.
+        self._routes = [
+            (r.path_prefix, r.model, config.upstream(r.upstream)) for r in config.routes
+        ]
+        self._default = config.upstream(config.default_upstream)
+        self.routes_by_model = any(r.model is not None for r in config.routes)
 
     async def start(self) -> None:
         """The service's own loops: the slot watchdog, each upstream's health checks and, where
@@ -226,6 +234,18 @@ class Upstreams:
     def ready(self) -> bool:
         """Some upstream passed its last health check."""
         return any(self.checked_health.values())
+
+    def route(self, path: str, model: str | None) -> Upstream:
+        """Where a request goes: the first route whose path prefix and model glob (case-sensitive)
+        it matches, else the default upstream. Configuration alone decides, never the request's
+        ``Host`` or an absolute URI: no open proxy."""
+        for prefix, glob, upstream in self._routes:
+            if prefix is not None and not path.startswith(prefix):
+                continue
+            if glob is not None and (model is None or not fnmatch.fnmatchcase(model, glob)):
+                continue
+            return upstream
+        return self._default
 
     async def _discover(self, upstream: Upstream) -> None:
         while True:
