@@ -33,8 +33,8 @@ from proxy.observe.clienterrors import ClientErrors, kind_of
 from proxy.observe.metrics import Metrics
 from proxy.observe.record import Observers, RequestRecord
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
-from proxy.request.passthrough import pass_through
-from proxy.request.responses import child_failed_response, error_response
+from proxy.request.passthrough import UPSTREAM_SERVER, pass_through
+from proxy.request.responses import SERVER, child_failed_response, error_response
 from proxy.upstream.service import Upstreams
 
 
@@ -230,3 +230,10 @@ def _parent_id(request: web.Request, body: dict[str, object]) -> str:
     if incoming is not None:
         return incoming
     return os.urandom(16).hex()  # as random as uuid4().hex, at a third of its cost
+
+
+async def server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer the proxy writes carries its ``Server`` header instead of aiohttp's; a
+    pass-through keeps the upstream's own, when it sent one (``on_response_prepare``)."""
+    if not request.get(UPSTREAM_SERVER, False):
+        response.headers["Server"] = SERVER

@@ -1,6 +1,5 @@
 """The proxy's aiohttp application: the one handler on every path, the upstreams started and
-stopped with the app, the request record's observers, and its headers (``Server``, the demo
-notice).
+stopped with the app, the request record's observers, and the demo notice's header.
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ from proxy.observe.log import RequestLine
 from proxy.observe.metrics import MULTIPROCESS, Metrics, RequestMetrics
 from proxy.observe.record import Observer, Observers
 from proxy.observe.tracing import Tracing
-from proxy.request.handler import Handler, InFlight
-from proxy.request.passthrough import UPSTREAM_SERVER
-from proxy.request.responses import SERVER
+from proxy.request.handler import Handler, InFlight, server_header
 from proxy.server.connection import EveryPath
 from proxy.server.memory import Trimmer
 from proxy.upstream.discovery import Resolver
@@ -73,7 +70,7 @@ def build_app(
         client_errors or ClientErrors(metrics),
         metrics,
     )
-    app.on_response_prepare.append(_server_header)
+    app.on_response_prepare.append(server_header)
     if notice is not None:
         app.on_response_prepare.append(functools.partial(_notice_header, notice))
     app.cleanup_ctx.append(functools.partial(_serve, upstreams=upstreams, trimmer=trimmer))
@@ -81,11 +78,6 @@ def build_app(
     app.router.register_resource(every)
     every.add_route("*", handler.handle)
     return app
-
-
-async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
-    if not request.get(UPSTREAM_SERVER, False):
-        response.headers["Server"] = SERVER
 
 
 async def _notice_header(notice: str, request: web.Request, response: web.StreamResponse) -> None:
