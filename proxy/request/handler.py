@@ -169,7 +169,8 @@ class Handler:
         and headers it is given.
         """
         config = self.config
-        codings = content_codings(request.headers.get("Content-Encoding"))
+        coding = request.headers.get("Content-Encoding")
+        codings = content_codings(coding) if coding is not None else []  # most requests have none
         if endpoint is not None:
             plain = inflate(body, codings, config.max_body_bytes) if codings else body
             parsed: dict[str, object] | None = parse_body(plain)
