@@ -126,6 +126,8 @@ class StreamStitcher:
         # --enable-force-include-usage), as an unfinished first choice chunk with usage shows.
         self._continuous = plan.continuous_usage
         self.chunks = 0
+        self._tail_usage: dict[str, Any] | None = None  # the merged usage, once ``tail`` made it
+        self._tailed = False
 
     def chunk(self, pos: int, data: bytes, event: str = "message") -> bytes | None:
         """The SSE bytes to send for one child event, or None when it is held back."""
@@ -247,12 +249,16 @@ class StreamStitcher:
         return self._streams[pos].finished
 
     def usage(self) -> dict[str, Any] | None:
-        """The children's usage merged (SPEC §6), None when none sent any."""
+        """The children's usage merged (SPEC §6), None when none sent any; merged once only
+        when the tail was written (nothing changes after it)."""
+        if self._tailed:
+            return self._tail_usage
         return merge_usage([s.usage for s in self._streams], prompt_heads(self.plan))
 
     def tail(self) -> bytes:
         """The merged usage chunk (when asked for, or sent unasked) and the one ``[DONE]``."""
-        usage = self.usage()
+        usage = self._tail_usage = self.usage()
+        self._tailed = True
         # A child's usage chunk the client did not ask for: the server sends usage on every
         # stream (vLLM's --enable-force-include-usage), so the merged stream does too.
         if usage is None or not (self.plan.include_usage or self._usage_chunk is not None):
