@@ -130,7 +130,7 @@ def llama_url_np4(llama_model: Path) -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def no_unhandled_server_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """A handler that raises is a bug even when the client saw the right bytes; and a request
-    the parser refuses is the client's fault, never an error line (proxy.clienterrors)."""
+    the parser refuses is the client's fault, never an error line (proxy.observe.clienterrors)."""
     yield
     errors = [
         r

@@ -1,4 +1,4 @@
-"""Which headers cross the proxy (SPEC §9). Pure.
+"""Which headers cross the proxy (docs/behaviour.md#headers). Pure.
 
 Hop-by-hop headers (``Proxy-*`` among them), and any named in ``Connection``, never cross;
 ``Host`` is the upstream's and ``Content-Length`` is recomputed, so neither is copied either.
@@ -27,7 +27,7 @@ HOP_BY_HOP = frozenset(
 # The proxy holds the whole body before it sends anything, so `Expect` is answered here.
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
-_INFLATED = frozenset({"gzip", "x-gzip", "deflate"})  # what proxy.encoding.Inflater undoes
+_INFLATED = frozenset({"gzip", "x-gzip", "deflate"})  # what proxy.core.encoding.Inflater undoes
 
 
 Headers = CIMultiDictProxy[str] | CIMultiDict[str]

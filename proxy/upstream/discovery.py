@@ -1,5 +1,5 @@
 """DNS discovery (``discovery.dns``): every address behind a configured host name becomes a
-replica; a failed lookup keeps the last known ones (SPEC §10)."""
+replica; a failed lookup keeps the last known ones (docs/behaviour.md#failover)."""
 
 from __future__ import annotations
 

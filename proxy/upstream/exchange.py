@@ -2,7 +2,7 @@
 
 ``Exchange`` (opened by ``UpstreamPool.send``) times the request and lets its connection go at
 the end; ``Answer`` is the response with the reads callers need; upstream client failures are
-mapped here to the proxy's own errors (SPEC §7: 502 unreachable, 504 timeout).
+mapped here to the proxy's own errors (docs/behaviour.md#errors: 502 unreachable, 504 timeout).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class Answer:
         await self.response.relay(sink, paused, drain)
 
     async def read(self) -> bytes:
-        """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7).
+        """The whole body; a read that fails is the proxy's 502 or 504 (docs/behaviour.md#errors).
 
         Past ``max_bytes`` the read stops at once and the request fails with 502; leaving the
         body unread makes ``UpstreamPool.send`` drop the connection, so the upstream stops too.
@@ -165,7 +165,8 @@ class Answer:
 
 
 def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:
-    """Map an upstream client failure to the proxy's own error (SPEC §7: 502 or 504)."""
+    """Map an upstream client failure to the proxy's own error (docs/behaviour.md#errors: 502
+    or 504)."""
     if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"upstream {upstream.name} timed out")
     return UpstreamUnavailable(f"upstream {upstream.name} failed: {type(exc).__name__}")

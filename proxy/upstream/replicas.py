@@ -1,5 +1,6 @@
 """The replica set of one upstream: which replicas exist, which may take children, and where
-each child and each retry goes (SPEC §10). Pure: the caller passes the time in; no I/O.
+each child and each retry goes (docs/behaviour.md#failover). Pure: the caller passes the time
+in; no I/O.
 
 A replica is usable when its last health check passed and it is not ejected. Placement and
 retries use usable replicas only; when none is usable, every replica is tried (fail open).
@@ -170,7 +171,8 @@ class ReplicaSet:
         return True
 
     def checked(self, url: str, ok: bool) -> None:
-        """A health check's result; a passing one ends an ejection at once (SPEC §10)."""
+        """A health check's result; a passing one ends an ejection at once
+        (docs/behaviour.md#failover)."""
         replica = self._replicas.get(url)
         if replica is None:
             return

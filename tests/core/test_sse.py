@@ -1,4 +1,4 @@
-"""Tests for proxy.sse: literal bytes in, literal events out, split at every awkward place."""
+"""Tests for proxy.core.sse: literal bytes in, literal events out, split at every awkward place."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Every injected upstream fault, for n=1 and n>1, JSON and SSE, gets the SPEC §7 answer.
+"""Every injected upstream fault, for n=1 and n>1, JSON and SSE, gets the answer
+docs/behaviour.md#errors gives it.
 
 Each test also proves that nothing leaks: no upstream connection left acquired, no task left
 running, no file descriptor left open, and no child still generating at the backend.
@@ -248,7 +249,7 @@ async def post_until_cut(rig: Rig, url: str, body: dict[str, Any]) -> tuple[int,
 
 
 def proxy_error(raw: bytes) -> dict[str, Any]:
-    """The proxy's own OpenAI error body (SPEC §2, §7)."""
+    """The proxy's own OpenAI error body (docs/behaviour.md#validation, #errors)."""
     body = orjson.loads(raw)
     assert set(body) == {"error"}
     error = body["error"]
@@ -315,8 +316,9 @@ async def test_failure_before_the_stream_answers_a_status_and_an_error_body(
         timeouts=case.timeouts,
         upstream_url=None if case.fault else refused_url,
         token_delay=DELAY,
-        # Rev 1's start: a sibling's 200 arriving first would otherwise commit the stream (the
-        # rev 2 start is tested in test_stream_start.py).
+        # stream_start: all, so that a sibling's 200 arriving first cannot commit the stream (the
+        # default start, at the first answer, is tested in test_stream_start.py;
+        # docs/behaviour.md#stream-start).
         stream_start="all" if stream and n > 1 else "first",
     )
     # Siblings that finish fast could not show that they were aborted; slow ones would trip a

@@ -38,7 +38,8 @@ COMPLETIONS = "/v1/completions"
 MAX_BODY = 1 << 20
 MAX_CONCURRENCY = 16
 CONFIG_SECRET = "cfg-SECRET-6"
-# Keys the proxy rewrites or drops (SPEC §3, §8); vendor fields take every other name.
+# Keys the proxy rewrites or drops (docs/behaviour.md#children, #best-of); vendor fields take
+# every other name.
 OWNED = frozenset({"n", "seed", "request_id", "kv_transfer_params", "prompt", "best_of"})
 CHILD_ID = re.compile(r"(\d+)_(.+?)(?:-(\d+))?")
 VISIBLE = re.compile(r"[\x21-\x7e]+")
@@ -440,7 +441,7 @@ def test_any_json_body_gets_an_openai_4xx_or_a_well_formed_answer_never_a_5xx(
         return
     assert reply.status == 200
     passed = [s for s in stack.mirror.requests if s.headers.get("X-Request-Id") == rid]
-    if passed:  # n missing, null or 1: the upstream saw exactly the client's request (SPEC §1)
+    if passed:  # n missing, null or 1: the request unchanged (docs/behaviour.md#pass-through)
         assert children == []
         assert passed[0].body == json.dumps(body).encode()
         return
@@ -451,7 +452,7 @@ def test_any_json_body_gets_an_openai_4xx_or_a_well_formed_answer_never_a_5xx(
         payloads = sse_payloads(reply.body)
         assert payloads[-1] == "[DONE]"
         assert payloads.count("[DONE]") == 1
-        # SPEC §5: every choice announced in index order before any other chunk.
+        # Every choice announced in index order before any other chunk (docs/behaviour.md#opening).
         opening, rest = payloads[: len(children)], payloads[len(children) : -1]
         assert [p["choices"][0]["index"] for p in opening] == list(range(len(children)))
         choices = [c for p in rest for c in p["choices"] if c["finish_reason"] is None]
@@ -477,7 +478,8 @@ def test_any_json_body_gets_an_openai_4xx_or_a_well_formed_answer_never_a_5xx(
 def test_fields_the_proxy_does_not_own_reach_every_child_unchanged(
     stack: Stack, extra: dict[str, Any]
 ) -> None:
-    """SPEC §3: tools, logprobs, vendor fields... pass untouched, whatever JSON they hold."""
+    """Tools, logprobs, vendor fields... pass untouched, whatever JSON they hold
+    (docs/behaviour.md#children)."""
     body = {**extra, "model": "m", "messages": [], "n": 2, "stream": False}
     rid = fresh_id("keep")
     reply = post(stack, CHAT, body, rid)
@@ -894,7 +896,8 @@ def test_authorization_and_api_keys_never_reach_logs_or_metrics(
     assert "SECRET" not in everything
     children = [s for s in stack.mirror.requests if "sec" in s.headers.get("X-Request-Id", "")]
     assert children
-    for child in children:  # SPEC §9: end-to-end credentials reach every child unchanged
+    # End-to-end credentials reach every child unchanged (docs/behaviour.md#headers).
+    for child in children:
         assert child.headers["Authorization"] == SECRETS["Authorization"]
         assert child.headers["api-key"] == SECRETS["api-key"]
         assert child.headers["X-Upstream-Key"] == CONFIG_SECRET

@@ -1,4 +1,4 @@
-"""Hostile load (issue 10): every limit and fault over real loopback servers.
+"""Hostile load: every limit and fault over real loopback servers (docs/behaviour.md#limits).
 
 The proxy runs as the whole ``proxy.server.process.Server`` (its connection guard included) in
 front of a small fake upstream that records what it got and can answer without end.

@@ -549,7 +549,7 @@ def test_crlf_after_a_message_end_is_counted(data: bytes, own: int | None, after
     assert _crlf_after_end(data, own) is after
 
 
-# --- cancellation, connect turns, request writing and stale connections (issue 23) ----------
+# --- cancellation, connect turns, request writing and stale connections ---------------------
 
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"

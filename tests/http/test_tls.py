@@ -1,4 +1,4 @@
-"""https upstreams on the proxy's own client (issue 17): a real TLS server on loopback.
+"""https upstreams on the proxy's own client: a real TLS server on loopback.
 
 ``trustme`` makes a CA and the server's certificate; the proxy trusts that CA through
 ``SSL_CERT_FILE``, as a deployment with a private CA would.

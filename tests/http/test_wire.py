@@ -1,4 +1,4 @@
-"""The wire never mixes two answers (issue 17): hostile upstream bytes, end to end.
+"""The wire never mixes two answers: hostile upstream bytes, end to end.
 
 Each hostile answer goes to one client through the proxy; that client gets what the table says,
 and the next two requests, sent on the same upstream pool, each get their own answer.
@@ -240,7 +240,7 @@ async def test_a_reset_listed_in_retry_on_is_retried_counted_and_logged(
         await runner.cleanup()
 
 
-# --- an answer before the request was written (issue 23) -----------------------------------
+# --- an answer before the request was written ----------------------------------------------
 
 
 # Past what loopback socket buffers hold at most (tcp_wmem's and tcp_rmem's defaults, 4 MiB

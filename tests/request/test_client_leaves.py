@@ -1,4 +1,5 @@
-"""A client that leaves never freezes the proxy or strands what it held (issue 23).
+"""A client that leaves never freezes the proxy or strands what it held
+(docs/behaviour.md#cancellation).
 
 Clients reset their connection (SO_LINGER 0, then close) at many moments of a pass-through
 stream, or close just after sending a fan-out; the proxy keeps answering, every handler ends,

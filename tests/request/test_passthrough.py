@@ -1,4 +1,5 @@
-"""Pass-through (SPEC §1, §9): n=1 and every other path, byte for byte, both ways, streamed."""
+"""Pass-through (docs/behaviour.md#pass-through, #headers): n=1 and every other path, byte for
+byte, both ways, streamed."""
 
 from __future__ import annotations
 

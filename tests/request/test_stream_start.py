@@ -1,4 +1,5 @@
-"""SPEC §5 rev 2 over real loopback servers: the stream starts at the first child's answer.
+"""The stream starts at the first child's answer (docs/behaviour.md#stream-start), over real
+loopback servers.
 
 The demo backend sits behind ``tests.support.gate``, which holds chosen children's status lines
 until the test opens them, so "one child is slow to start" is an event, not a sleep.
@@ -43,7 +44,8 @@ def stream_body(n: int, seed: int, **fields: Any) -> dict[str, Any]:
 
 
 def assert_native_opening(chunks: list[Any], n: int) -> None:
-    """Every choice announced, in index order, before any other chunk (SPEC §5)."""
+    """Every choice announced, in index order, before any other chunk
+    (docs/behaviour.md#opening)."""
     for index, chunk in enumerate(chunks[:n]):
         assert chunk["choices"] == [
             {"index": index, "delta": ROLE, "logprobs": None, "finish_reason": None}

@@ -287,7 +287,7 @@ def test_workers_auto_is_capped_by_the_cgroup_memory_limit(
     assert auto_workers(tmp_path) == (cpus if expected is None else min(expected, cpus))
 
 
-# --- Limits are the proxy's, whatever the worker count (issue 17, item 10) -------------------
+# --- Limits are the proxy's, whatever the worker count (docs/operating.md#workers-and-limits) -
 
 
 @pytest.mark.parametrize(

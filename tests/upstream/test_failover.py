@@ -1,6 +1,7 @@
-"""Replicas that fail over (SPEC §10), over real loopback servers: per-replica health, retries
-before the first byte (spaced by backoff, within a budget, then a fallback upstream), ejection,
-DNS discovery, load-aware placement, and a replica dying under load."""
+"""Replicas that fail over (docs/behaviour.md#failover), over real loopback servers:
+per-replica health, retries before the first byte (spaced by backoff, within a budget, then a
+fallback upstream), ejection, DNS discovery, load-aware placement, and a replica dying under
+load."""
 
 from __future__ import annotations
 
@@ -569,7 +570,8 @@ async def test_killing_one_of_three_replicas_under_load(
     client: aiohttp.ClientSession, make_proxy: MakeProxy, servers: Servers
 ) -> None:
     """200 concurrent n=4 requests; one replica dies halfway. Requests with no child started
-    there answer 200; the others answer 200 or the SPEC §7 answer; nothing hangs."""
+    there answer 200; the others answer 200, or a stream ended by one error event
+    (docs/behaviour.md#errors); nothing hangs."""
     backends = [await start_devserver() for _ in range(3)]
     for runner, _, _ in backends[1:]:
         servers.runners.append(runner)
@@ -599,7 +601,7 @@ async def test_killing_one_of_three_replicas_under_load(
         if status == 200 and (not stream or clean_stream(raw, 4)):
             continue
         failed += 1
-        if status == 200:  # a stream cut after its 200: one error event, then [DONE] (§7)
+        if status == 200:  # a stream cut after its 200: one error event, then [DONE]
             assert raw.endswith(b"data: [DONE]\n\n")
             assert raw.count(b"[DONE]") == 1
             assert b'"server_error"' in raw
