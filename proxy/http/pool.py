@@ -24,14 +24,13 @@ import contextlib
 import ssl
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
 
+from proxy.core.url import Origin, parse_origin
 from proxy.http.connection import UpstreamConnection, request_head
 from proxy.http.response import UpstreamResponse
 from proxy.observe.log import log_event
@@ -48,29 +47,6 @@ MAX_CONNECTING_PER_ORIGIN = 64
 # byte of an answer; others (POST above all) stay sent once: the server may have acted on them.
 RESENDABLE = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 Key = tuple[str, int, str | None]  # host, port, TLS server name (None: plain http)
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where an upstream URL points: its socket address, Host header, path and TLS."""
-
-    host: str
-    port: int
-    host_header: str
-    base_path: str  # "" or "/base": every request path is appended to it
-    tls: bool
-
-
-def parse_origin(url: str) -> Origin:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http or https URL: {url}")
-    tls = parts.scheme == "https"
-    default = 443 if tls else 80
-    port = parts.port or default
-    name = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6 literal
-    host_header = name if port == default else f"{name}:{port}"
-    return Origin(parts.hostname, port, host_header, parts.path.rstrip("/"), tls)
 
 
 class ConnectionPool:

@@ -14,7 +14,6 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import NamedTuple
-from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
@@ -22,6 +21,7 @@ from multidict import CIMultiDict
 from proxy.config.models import Config, Upstream
 from proxy.core.errors import Overloaded
 from proxy.core.headers import rebased_headers
+from proxy.core.url import tls_name
 from proxy.http.pool import ConnectionPool
 from proxy.http.response import BodyTooLong, UpstreamResponse
 from proxy.observe.log import log_event, logger
@@ -316,7 +316,7 @@ class UpstreamPool:
             replica.url, method, path_qs, _with_host(headers, replica), body,
             connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
             inflate=inflate, buffer=2 * (read_bufsize or _RELAY_BUFFER),
-            tls_name=_tls_name(replica),
+            tls_name=tls_name(replica.url, replica.host),
         )  # fmt: skip
 
     async def _discard(self, response: UpstreamResponse, within: float) -> None:
@@ -356,7 +356,7 @@ class UpstreamPool:
                     replica.url, "GET", upstream.health_path,
                     _with_host(upstream.headers, replica), None,
                     connect=timeout, first_byte=timeout, idle=timeout,
-                    tls_name=_tls_name(replica),
+                    tls_name=tls_name(replica.url, replica.host),
                 )  # fmt: skip
                 status = response.status
                 await self._discard(response, timeout)
@@ -383,10 +383,3 @@ def _with_host(
     out = CIMultiDict(headers)
     out["Host"] = replica.host
     return out
-
-
-def _tls_name(replica: Replica) -> str | None:
-    """An https replica reached by address still checks its certificate for the host name."""
-    if replica.host is None or not replica.url.startswith("https:"):
-        return None
-    return urlsplit("//" + replica.host).hostname

@@ -25,7 +25,7 @@ TOP = frozenset({"proxy", "proxy.__main__", "proxy.cli"})
 # the JSON and multidict value types.
 PURE_ALLOWED = frozenset({
     "__future__", "collections", "dataclasses", "enum", "functools", "itertools", "json",
-    "math", "re", "typing", "zlib", "orjson", "multidict", "urllib",
+    "math", "re", "typing", "zlib", "orjson", "multidict", "urllib", "ipaddress",
 })  # fmt: skip
 
 # The two modules where the server leans on aiohttp's internals (the members below).
