@@ -6,8 +6,7 @@ is never delivered nor parsed as the next answer; it spoils the connection, whic
 never pooled. The head is capped on raw bytes as they arrive, partial lines included.
 A request body goes out as the transport takes it (``pause_writing``), and a connection whose
 request was not all written when its answer ended is never pooled either: the server may read
-the rest as a request of its own. Failures are the exceptions aiohttp's client raises (see
-``proxy.http.pool``).
+the rest as a request of its own. Failures are ``proxy.http.errors``'.
 """
 
 from __future__ import annotations
@@ -17,10 +16,10 @@ import select
 from collections.abc import Mapping
 from typing import cast
 
-import aiohttp
 import httptools
 from multidict import CIMultiDict
 
+from proxy.http.errors import BadResponse, Disconnected
 from proxy.http.response import UpstreamResponse
 
 MAX_HEAD = 256 * 1024  # status line and headers together, interim (1xx) heads included
@@ -131,9 +130,9 @@ class UpstreamConnection(asyncio.Protocol):
             response.on_end()  # a body delimited by the connection closing ended cleanly
             response.after_read()
         elif response.head.done():
-            response.fail(aiohttp.ClientPayloadError("upstream closed the connection mid-body"))
+            response.fail(BadResponse("upstream closed the connection mid-body"))
         else:
-            response.fail(aiohttp.ServerDisconnectedError("upstream closed before a response"))
+            response.fail(Disconnected("upstream closed before a response"))
 
     def eof_received(self) -> bool | None:
         # The server is done with this connection: never hand it out again, whatever the
@@ -179,8 +178,8 @@ class UpstreamConnection(asyncio.Protocol):
             self.spoil()  # what follows the message is not a message of ours
             return None
         if isinstance(exc, httptools.HttpParserUpgrade):
-            return aiohttp.ClientPayloadError("upstream switched protocols")
-        return aiohttp.ClientPayloadError(f"malformed upstream response: {exc}")
+            return BadResponse("upstream switched protocols")
+        return BadResponse(f"malformed upstream response: {exc}")
 
     def _feed_head(self, data: bytes) -> BaseException | None:
         """Feed no more than the head may still take; a head past the cap fails the response."""
@@ -193,7 +192,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.parser.feed_data(data[:room])
         response = self.response
         if response is None or not response.head.done():
-            return aiohttp.ClientPayloadError(f"upstream response head is over {MAX_HEAD} bytes")
+            return BadResponse(f"upstream response head is over {MAX_HEAD} bytes")
         self.parser.feed_data(data[room:])
         return None
 

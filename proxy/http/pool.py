@@ -7,14 +7,7 @@ TRACE) on a reused connection that fails before any byte of an answer is sent on
 fresh connection, as nginx and Go do (RFC 9110 §9.2.2): the server had closed that connection
 as the request went out. Connections to one origin are opened at most ``max_connecting`` at a
 time; the rest wait in line for a freed turn or a connection released meanwhile. Failures are
-the exceptions aiohttp's client raises, so callers catch one set::
-
-    aiohttp.ClientError
-    ├── ClientConnectorError     connect refused, unreachable, TLS failure (also an OSError)
-    ├── ConnectionTimeoutError   connect timeout (also a TimeoutError)
-    ├── ServerDisconnectedError  closed before a complete head
-    ├── ClientPayloadError       body cut short, malformed response, undecodable encoding
-    └── ServerTimeoutError       first byte or idle timeout (also a TimeoutError)
+``proxy.http.errors``' tree, under ``HTTPClientError``.
 """
 
 from __future__ import annotations
@@ -24,14 +17,13 @@ import contextlib
 import ssl
 from collections import deque
 from collections.abc import Mapping
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import cast
 
-import aiohttp
 from multidict import CIMultiDict
 
 from proxy.core.url import Origin, parse_origin
 from proxy.http.connection import UpstreamConnection, request_head
+from proxy.http.errors import ClientClosed, ConnectFailed, ConnectTimeout, Disconnected
 from proxy.http.response import UpstreamResponse
 from proxy.observe.log import log_event
 
@@ -108,7 +100,7 @@ class ConnectionPool:
             try:
                 connection.send(head, body)
                 await response.wait_head(first_byte if first_byte is not None else 86400.0)
-            except aiohttp.ServerDisconnectedError:
+            except Disconnected:
                 self._drop(connection)
                 if not reused or connection.answered or method not in RESENDABLE:
                     raise
@@ -129,7 +121,7 @@ class ConnectionPool:
         ``fresh``, else a new one once fewer than ``max_connecting`` are being opened to it.
         ``timeout`` covers the wait in line and the connect."""
         if self._closed:
-            raise aiohttp.ClientOSError(0, "the upstream client is closed")
+            raise ClientClosed("the upstream client is closed")
         host, port = origin.host, origin.port
         name = (tls_name or host) if origin.tls else None
         key: Key = (host, port, name)
@@ -141,7 +133,7 @@ class ConnectionPool:
             async with asyncio.timeout(timeout):
                 return await self._open(key, origin, fresh)
         except TimeoutError:
-            raise aiohttp.ConnectionTimeoutError(
+            raise ConnectTimeout(
                 f"connecting to {host}:{port} timed out after {timeout} s"
             ) from None
 
@@ -165,7 +157,7 @@ class ConnectionPool:
         queued = False
         while True:
             if self._closed:
-                raise aiohttp.ClientOSError(0, "the upstream client is closed")
+                raise ClientClosed("the upstream client is closed")
             if not fresh:
                 connection = self._take_idle(key)
                 if connection is not None:
@@ -236,12 +228,9 @@ class ConnectionPool:
                 server_hostname=name,
             )
         except TimeoutError:
-            raise  # the OS's connect timeout: a ConnectionTimeoutError, as our own
-        except ssl.SSLCertVerificationError as exc:
-            raise aiohttp.ClientConnectorCertificateError(_key(host, port, context), exc) from None
-        except OSError as exc:
-            # aiohttp's own connect failure, so callers tell "never reached a server" apart.
-            raise aiohttp.ClientConnectorError(_key(host, port, context), exc) from None
+            raise  # the OS's connect timeout: a ConnectTimeout, as our own (``_connect``)
+        except OSError as exc:  # refused, unreachable, a TLS handshake or certificate failure
+            raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}") from None
         return protocol
 
     def _context(self) -> ssl.SSLContext:
@@ -294,8 +283,3 @@ class ConnectionPool:
             connection.abort()
         self.in_use.clear()
         await asyncio.sleep(0)  # let the transports run connection_lost
-
-
-def _key(host: str, port: int, context: ssl.SSLContext | None) -> Any:
-    """What aiohttp's connector errors read of a connection key."""
-    return cast(Any, SimpleNamespace(host=host, port=port, ssl=context))

@@ -15,18 +15,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
-import aiohttp
 from multidict import CIMultiDict
 
 from proxy.core.encoding import Inflater
 from proxy.core.futures import settle, wake
+from proxy.http.errors import BadResponse, BodyTooLong, ResponseTimeout
 
 BodySink = Callable[[bytes], None]
 _INFLATED = ("gzip", "x-gzip", "deflate")
-
-
-class BodyTooLong(Exception):
-    """A body grew past the bytes the caller holds for one response."""
 
 
 class Reading(Protocol):
@@ -98,7 +94,7 @@ class UpstreamResponse:
             if coding in _INFLATED:
                 self._inflater = Inflater(coding)
             elif coding not in ("", "identity"):
-                self.fail(aiohttp.ClientPayloadError(f"cannot decode Content-Encoding {coding}"))
+                self.fail(BadResponse(f"cannot decode Content-Encoding {coding}"))
                 return
         if not self.head.done():
             self.head.set_result(None)
@@ -177,7 +173,7 @@ class UpstreamResponse:
                         self._buffered += len(tail)
                 self._completed()
         except zlib.error as exc:
-            self.fail(aiohttp.ClientPayloadError(f"bad compressed body: {exc}"))
+            self.fail(BadResponse(f"bad compressed body: {exc}"))
 
     def _completed(self) -> None:
         if self.error is not None:
@@ -207,7 +203,7 @@ class UpstreamResponse:
         timer = self._loop.call_later(
             first_byte,
             self.fail,
-            aiohttp.ServerTimeoutError(f"no response head from upstream within {first_byte} s"),
+            ResponseTimeout(f"no response head from upstream within {first_byte} s"),
         )
         try:
             await self.head
@@ -242,7 +238,7 @@ class UpstreamResponse:
         since = self._idle_since()
         now = self._loop.time()
         if since is not None and now - since >= self._idle:
-            self.fail(aiohttp.ServerTimeoutError(f"no data from upstream for {self._idle} s"))
+            self.fail(ResponseTimeout(f"no data from upstream for {self._idle} s"))
             return
         start = since if since is not None else now
         self._idle_timer = self._loop.call_at(start + self._idle, self._check_idle)

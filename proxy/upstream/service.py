@@ -15,15 +15,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import NamedTuple
 
-import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config.models import Config, Upstream
 from proxy.core.errors import Overloaded
 from proxy.core.headers import rebased_headers
 from proxy.core.url import tls_name
-from proxy.http.pool import ConnectionPool
-from proxy.http.response import BodyTooLong, UpstreamResponse
+from proxy.http import BodyTooLong, ConnectionPool, HTTPClientError, UpstreamResponse
 from proxy.observe.log import log_event, logger
 from proxy.observe.metrics import Metrics
 from proxy.upstream.discovery import Resolver, discover, resolve
@@ -186,7 +184,7 @@ class UpstreamPool:
             failed: UpstreamResponse | None = None
             try:
                 response = await self._open(replica, request, upstream)
-            except (TimeoutError, aiohttp.ClientError) as exc:
+            except (TimeoutError, HTTPClientError) as exc:
                 replica.outstanding -= 1
                 reason = failure_kind(exc)
                 if reason is not None:
@@ -329,7 +327,7 @@ class UpstreamPool:
             if length is not None and length <= _DISCARD_LIMIT:
                 async with asyncio.timeout(min(within, _DISCARD_SECONDS)):
                     await response.read(_DISCARD_LIMIT)
-        except (TimeoutError, aiohttp.ClientError, BodyTooLong):
+        except (TimeoutError, HTTPClientError, BodyTooLong):
             pass
         finally:
             self.connections.release(response)
@@ -361,7 +359,7 @@ class UpstreamPool:
                 status = response.status
                 await self._discard(response, timeout)
                 return status < 500
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, HTTPClientError):
             return False
 
     def replica_health(self, upstream: Upstream) -> dict[str, bool]:

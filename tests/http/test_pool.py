@@ -7,12 +7,20 @@ import gzip
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import pytest
 
+from proxy.http import (
+    BadResponse,
+    BodyTooLong,
+    ClientClosed,
+    ConnectFailed,
+    ConnectionPool,
+    ConnectTimeout,
+    Disconnected,
+    ResponseTimeout,
+    UpstreamResponse,
+)
 from proxy.http.connection import WRITE_PIECE, _crlf_after_end
-from proxy.http.pool import ConnectionPool
-from proxy.http.response import BodyTooLong, UpstreamResponse
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 Serve = Callable[[Handler], Awaitable[tuple["Raw", str]]]
@@ -98,7 +106,7 @@ async def get(
     pool: ConnectionPool, url: str, method: str = "GET", *, idle: float = WAIT, **kw: float
 ) -> UpstreamResponse:
     return await pool.request(
-        url, method, "/x", {"Accept": "*/*"}, None, connect=WAIT,
+        url, method, "/x", {"Accept": "*/*"}, None, connect=kw.get("connect", WAIT),
         first_byte=kw.get("first_byte", WAIT), idle=idle,
     )  # fmt: skip
 
@@ -213,40 +221,38 @@ async def test_close_delimited_body_ends_at_close_and_is_not_reused(
     assert pool.idle_count() == 0
 
 
-async def test_server_closing_mid_body_is_a_payload_error(
+async def test_server_closing_mid_body_is_a_bad_response(
     pool: ConnectionPool, serve: Serve
 ) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this"
     _, url = await serve(answering(answer, close=True))
     response = await get(pool, url)
-    with pytest.raises(aiohttp.ClientPayloadError):
+    with pytest.raises(BadResponse):
         await response.read(LIMIT)
     pool.release(response)
     assert pool.idle_count() == 0
 
 
-async def test_chunked_cut_mid_body_is_a_payload_error(pool: ConnectionPool, serve: Serve) -> None:
+async def test_chunked_cut_mid_body_is_a_bad_response(pool: ConnectionPool, serve: Serve) -> None:
     answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
     _, url = await serve(answering(answer, close=True))
     response = await get(pool, url)
     assert await response.__anext__() == b"hello"
-    with pytest.raises(aiohttp.ClientPayloadError):
+    with pytest.raises(BadResponse):
         await response.__anext__()
     pool.release(response)
 
 
-async def test_closed_before_any_head_is_server_disconnected(
-    pool: ConnectionPool, serve: Serve
-) -> None:
+async def test_closed_before_any_head_is_disconnected(pool: ConnectionPool, serve: Serve) -> None:
     _, url = await serve(answering(b"", close=True))
-    with pytest.raises(aiohttp.ServerDisconnectedError):
+    with pytest.raises(Disconnected):
         await get(pool, url)
     assert not pool.in_use
 
 
-async def test_garbage_is_a_payload_error(pool: ConnectionPool, serve: Serve) -> None:
+async def test_garbage_is_a_bad_response(pool: ConnectionPool, serve: Serve) -> None:
     _, url = await serve(answering(b"NOT HTTP AT ALL\r\n\r\n"))
-    with pytest.raises(aiohttp.ClientPayloadError):
+    with pytest.raises(BadResponse):
         await get(pool, url)
     assert not pool.in_use
 
@@ -281,7 +287,7 @@ async def test_reset_on_a_reused_connection_fails_a_post_without_a_hidden_retry(
     raw, url = await serve(dropping_the_second_request(seen))
     _, body = await fetch(pool, url)
     assert body == b"ok"
-    with pytest.raises(aiohttp.ServerDisconnectedError):
+    with pytest.raises(Disconnected):
         await pool.request(url, "POST", "/x", {}, b"{}", connect=WAIT, first_byte=WAIT, idle=WAIT)
     assert (raw.connections, seen, pool.resent) == (1, [b"POST"], 0)
     assert not pool.in_use
@@ -364,11 +370,22 @@ async def test_gzip_body_is_decoded_when_asked(pool: ConnectionPool, serve: Serv
     pool.release(response)
 
 
-async def test_refused_connection_is_a_connector_error(pool: ConnectionPool, serve: Serve) -> None:
+async def test_refused_connection_is_a_connect_failure(pool: ConnectionPool, serve: Serve) -> None:
     raw, url = await serve(answering())
     await raw.stop()
-    with pytest.raises(aiohttp.ClientConnectorError):
+    with pytest.raises(ConnectFailed) as failure:
         await get(pool, url)
+    assert type(failure.value) is ConnectFailed  # not a timeout: refused at once
+    assert_nothing_held(pool)
+
+
+async def test_a_closed_pool_sends_nothing_more(serve: Serve) -> None:
+    raw, url = await serve(answering(OK))
+    pool = ConnectionPool()
+    await pool.close()
+    with pytest.raises(ClientClosed):
+        await get(pool, url)
+    assert raw.connections == 0
 
 
 async def test_silent_upstream_hits_the_first_byte_timeout(
@@ -378,7 +395,7 @@ async def test_silent_upstream_hits_the_first_byte_timeout(
         await reader.read()
 
     raw, url = await serve(handler)
-    with pytest.raises(aiohttp.ServerTimeoutError):
+    with pytest.raises(ResponseTimeout):
         await get(pool, url, first_byte=0.2)
     await asyncio.wait_for(raw.closed.wait(), WAIT)  # the connection was dropped
     assert not pool.in_use
@@ -389,7 +406,7 @@ async def test_body_going_silent_hits_the_idle_timeout(pool: ConnectionPool, ser
     raw, url = await serve(answering(answer))
     response = await get(pool, url, idle=0.2)
     assert await response.__anext__() == b"half"
-    with pytest.raises(aiohttp.ServerTimeoutError):
+    with pytest.raises(ResponseTimeout):
         await response.__anext__()
     pool.release(response)
     await asyncio.wait_for(raw.closed.wait(), WAIT)
@@ -631,6 +648,33 @@ async def test_a_burst_to_one_origin_opens_at_most_max_connecting_at_once(
         assert [body for _, body in bodies] == [b"ok"] * 200
         assert connects.peak == 8  # the bound, reached
         assert raw.connections == connects.started  # later ones took pooled connections too
+        assert_nothing_held(pool)
+    finally:
+        await pool.close()
+
+
+async def test_a_connect_or_its_wait_in_line_past_the_connect_bound_is_a_connect_timeout(
+    serve: Serve, connects: Connects
+) -> None:
+    pool = ConnectionPool(max_connecting=1)
+    try:
+        _, url = await serve(answering(*EVERY))
+        connects.go.clear()  # every connect hangs until told
+        with pytest.raises(ConnectTimeout, match=r"timed out after 0\.2 s") as failure:
+            await get(pool, url, connect=0.2)  # in the connect itself
+        assert isinstance(failure.value, TimeoutError)
+        assert_nothing_held(pool)
+        first = asyncio.ensure_future(get(pool, url))  # takes the one connect turn
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert connects.now == 1
+        with pytest.raises(ConnectTimeout, match=r"timed out after 0\.2 s"):
+            await get(pool, url, connect=0.2)  # in line behind ``first``
+        assert connects.started == 2  # the one that waited in line never connected
+        connects.go.set()
+        response = await asyncio.wait_for(first, WAIT)
+        assert await response.read(LIMIT) == b"ok"
+        pool.release(response)
         assert_nothing_held(pool)
     finally:
         await pool.close()
