@@ -17,12 +17,11 @@ from typing import Protocol
 
 from multidict import CIMultiDict
 
-from proxy.core.encoding import Inflater
+from proxy.core.encoding import INFLATED, Inflater
 from proxy.core.futures import settle, wake
 from proxy.http.errors import BadResponse, BodyTooLong, ResponseTimeout
 
 BodySink = Callable[[bytes], None]
-_INFLATED = ("gzip", "x-gzip", "deflate")
 
 
 class Reading(Protocol):
@@ -91,7 +90,7 @@ class UpstreamResponse:
         self.until_close = until_close
         if self._inflate:
             coding = self.headers.get("Content-Encoding", "").strip().lower()
-            if coding in _INFLATED:
+            if coding in INFLATED:
                 self._inflater = Inflater(coding)
             elif coding not in ("", "identity"):
                 self.fail(BadResponse(f"cannot decode Content-Encoding {coding}"))
