@@ -17,12 +17,11 @@ import contextlib
 import ssl
 from collections import deque
 from collections.abc import Mapping
-from typing import cast
 
 from multidict import CIMultiDict
 
 from proxy.core.url import Origin, parse_origin
-from proxy.http.connection import UpstreamConnection, request_head
+from proxy.http.connection import ConnectionState, UpstreamConnection, request_head
 from proxy.http.errors import ClientClosed, ConnectFailed, ConnectTimeout, Disconnected
 from proxy.http.response import UpstreamResponse
 from proxy.observe.log import log_event
@@ -63,7 +62,9 @@ class ConnectionPool:
         self._tls: ssl.SSLContext | None = None
         self._closed = False
 
-    def idle_count(self) -> int:
+    def idle_connections(self) -> int:
+        """How many idle connections are kept alive for reuse, every origin's together (the
+        census counts them apart from those ``in_use``)."""
         return sum(len(v) for v in self._idle.values())
 
     async def request(
@@ -242,31 +243,28 @@ class ConnectionPool:
 
     def release(self, response: UpstreamResponse) -> None:
         """Back to the pool when its body was read to the end; closed (never reused) otherwise."""
-        connection = cast(UpstreamConnection, response._connection)  # the one request() made
-        response._stop_idle()
+        connection = response.connection
+        assert isinstance(connection, UpstreamConnection)  # the one request() made
+        complete = response.finish()
         self.in_use.discard(connection)
         if (
-            response.complete
-            and connection.reusable
+            complete
+            and connection.state == ConnectionState.REUSABLE
             and not self._closed
             and connection.response is response
         ):
-            connection.response = None
-            connection.resume()
-            connection.idle_since = asyncio.get_running_loop().time()
             pool = self._idle.setdefault(connection.key, [])
             if len(pool) < self.max_idle_per_origin:
+                connection.park(asyncio.get_running_loop().time())
                 pool.append(connection)
                 if connection.key in self._turns:
                     self._pass_turn(connection.key)  # the first in line takes it
                 return
-        connection.response = None
-        connection.abort()
+        connection.discard()
 
     def _drop(self, connection: UpstreamConnection) -> None:
         self.in_use.discard(connection)
-        connection.response = None
-        connection.abort()
+        connection.discard()
 
     async def close(self) -> None:
         self._closed = True

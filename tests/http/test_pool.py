@@ -20,7 +20,8 @@ from proxy.http import (
     ResponseTimeout,
     UpstreamResponse,
 )
-from proxy.http.connection import WRITE_PIECE, _crlf_after_end
+from proxy.http.connection import WRITE_PIECE, ConnectionState, UpstreamConnection, _crlf_after_end
+from proxy.http.response import Mode, ResponseState
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 Serve = Callable[[Handler], Awaitable[tuple["Raw", str]]]
@@ -133,7 +134,7 @@ async def test_content_length_body_and_keep_alive_reuse(pool: ConnectionPool, se
         assert response.content_type == "text/plain"
         assert response.content_length == 5
     assert raw.connections == 1
-    assert pool.idle_count() == 1
+    assert pool.idle_connections() == 1
 
 
 async def test_read_stops_at_its_limit_and_the_connection_is_not_reused(
@@ -145,7 +146,7 @@ async def test_read_stops_at_its_limit_and_the_connection_is_not_reused(
     with pytest.raises(BodyTooLong):
         await response.read(1500)
     pool.release(response)  # the body was left unread: its connection must go, not idle
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
 async def test_request_carries_host_length_and_headers(pool: ConnectionPool, serve: Serve) -> None:
@@ -195,7 +196,7 @@ async def test_heads_and_bodies_split_anywhere(
     response, body = await fetch(pool, url)
     assert response.headers["X-Long"] == "v" * 40
     assert body == b"abc0123456789abcdef"
-    assert pool.idle_count() == 1
+    assert pool.idle_connections() == 1
 
 
 async def test_chunked_with_extensions_and_trailers(pool: ConnectionPool, serve: Serve) -> None:
@@ -207,7 +208,7 @@ async def test_chunked_with_extensions_and_trailers(pool: ConnectionPool, serve:
     for _ in range(2):
         _, body = await fetch(pool, url)
         assert body == b"hello!"
-    assert pool.idle_count() == 1
+    assert pool.idle_connections() == 1
 
 
 async def test_close_delimited_body_ends_at_close_and_is_not_reused(
@@ -218,7 +219,7 @@ async def test_close_delimited_body_ends_at_close_and_is_not_reused(
     response, body = await fetch(pool, url)
     assert response.content_length is None
     assert body == b"all of it until the end"
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
 async def test_server_closing_mid_body_is_a_bad_response(
@@ -230,7 +231,7 @@ async def test_server_closing_mid_body_is_a_bad_response(
     with pytest.raises(BadResponse):
         await response.read(LIMIT)
     pool.release(response)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
 async def test_chunked_cut_mid_body_is_a_bad_response(pool: ConnectionPool, serve: Serve) -> None:
@@ -317,7 +318,9 @@ async def test_pooled_connection_closed_while_idle_is_not_reused(
     await asyncio.wait_for(raw.closed.wait(), WAIT)
     raw.closed.clear()
     for _ in range(100):  # bounded: until the client has seen the close
-        if not pool.idle_count() or all(c.lost for c in pool._idle[next(iter(pool._idle))]):
+        if not pool.idle_connections() or all(
+            c.state == ConnectionState.CLOSED for c in pool._idle[next(iter(pool._idle))]
+        ):
             break
         await asyncio.sleep(0.01)
     _, body = await fetch(pool, url)
@@ -427,7 +430,7 @@ async def test_abandoned_body_closes_the_connection(pool: ConnectionPool, serve:
         await task
     pool.release(response)
     await asyncio.wait_for(raw.closed.wait(), WAIT)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
     assert not pool.in_use
 
 
@@ -449,7 +452,7 @@ async def test_iterator_pauses_reading_past_its_buffer(pool: ConnectionPool, ser
     )
     for _ in range(50):  # let the client read what it will
         await asyncio.sleep(0.01)
-    assert response._connection.paused
+    assert response.connection.paused
     assert response._buffered < 1024 * 1024  # bounded: not the 4 MiB the server wants to send
     assert len(await response.read(LIMIT)) == size
     pool.release(response)
@@ -487,7 +490,7 @@ async def test_relay_writes_from_data_received_and_waits_for_drain(
     await asyncio.wait_for(relay, WAIT)
     assert b"".join(got) == b"".join(pieces)
     pool.release(response)
-    assert pool.idle_count() == 1
+    assert pool.idle_connections() == 1
 
 
 async def test_relay_cancelled_closes_the_connection(pool: ConnectionPool, serve: Serve) -> None:
@@ -546,7 +549,7 @@ async def test_bytes_after_the_end_in_a_later_read_are_nobodys_and_spoil_the_con
     await asyncio.wait_for(raw.closed.wait(), WAIT)  # the client closed it at the extra bytes
     assert await response.read(LIMIT) == b"hello"
     pool.release(response)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
 @pytest.mark.parametrize(
@@ -605,7 +608,7 @@ async def test_a_connect_that_completes_as_its_caller_is_cancelled_leaves_nothin
         await victim
     await asyncio.wait_for(raw.closed.wait(), WAIT)  # the connection made was closed
     assert_nothing_held(pool)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
 class Connects:
@@ -770,7 +773,7 @@ async def test_an_upload_to_a_slow_reader_is_written_as_the_transport_takes_it(
     assert got == [BIG]
     assert await response.read(LIMIT) == b"ok"
     pool.release(response)
-    assert pool.idle_count() == 1  # written whole before the answer: reusable
+    assert pool.idle_connections() == 1  # written whole before the answer: reusable
 
 
 async def test_an_answer_before_the_upload_was_written_never_pools_its_connection(
@@ -790,7 +793,7 @@ async def test_an_answer_before_the_upload_was_written_never_pools_its_connectio
     assert response.status == 413
     assert await response.read(LIMIT) == b""
     pool.release(response)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
     _, body = await fetch(pool, url)
     assert (body, raw.connections) == (b"ok", 2)
 
@@ -828,4 +831,62 @@ async def test_a_pooled_connection_whose_fin_is_already_queued_is_not_reused(
             _, body = await fetch(pool, url)
         assert body == b"ok", i
     assert (raw.connections, pool.resent) == (20, 0)  # never reused, never resent
+    assert_nothing_held(pool)
+
+
+# --- the connection's and the response's states ----------------------------------------------
+
+
+async def test_a_kept_alive_exchange_walks_head_body_reusable_idle(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    body_now = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+        await writer.drain()
+        await asyncio.wait_for(body_now.wait(), WAIT)
+        writer.write(b"hello")
+        await reader.read()
+
+    _, url = await serve(handler)
+    response = await get(pool, url)
+    connection = response.connection
+    assert isinstance(connection, UpstreamConnection)
+    assert (connection.state, response.state) == (ConnectionState.BODY, ResponseState.BODY)
+    body_now.set()
+    assert await response.read(LIMIT) == b"hello"
+    assert (connection.state, response.state) == (ConnectionState.REUSABLE, ResponseState.COMPLETE)
+    pool.release(response)
+    assert connection.state == ConnectionState.IDLE
+    assert connection.response is None
+    assert pool.idle_connections() == 1
+
+
+async def test_a_head_request_spends_its_connection(pool: ConnectionPool, serve: Serve) -> None:
+    _, url = await serve(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n"))
+    response = await get(pool, url, "HEAD")
+    connection = response.connection
+    assert isinstance(connection, UpstreamConnection)
+    assert (connection.state, response.state) == (ConnectionState.SPENT, ResponseState.COMPLETE)
+    pool.release(response)
+    assert connection.state == ConnectionState.CLOSED
+    assert pool.idle_connections() == 0
+
+
+async def test_a_body_cut_short_fails_the_response_and_closes_the_connection(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    _, url = await serve(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nhalf", close=True))
+    response = await get(pool, url)
+    got: list[bytes] = []
+    with pytest.raises(BadResponse, match="mid-body"):
+        await response.relay(got.append, lambda: False, lambda: asyncio.sleep(0))
+    connection = response.connection
+    assert isinstance(connection, UpstreamConnection)
+    assert (response.state, response.mode) == (ResponseState.FAILED, Mode.RELAY)
+    assert connection.state == ConnectionState.CLOSED
+    assert b"".join(got) == b"half"
+    pool.release(response)
     assert_nothing_held(pool)
