@@ -31,10 +31,10 @@ from proxy.config.fields import (
     Seconds,
     Url,
     UrlPath,
-    check_url,
     ranged,
 )
 from proxy.core.plan import endpoint_of
+from proxy.core.url import check_url
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
 DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.core.encoding import INFLATED
+
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -27,7 +29,6 @@ HOP_BY_HOP = frozenset(
 # The proxy holds the whole body before it sends anything, so `Expect` is answered here.
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
-_INFLATED = frozenset({"gzip", "x-gzip", "deflate"})  # what proxy.core.encoding.Inflater undoes
 
 
 Headers = CIMultiDictProxy[str] | CIMultiDict[str]
@@ -71,7 +72,7 @@ def child_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDict
         token.strip()
         for value in out.popall("Accept-Encoding", ())
         for token in value.split(",")
-        if token.split(";", 1)[0].strip().lower() in _INFLATED
+        if token.split(";", 1)[0].strip().lower() in INFLATED
     ]
     if accepted:
         out["Accept-Encoding"] = ", ".join(accepted)

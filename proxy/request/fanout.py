@@ -15,7 +15,6 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -25,6 +24,7 @@ from proxy.core.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamU
 from proxy.core.plan import Plan
 from proxy.core.sse import MAX_EVENT_BYTES, SSEDecoder
 from proxy.core.stitch import StreamError, StreamStitcher, error_event, stitch_json
+from proxy.http import HTTPClientError
 from proxy.observe.metrics import failure_outcome, status_outcome
 from proxy.request.mailbox import PING, Mailbox, PingTimer
 from proxy.request.runtime import Runtime
@@ -257,7 +257,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 fanout.answered(exc)  # no status line came
             if answered or not start.answer(exc):
                 await mailbox.put((pos, exc))
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        except (TimeoutError, HTTPClientError, ValueError) as exc:
             if answered or not start.answer(upstream_error(exc, fanout.upstream)):
                 await mailbox.put((pos, exc))
 

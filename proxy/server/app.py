@@ -101,7 +101,7 @@ def take_census(runtime: Runtime, pool: UpstreamPool | None) -> Census:
         children=runtime.children,
         streams=len(runtime.streams),
         connections=len(pool.connections.in_use) if pool is not None else 0,
-        idle=pool.connections.idle_count() if pool is not None else 0,
+        idle=pool.connections.idle_connections() if pool is not None else 0,
         upstreams=tuple(upstreams),
     )
 

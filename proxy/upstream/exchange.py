@@ -12,13 +12,19 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-import aiohttp
 from multidict import CIMultiDict
 from prometheus_client import Gauge, Histogram
 
 from proxy.config.models import Upstream
 from proxy.core.errors import UpstreamTimeout, UpstreamUnavailable
-from proxy.http.response import BodyTooLong, UpstreamResponse
+from proxy.http import (
+    BodyTooLong,
+    ClientClosed,
+    ConnectFailed,
+    Disconnected,
+    HTTPClientError,
+    UpstreamResponse,
+)
 from proxy.upstream.replicas import Replica
 from proxy.upstream.slots import Place
 
@@ -142,7 +148,7 @@ class Answer:
         drain: Callable[[], Awaitable[None]],
     ) -> None:
         """The body into ``sink`` as it arrives, from the upstream protocol itself (no task or
-        iterator per chunk); failures stay aiohttp's client errors."""
+        iterator per chunk); failures stay the upstream client's (``proxy.http.errors``)."""
         await self.response.relay(sink, paused, drain)
 
     async def read(self) -> bytes:
@@ -160,7 +166,7 @@ class Answer:
             raise UpstreamUnavailable(
                 f"upstream {self.upstream.name} sent a body larger than {self.max_bytes} bytes"
             ) from None
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, HTTPClientError) as exc:
             raise upstream_error(exc, self.upstream) from None
 
 
@@ -173,12 +179,12 @@ def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | 
 
 
 def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
-    """``connect``: the request never reached a server. ``reset``: the connection closed before
-    a status line came back. Anything else (a timeout waiting for the answer) is neither."""
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return "connect"
-    if isinstance(exc, TimeoutError):
-        return None
-    if isinstance(exc, aiohttp.ClientConnectionError):  # disconnected, reset, broken pipe
-        return "reset"
+    """``connect``: the request never reached a server (its connect timing out included).
+    ``reset``: the connection closed before a status line came back, or the client was closed
+    under it. Anything else (a timeout waiting for the answer, a malformed answer) is neither."""
+    match exc:
+        case ConnectFailed():
+            return "connect"
+        case Disconnected() | ClientClosed():
+            return "reset"
     return None

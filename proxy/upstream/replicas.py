@@ -9,14 +9,14 @@ Load is the proxy's own count of requests in flight on each replica (``outstandi
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+
+from proxy.core.url import at_address, authority
 
 
 @dataclass(frozen=True)
@@ -205,12 +205,5 @@ def resolved_addresses(url: str, ips: Iterable[str]) -> tuple[Address, ...]:
 
     The original host name (with its port, when the URL has one) becomes the Host header.
     """
-    parts = urlsplit(url)
-    port = f":{parts.port}" if parts.port is not None else ""
-    userinfo, at, host_header = parts.netloc.rpartition("@")
-    out = []
-    for ip in dict.fromkeys(ips):
-        literal = f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
-        netloc = userinfo + at + literal + port
-        out.append(Address(urlunsplit((parts.scheme, netloc, parts.path, "", "")), host_header))
-    return tuple(out)
+    host = authority(url)
+    return tuple(Address(at_address(url, ip), host) for ip in dict.fromkeys(ips))

@@ -15,16 +15,14 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import NamedTuple
-from urllib.parse import urlsplit
 
-import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config.models import Config, Upstream
 from proxy.core.errors import Overloaded
 from proxy.core.headers import rebased_headers
-from proxy.http.pool import ConnectionPool
-from proxy.http.response import BodyTooLong, UpstreamResponse
+from proxy.core.url import tls_name
+from proxy.http import BodyTooLong, ConnectionPool, HTTPClientError, UpstreamResponse
 from proxy.observe.log import log_event, logger
 from proxy.observe.metrics import Metrics
 from proxy.upstream.discovery import Resolver, discover, resolve
@@ -188,7 +186,7 @@ class UpstreamPool:
             failed: UpstreamResponse | None = None
             try:
                 response = await self._open(replica, request, upstream)
-            except (TimeoutError, aiohttp.ClientError) as exc:
+            except (TimeoutError, HTTPClientError) as exc:
                 replica.outstanding -= 1
                 reason = failure_kind(exc)
                 if reason is not None:
@@ -318,7 +316,7 @@ class UpstreamPool:
             replica.url, method, path_qs, _with_host(headers, replica), body,
             connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
             inflate=inflate, buffer=2 * (read_bufsize or _RELAY_BUFFER),
-            tls_name=_tls_name(replica),
+            tls_name=tls_name(replica.url, replica.host),
         )  # fmt: skip
 
     async def _discard(self, response: UpstreamResponse, within: float) -> None:
@@ -331,7 +329,7 @@ class UpstreamPool:
             if length is not None and length <= _DISCARD_LIMIT:
                 async with asyncio.timeout(min(within, _DISCARD_SECONDS)):
                     await response.read(_DISCARD_LIMIT)
-        except (TimeoutError, aiohttp.ClientError, BodyTooLong):
+        except (TimeoutError, HTTPClientError, BodyTooLong):
             pass
         finally:
             self.connections.release(response)
@@ -359,12 +357,12 @@ class UpstreamPool:
                     replica.url, "GET", upstream.health_path,
                     _with_host(upstream.headers, replica), None,
                     connect=timeout, first_byte=timeout, idle=timeout,
-                    tls_name=_tls_name(replica),
+                    tls_name=tls_name(replica.url, replica.host),
                 )  # fmt: skip
                 status = response.status
                 await self._discard(response, timeout)
                 return status < 500
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, HTTPClientError):
             return False
 
     def replica_health(self, upstream: Upstream) -> dict[str, bool]:
@@ -387,10 +385,3 @@ def _with_host(
     out = CIMultiDict(headers)
     out["Host"] = replica.host
     return out
-
-
-def _tls_name(replica: Replica) -> str | None:
-    """An https replica reached by address still checks its certificate for the host name."""
-    if replica.host is None or not replica.url.startswith("https:"):
-        return None
-    return urlsplit("//" + replica.host).hostname
