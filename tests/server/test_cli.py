@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
 from proxy.server.workers import EXIT_MARGIN, MiB, announce
-from tests.conftest import with_upstream
 from tests.support.ports import free_port
+from tests.support.servers import with_upstream
 
 
 def test_demo_mode_serves_n3_and_drains_on_sigterm() -> None:
