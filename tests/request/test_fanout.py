@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config.models import parse_config, single_upstream_config
-from tests.support.client import post, sse_payloads
+from tests.support.client import WAIT, post, sse_payloads
 from tests.support.servers import Backend, Proxy, Servers, proxy_config, with_upstream
 
 CHAT = "/v1/chat/completions"
@@ -494,3 +494,83 @@ async def test_stream_needing_more_children_than_max_concurrency_is_400_when_all
     status, raw, _ = await post(http, proxy.url + COMPLETIONS, {**body, "stream": False})
     assert status == 200
     assert [c["index"] for c in orjson.loads(raw)["choices"]] == [0, 1, 2, 3, 4, 5]
+
+
+MAX_EVENT_BYTES = 300  # a child's SSE line or event the proxy holds at most, here
+
+
+def _chunk_line(rid: str, length: int, **choice: Any) -> bytes:
+    """One ``data:`` line of ``length`` bytes (its end not counted), padded in its content."""
+
+    def line(content: str) -> bytes:
+        delta = {"index": 0, "delta": {"content": content}, **choice}
+        chunk = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": 1}
+        return b"data: " + orjson.dumps({**chunk, "model": "m", "choices": [delta]})
+
+    padded = line("x" * (length - len(line(""))))
+    assert len(padded) == length
+    return padded
+
+
+@pytest.mark.parametrize(
+    ("over", "held"),
+    [
+        pytest.param(0, False, id="at-the-bound"),
+        pytest.param(1, True, id="past-it-mid-body"),
+        pytest.param(
+            1,
+            False,
+            id="past-it-in-the-bodys-last-read",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="proxy/http/response.py: the body's end completes the response before "
+                "the sink sees that read, so fail() drops the sink's SSEError and the child "
+                "ends as 'stream ended before finishing'",
+            ),
+        ),
+    ],
+)
+async def test_a_child_line_past_the_decoders_bound_is_the_streams_one_error_event(
+    http: aiohttp.ClientSession, servers: Servers, over: int, held: bool
+) -> None:
+    """Child 1 sends one line of exactly the bound, or one byte more: the fan-out maps the
+    decoder's SSEError to the stream's one error event, for that choice, then ``[DONE]``.
+    ``held``: child 1 sends nothing after that line until the proxy hangs up."""
+
+    async def children(request: web.Request) -> web.StreamResponse:
+        rid = request.headers["X-Request-Id"]
+        length = MAX_EVENT_BYTES + over if rid.startswith("1_") else 200
+        first = _chunk_line(rid, length, finish_reason=None) + b"\n\n"
+        rest = _chunk_line(rid, 200, finish_reason="stop") + b"\n\ndata: [DONE]\n\n"
+        if not (held and rid.startswith("1_")):  # the whole body in one write, one read
+            return web.Response(body=first + rest, content_type="text/event-stream")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(first)
+        async with asyncio.timeout(WAIT):  # cancelled once the proxy drops the connection
+            await asyncio.Event().wait()
+        await response.write(rest)
+        return response
+
+    upstream = await servers.upstream(children)
+    config = single_upstream_config(upstream.url, max_response_bytes=MAX_EVENT_BYTES)
+    proxy = await servers.proxy(config)
+    body = {"model": "m", "messages": MESSAGES, "n": 2, "stream": True}
+    status, raw, _ = await post(http, proxy.url + CHAT, body, "t")
+    assert status == 200
+    payloads = sse_payloads(raw)
+    assert payloads[-1] == "[DONE]"
+    assert payloads.count("[DONE]") == 1
+    errors = [p for p in payloads[:-1] if "error" in p]
+    if over:
+        (error,) = errors
+        assert payloads[-2] is error
+        assert error["error"]["type"] == "server_error"
+        assert error["error"]["message"] == (
+            "choice 1 failed: upstream stream is malformed: "
+            f"SSE line or event exceeds max_event_bytes={MAX_EVENT_BYTES}"
+        )
+    else:
+        assert errors == []
+        finished = [c["index"] for p in payloads[:-1] for c in p["choices"] if c["finish_reason"]]
+        assert sorted(finished) == [0, 1]
