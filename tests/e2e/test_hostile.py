@@ -432,24 +432,55 @@ def test_bodies_that_are_not_a_json_object_are_400(
         assert stack.mirror.children_of(rid) == []
 
 
-@pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("depth", [100, 254, 255, 300, 1000, 1023, 1024, 5000])
-def test_deeply_nested_bodies_never_cause_a_5xx(stack: Stack, depth: int, n: int) -> None:
+# Where 400 starts, by the depth of the nested "vendor" value (the body is one level deeper).
+# Every body is parsed by orjson, which refuses more than 1024 levels. A fan-out writes each
+# child again: orjson writes up to 254 levels, then json does, within Python's recursion limit
+# (1000): past it the body is "nested too deeply". Where between 500 and 1000 json gives out
+# depends on the stack it runs on, so it is not pinned here.
+PARSE_LIMIT = "request body is not valid JSON: depth limit exceeded"
+WRITE_LIMIT = "request body is nested too deeply"
+NESTED = [
+    *[(1, depth, None) for depth in (100, 254, 255, 1000, 1023)],
+    *[(1, depth, PARSE_LIMIT) for depth in (1024, 5000)],
+    *[(2, depth, None) for depth in (100, 252, 253, 254, 255, 500)],
+    *[(2, depth, WRITE_LIMIT) for depth in (1000, 1023)],
+    *[(2, depth, PARSE_LIMIT) for depth in (1024, 5000)],
+]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(("n", "depth", "refused"), NESTED)
+def test_deeply_nested_bodies_are_400_from_a_pinned_depth_and_never_a_5xx(
+    stack: Stack, path: str, n: int, depth: int, refused: str | None
+) -> None:
     nested = b"[" * depth + b"]" * depth
-    raw = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"n":%d,"vendor":%s}' % (
-        n,
-        nested,
-    )
+    base = b'"messages":[{"role":"user","content":"hi"}]' if path == CHAT else b'"prompt":"hi"'
+    raw = b'{"model":"m",%s,"n":%d,"vendor":%s}' % (base, n, nested)
     rid = fresh_id("deep")
-    reply = post_json(stack, CHAT, raw, rid)
-    assert reply.status < 500, reply
-    if reply.status != 200:
-        assert_openai_error(reply, 400)
+    reply = post_json(stack, path, raw, rid)
+    if refused is not None:
+        assert assert_openai_error(reply, 400)["message"].startswith(refused)
+        assert stack.mirror.children_of(rid) == []
+        assert stack.mirror.with_request_id(rid) == []
         return
-    children = stack.mirror.children_of(rid) if n > 1 else []
-    assert len(children) == (n if n > 1 else 0)
+    assert reply.status == 200, reply
+    if n == 1:  # passed through, byte for byte
+        (passed,) = stack.mirror.with_request_id(rid)
+        assert passed.body == raw
+        return
+    children = stack.mirror.children_of(rid)
+    assert len(children) == n
     for child in children:
         assert nested in child.body
+
+
+def test_deeply_nested_bodies_elsewhere_pass_through_unparsed(stack: Stack) -> None:
+    nested = b"[" * 5000 + b"]" * 5000
+    raw = b'{"model":"m","input":"hi","vendor":%s}' % nested
+    rid = fresh_id("deep")
+    assert post_json(stack, "/v1/embeddings", raw, rid).status == 200
+    (passed,) = stack.mirror.with_request_id(rid)
+    assert passed.body == raw
 
 
 @pytest.mark.parametrize(
@@ -657,23 +688,28 @@ def test_invalid_utf8_elsewhere_passes_through_unchanged(stack: Stack) -> None:
     assert seen.target == "/v1/embeddings?q=%FF"
 
 
+# Control bytes in a header value are the parser's to refuse (400, nothing forwarded); any other
+# byte is a valid header value. With n = 1 the id is the client's and passes as it came; a fan-out
+# names its children after the parent, so an id that is not visible ASCII is replaced.
 SMUGGLED_IDS = [
-    pytest.param(b"abc\rInjected: 1", id="cr"),
-    pytest.param(b"abc\nInjected: 1", id="lf"),
-    pytest.param(b"abc\r\n Injected: 1", id="obs-fold"),
-    pytest.param(b"abc\x00def", id="nul"),
-    pytest.param(b"abc\x7fdef", id="del"),
-    pytest.param(b"caf\xc3\xa9", id="utf8"),
-    pytest.param(b"caf\xe9", id="latin1"),
-    pytest.param(b"\xff\xfe\xfd", id="not-utf8"),
+    pytest.param(b"abc\rInjected: 1", "refused", id="cr"),
+    pytest.param(b"abc\nInjected: 1", "refused", id="lf"),
+    pytest.param(b"abc\r\n Injected: 1", "refused", id="obs-fold"),
+    pytest.param(b"abc\x00def", "refused", id="nul"),
+    pytest.param(b"abc\x7fdef", "refused", id="del"),
+    pytest.param(b"caf\xc3\xa9", "non-ascii", id="utf8"),
+    pytest.param(b"caf\xe9", "non-ascii", id="latin1"),
+    pytest.param(b"\xff\xfe\xfd", "non-ascii", id="not-utf8"),
 ]
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("value", SMUGGLED_IDS)
+@pytest.mark.parametrize(("value", "kind"), SMUGGLED_IDS)
 def test_request_id_with_control_or_non_ascii_bytes_is_rejected_or_replaced(
-    stack: Stack, value: bytes, n: int
+    stack: Stack, value: bytes, kind: str, n: int
 ) -> None:
+    """Control bytes: 400 and nothing upstream. Other bytes: n = 1 forwards them unchanged,
+    a fan-out replaces the id with a fresh one that names every child and the answer."""
     marker = fresh_id("smuggle").encode()
     body = b'{"model": "m", "messages": [], "n": %d, "marker": "%s"}' % (n, marker)
     request = (
@@ -681,25 +717,32 @@ def test_request_id_with_control_or_non_ascii_bytes_is_rejected_or_replaced(
         b"Content-Type: application/json\r\nX-Request-Id: " + value + b"\r\n"
         b"Content-Length: %d\r\n\r\n" % len(body)
     ) + body
-    status_line, headers, _ = parse_raw(raw_exchange(stack.port, request))
+    status_line, headers, reply = parse_raw(raw_exchange(stack.port, request))
     status = int(status_line.split()[1])
-    assert status in (200, 400), status_line
     seen = [s for s in stack.mirror.seen if marker in s.body]
-    if status == 400:
+    if kind == "refused":
+        assert status == 400, status_line
+        assert_openai_error(Answer(status, reply, headers), 400)
+        assert "X-Request-Id" not in headers
         assert seen == []
         return
+    assert status == 200, status_line
     assert len(seen) == n
     for child in seen:
         assert "Injected" not in child.headers
         for name, header in child.headers.items():
             assert "\r" not in header, name
             assert "\n" not in header, name
-        if n > 1:
-            rid = child.headers["X-Request-Id"]
-            assert VISIBLE.fullmatch(rid), rid
-            assert re.fullmatch(r"\d_[0-9a-f]{32}", rid), rid
-    if n > 1:
-        assert VISIBLE.fullmatch(headers["X-Request-Id"])
+    if n == 1:  # passed through: the upstream got the client's bytes, the client its answer
+        (child,) = seen
+        assert child.request_id.encode("utf-8", "surrogateescape") == value
+        assert "X-Request-Id" not in headers  # the fake upstream sends none
+        return
+    parent = headers["X-Request-Id"]
+    assert VISIBLE.fullmatch(parent)
+    assert re.fullmatch(r"[0-9a-f]{32}", parent), parent
+    assert sorted(child.request_id for child in seen) == [f"0_{parent}", f"1_{parent}"]
+    assert orjson.loads(reply)["id"] == f"cmpl-{parent}"
 
 
 @pytest.mark.parametrize("length", [201, 8_000, 60_000])
