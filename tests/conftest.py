@@ -1,7 +1,7 @@
 """Shared fixtures: the demo backend and n-proxy, both real servers on 127.0.0.1.
 
-pytest              # everything (the default)
-pytest -m fast      # the pure unit tests only (no server, no subprocess): a few seconds
+pytest             # every test: the default, and what the whole check runs
+pytest -m fast     # the pure unit tests only (no server, no subprocess), in seconds
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ __all__ = ["start_proxy", "with_upstream"]
 # (tests/support/lifecycle.py).
 pytest_plugins = ("tests.support.lifecycle", "pytester")
 
-# ``-m fast``: these folders and files hold pure unit tests; any of their tests that asks for a
-# server fixture is left out of the mark.
+# ``-m fast``: these folders and files hold the pure unit tests; any of their tests that asks
+# for a server (``servers`` is behind every one), a client or a sub-pytest is left unmarked.
 _FAST = (
     "tests/core/",
     "tests/config/test_config.py",
@@ -44,10 +44,7 @@ _FAST = (
     "tests/devserver/test_devserver_request.py",
     "tests/devserver/test_devserver_reply.py",
 )
-_SERVING = {
-    "servers", "backend", "make_backend", "proxy", "make_proxy", "make_rig", "http",
-    "llama_model", "llama_url", "llama_url_np4", "pytester",
-}  # fmt: skip
+_SERVING = {"servers", "http", "llama_model", "pytester"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
