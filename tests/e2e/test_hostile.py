@@ -133,8 +133,10 @@ def _delta(chat: bool, delta: dict[str, str]) -> dict[str, Any]:
 
 class Stack:
     """The mirror, a victim listener that only counts its connections, and the whole proxy
-    server in front of the mirror, started with ``Servers`` on a loop in a background thread;
-    its client (one connection per request) runs there too."""
+    server in front of the mirror: ``Servers`` on a ``LoopThread``, so that the synchronous
+    hypothesis tests can drive them (``post``, ``get``), and one stack for the whole module,
+    so that hundreds of examples do not each start servers. Its client (a fresh connection
+    per request) runs on that loop too."""
 
     def __init__(self) -> None:
         self.thread = LoopThread()
