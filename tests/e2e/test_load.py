@@ -17,9 +17,8 @@ from aiohttp import web
 
 from proxy.config.models import Timeouts
 from proxy.devserver import generate
-from tests.e2e.test_faults import MakeRig, Rig, make_rig, sse_payloads
-
-__all__ = ["make_rig"]  # the fixture, shared with test_faults
+from tests.support.client import sse_payloads
+from tests.support.rig import MakeRig, Rig
 
 CHAT = "/v1/chat/completions"
 REQUESTS = 500

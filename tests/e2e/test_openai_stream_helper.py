@@ -16,8 +16,8 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from proxy.config.models import Config, single_upstream_config
-from tests.conftest import Backend, Proxy
 from tests.support.gate import Gate, gate_in_front
+from tests.support.servers import Backend, Proxy
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "three haiku"}]
 SEED = 70

@@ -18,9 +18,9 @@ import pytest
 
 from proxy.config.models import single_upstream_config
 from proxy.core.encoding import Inflater
-from tests.conftest import start_proxy
 from tests.support.rawhttp import parse_raw
 from tests.support.rawupstream import RawUpstream, exchange
+from tests.support.servers import start_proxy
 
 CHAT = "/v1/chat/completions"
 MiB = 1 << 20

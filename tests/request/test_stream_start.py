@@ -17,9 +17,10 @@ import pytest
 
 from proxy.config.models import Config, single_upstream_config
 from proxy.request.runtime import POOL
-from tests.conftest import Backend, Proxy, proxy_config, with_upstream
-from tests.request.test_fanout import CHAT, MESSAGES, direct_choice, sse_payloads
+from tests.request.test_fanout import CHAT, MESSAGES, direct_choice
+from tests.support.client import sse_payloads
 from tests.support.gate import Gate, gate_in_front
+from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
 MakeProxy = Callable[[Config], Awaitable[Proxy]]
 ROLE = {"role": "assistant", "content": ""}

@@ -21,7 +21,7 @@ from proxy.config.models import Config
 from proxy.core.errors import Overloaded
 from proxy.request.runtime import POOL
 from proxy.upstream.slots import Place, Slots
-from tests.conftest import Backend, Proxy, proxy_config, with_upstream
+from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
 CLIENTS = 50
 
