@@ -19,10 +19,7 @@ from proxy.upstream.service import UpstreamPool
 from tests.support.logs import LogCapture, capture_logs
 from tests.support.rawupstream import RawUpstream
 from tests.support.rig import MakeRig, Rig
-from tests.support.servers import Backend, Proxy, Servers, start_proxy, with_upstream
-
-# tests/http/test_wire.py still imports these two from here (that file is another change's).
-__all__ = ["start_proxy", "with_upstream"]
+from tests.support.servers import Backend, Proxy, Servers
 
 # After every test, every in-process proxy must have given back all it held
 # (tests/support/lifecycle.py).

@@ -16,7 +16,6 @@ import pytest
 
 from proxy.config.models import Timeouts, single_upstream_config
 from proxy.request.runtime import POOL
-from tests.conftest import start_proxy, with_upstream
 from tests.support.rawhttp import parse_raw
 from tests.support.rawupstream import (
     WAIT,
@@ -26,6 +25,7 @@ from tests.support.rawupstream import (
     get_request,
     post_request,
 )
+from tests.support.servers import start_proxy, with_upstream
 
 OK5 = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
 SMUGGLED = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled"
