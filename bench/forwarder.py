@@ -3,7 +3,7 @@
 python -m bench.forwarder --port 8200 --upstream http://127.0.0.1:8100 [--lean]
 
 ``--lean`` swaps aiohttp's ClientSession for n-proxy's own upstream client
-(``proxy/pool.py``) and reads each body whole: the floor of an aiohttp server in front of
+(``proxy/http/``) and reads each body whole: the floor of an aiohttp server in front of
 that client, with none of the proxy's per-request work (headers, slots, retries, metrics, log).
 """
 
@@ -38,7 +38,7 @@ def build(upstream: str) -> web.Application:
 
 
 def build_lean(upstream: str) -> web.Application:
-    from proxy.http.pool import ConnectionPool
+    from proxy.http import ConnectionPool
 
     async def forward(request: web.Request) -> web.Response:
         pool: ConnectionPool = request.app["client"]

@@ -1,4 +1,4 @@
-"""Observability's cost on the pass-through path (issue 20): the proxy as it was (a checkout at
+"""Observability's cost on the pass-through path: the proxy as it was (a checkout at
 ``--baseline``), the proxy now with tracing off, and now with tracing on, side by side in front
 of the canned upstream, in alternating rounds, with bench/wire's measurement (CPU per request
 of each proxy's own process, from /proc).

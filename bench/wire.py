@@ -1,4 +1,4 @@
-"""Wire cost: each contender in front of a canned upstream that costs next to nothing (issue 12).
+"""Wire cost: each contender in front of a canned upstream that costs next to nothing.
 
 Scenario 1 puts the Python demo backend upstream, which takes ~270 µs of CPU per request on the
 same two cores and hides what a proxy costs. Here nginx answers every POST with the same

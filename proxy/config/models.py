@@ -30,10 +30,10 @@ from proxy.config.fields import (
     Seconds,
     Url,
     UrlPath,
-    check_url,
     ranged,
 )
 from proxy.core.plan import endpoint_of
+from proxy.core.url import check_url
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
 DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -44,7 +44,7 @@ class ConfigError(ValueError):
     pass
 
 
-# Schema descriptions of the limits --workers N divides (proxy.workers.worker_config).
+# Schema descriptions of the limits --workers N divides (proxy.server.workers.worker_config).
 _SHARED = " The proxy's total: with --workers N each worker enforces its share (they add up to it)."
 _DIVIDED = _SHARED + " Every worker needs at least 1, so N may not exceed it."
 _CONCURRENCY = "Upstream requests in flight; children are admitted one at a time, FIFO." + _DIVIDED

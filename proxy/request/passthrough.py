@@ -4,11 +4,11 @@ and end-to-end headers preserved; the body relayed from the upstream protocol it
 
 from __future__ import annotations
 
-import aiohttp
 from aiohttp import web
 
 from proxy.config.models import Upstream
 from proxy.core.headers import request_headers, response_headers
+from proxy.http import HTTPClientError
 from proxy.observe.record import RequestRecord
 from proxy.request.sink import ExactHead, client_sink
 from proxy.upstream.service import Exchange, UpstreamRequest, Upstreams
@@ -69,7 +69,7 @@ async def _relay(
         write, full, drain = client_sink(request, record, first_chunk=True)
         await upstream_response.relay(write, full, drain)
         await response.write_eof()
-    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+    except (TimeoutError, HTTPClientError, ConnectionError):
         # The status is sent already (or the client is gone): cut the client's connection so
         # it sees a truncated body.
         if request.transport is not None:

@@ -47,7 +47,8 @@ def build_app(
     app = web.Application(
         client_max_size=config.max_body_bytes,
         # auto_decompress off: a pass-through forwards the client's bytes as they came; the
-        # fan-out paths inflate gzip/deflate themselves, within max_body_bytes (proxy.encoding).
+        # fan-out paths inflate gzip/deflate themselves, within max_body_bytes
+        # (proxy.core.encoding).
         handler_args={"max_field_size": 65536, "auto_decompress": False},
     )
     if metrics is None:
@@ -116,7 +117,7 @@ def take_census(in_flight: InFlight, upstreams: Upstreams) -> Census:
         children=in_flight.fanouts.children,
         streams=len(in_flight.fanouts.streams),
         connections=len(upstreams.connections.in_use),
-        idle=upstreams.connections.idle_count(),
+        idle=upstreams.connections.idle_connections(),
         upstreams=tuple(counted),
     )
 

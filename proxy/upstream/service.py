@@ -1,5 +1,6 @@
-"""The one owner of the upstream connections: replicas, placement, retries, health checks,
-DNS discovery, concurrency and timeouts.
+"""The upstreams as a service: admission, replicas, placement, retries and fallback, health
+checks, DNS discovery, concurrency and timeouts, around the one ``ConnectionPool`` that owns the
+connections.
 
 Every byte sent upstream, health checks included, goes through one ``ConnectionPool``
 (``proxy.http.pool``), http and https alike. A request enters once per upstream request it
@@ -18,16 +19,21 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Literal, NamedTuple
-from urllib.parse import urlsplit
 
-import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config.models import Config, Upstream
 from proxy.core.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
 from proxy.core.headers import rebased_headers
-from proxy.http.pool import ConnectionPool
-from proxy.http.response import BodyTooLong, UpstreamResponse
+from proxy.http import (
+    BodyTooLong,
+    ClientClosed,
+    ConnectFailed,
+    ConnectionPool,
+    Disconnected,
+    HTTPClientError,
+    UpstreamResponse,
+)
 from proxy.observe.log import log_event, logger
 from proxy.observe.metrics import Metrics
 from proxy.observe.record import ChildRecord
@@ -133,7 +139,7 @@ class Exchange:
             self.child.ended(failure)
 
     async def read(self) -> bytes:
-        """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7).
+        """The whole body; a read that fails is the proxy's 502 or 504 (docs/behaviour.md#errors).
 
         Past ``max_response_bytes`` the read stops at once and the request fails with 502;
         leaving the body unread makes the exchange drop the connection, so the upstream stops
@@ -150,27 +156,28 @@ class Exchange:
             raise UpstreamUnavailable(
                 f"upstream {upstream.name} sent a body larger than {limit} bytes"
             ) from None
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, HTTPClientError) as exc:
             raise upstream_error(exc, upstream) from None
         return data
 
 
 def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:
-    """Map an upstream client failure to the proxy's own error (SPEC §7: 502 or 504)."""
+    """Map an upstream client failure to the proxy's own error (docs/behaviour.md#errors: 502
+    or 504)."""
     if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"upstream {upstream.name} timed out")
     return UpstreamUnavailable(f"upstream {upstream.name} failed: {type(exc).__name__}")
 
 
 def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
-    """``connect``: the request never reached a server. ``reset``: the connection closed before
-    a status line came back. Anything else (a timeout waiting for the answer) is neither."""
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return "connect"
-    if isinstance(exc, TimeoutError):
-        return None
-    if isinstance(exc, aiohttp.ClientConnectionError):  # disconnected, reset, broken pipe
-        return "reset"
+    """``connect``: the request never reached a server (its connect timing out included).
+    ``reset``: the connection closed before a status line came back, or the client was closed
+    under it. Anything else (a timeout waiting for the answer, a malformed answer) is neither."""
+    match exc:
+        case ConnectFailed():
+            return "connect"
+        case Disconnected() | ClientClosed():
+            return "reset"
     return None
 
 
@@ -222,7 +229,7 @@ class Upstreams:
         await self.connections.close()
 
     async def _check_health(self, upstream: Upstream) -> None:
-        """Every replica of ``upstream`` each ``health_interval`` (SPEC §10)."""
+        """Every replica of ``upstream`` each ``health_interval`` (docs/behaviour.md#failover)."""
         while True:
             self.checked_health[upstream.name] = await self.healthy(upstream)
             self.checked_replicas[upstream.name] = self.replica_health(upstream)
@@ -258,7 +265,7 @@ class Upstreams:
     def admit(self, upstream: Upstream, count: int) -> list[Ticket]:
         """``count`` requests into the upstream, in one step: a place each in its FIFO line (429
         on arrival when the line is full), then a replica each by its ``placement``, over the
-        healthy replicas that are not ejected (SPEC §10)."""
+        healthy replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
         state = self._states[upstream.name]
         try:
             places = state.slots.join(count)
@@ -270,7 +277,8 @@ class Upstreams:
         return [Ticket(state, url, place, joined) for url, place in zip(urls, places, strict=True)]
 
     async def _watch(self) -> None:
-        """Report queued children that the queue in front of them does not explain (#10)."""
+        """Report queued children that the queue in front of them does not explain: a slot leak
+        would otherwise only show as requests that never end."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL)
@@ -294,8 +302,8 @@ class Upstreams:
         """One upstream request, once its place is granted: ``async with`` it (``Exchange``).
 
         Failures listed in ``retry_on`` are retried before the answer is given out: nothing of a
-        retried answer can have reached the client (SPEC §10). The response is closed (never
-        reused) if its body is left unread.
+        retried answer can have reached the client (docs/behaviour.md#failover). The response is
+        closed (never reused) if its body is left unread.
         """
         return Exchange(self, ticket, request, child)
 
@@ -331,7 +339,7 @@ class Upstreams:
             failed: UpstreamResponse | None = None
             try:
                 response = await self._open(replica, request, upstream)
-            except (TimeoutError, aiohttp.ClientError) as exc:
+            except (TimeoutError, HTTPClientError) as exc:
                 replica.outstanding -= 1
                 reason = failure_kind(exc)
                 if reason is not None:
@@ -459,7 +467,7 @@ class Upstreams:
             replica.url, method, path_qs, _with_host(headers, replica), body,
             connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
             inflate=inflate, buffer=2 * (read_bufsize or _RELAY_BUFFER),
-            tls_name=_tls_name(replica),
+            tls_name=replica.tls_name,
         )  # fmt: skip
 
     async def _discard(self, response: UpstreamResponse, within: float) -> None:
@@ -472,13 +480,14 @@ class Upstreams:
             if length is not None and length <= _DISCARD_LIMIT:
                 async with asyncio.timeout(min(within, _DISCARD_SECONDS)):
                     await response.read(_DISCARD_LIMIT)
-        except (TimeoutError, aiohttp.ClientError, BodyTooLong):
+        except (TimeoutError, HTTPClientError, BodyTooLong):
             pass
         finally:
             self.connections.release(response)
 
     async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
-        """Check every replica (SPEC §10); the upstream is healthy when any replica is."""
+        """Check every replica (docs/behaviour.md#failover); the upstream is healthy when any
+        replica is."""
         state = self.state(upstream)
         replicas = list(state.replicas)
         results = await asyncio.gather(*(self._check(upstream, r, timeout) for r in replicas))
@@ -499,12 +508,12 @@ class Upstreams:
                     replica.url, "GET", upstream.health_path,
                     _with_host(upstream.headers, replica), None,
                     connect=timeout, first_byte=timeout, idle=timeout,
-                    tls_name=_tls_name(replica),
+                    tls_name=replica.tls_name,
                 )  # fmt: skip
                 status = response.status
                 await self._discard(response, timeout)
                 return status < 500
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, HTTPClientError):
             return False
 
     def replica_health(self, upstream: Upstream) -> dict[str, bool]:
@@ -513,7 +522,8 @@ class Upstreams:
         return {r.url: r.usable(now) for r in self.state(upstream).replicas}
 
     async def discover(self, upstream: Upstream) -> None:
-        """Each URL's host resolved again; its addresses become the replicas (SPEC §10)."""
+        """Each URL's host resolved again; its addresses become the replicas
+        (docs/behaviour.md#failover)."""
         await discover(self.state(upstream), self.resolve, self.metrics)
 
 
@@ -526,10 +536,3 @@ def _with_host(
     out = CIMultiDict(headers)
     out["Host"] = replica.host
     return out
-
-
-def _tls_name(replica: Replica) -> str | None:
-    """An https replica reached by address still checks its certificate for the host name."""
-    if replica.host is None or not replica.url.startswith("https:"):
-        return None
-    return urlsplit("//" + replica.host).hostname

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import email.utils
-import ipaddress
 import itertools
 import math
 import random
@@ -20,16 +19,17 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from proxy.config.models import Upstream
 from proxy.core.errors import Overloaded
+from proxy.core.url import at_address, authority, tls_name
 from proxy.observe.log import log_event
 from proxy.observe.metrics import Metrics
 
 # ---- admission
 #
-# Admission to an upstream's ``max_concurrency``: one slot per child, granted FIFO (SPEC §5).
+# Admission to an upstream's ``max_concurrency``: one slot per child, granted FIFO
+# (docs/behaviour.md#admission).
 #
 # A request is refused (429) only on arrival, when every slot is taken and ``max_queue`` children
 # already wait; the children of an admitted request are never refused later. A waiter that is
@@ -191,7 +191,8 @@ class Slots:
 # ---- replicas
 #
 # The replica set of one upstream: which replicas exist, which may take children, and where
-# each child and each retry goes (SPEC §10). Pure: the caller passes the time in; no I/O.
+# each child and each retry goes (docs/behaviour.md#failover). Pure: the caller passes the time
+# in; no I/O.
 #
 # A replica is usable when its last health check passed and it is not ejected. Placement and
 # retries use usable replicas only; when none is usable, every replica is tried (fail open).
@@ -218,6 +219,12 @@ class Replica:
     failures: int = 0  # consecutive, since the last success
     ejected_until: float = -math.inf
     outstanding: int = 0  # upstream requests in flight there, from this proxy
+    # The name an https replica reached by address checks its certificate for: known at once,
+    # so no request parses the URL again.
+    tls_name: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tls_name = tls_name(self.url, self.host)
 
     def usable(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until
@@ -350,7 +357,8 @@ class ReplicaSet:
         return True
 
     def checked(self, url: str, ok: bool) -> None:
-        """A health check's result; a passing one ends an ejection at once (SPEC §10)."""
+        """A health check's result; a passing one ends an ejection at once
+        (docs/behaviour.md#failover)."""
         replica = self._replicas.get(url)
         if replica is None:
             return
@@ -383,21 +391,15 @@ def resolved_addresses(url: str, ips: Iterable[str]) -> tuple[Address, ...]:
 
     The original host name (with its port, when the URL has one) becomes the Host header.
     """
-    parts = urlsplit(url)
-    port = f":{parts.port}" if parts.port is not None else ""
-    userinfo, at, host_header = parts.netloc.rpartition("@")
-    out = []
-    for ip in dict.fromkeys(ips):
-        literal = f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
-        netloc = userinfo + at + literal + port
-        out.append(Address(urlunsplit((parts.scheme, netloc, parts.path, "", "")), host_header))
-    return tuple(out)
+    host = authority(url)
+    return tuple(Address(at_address(url, ip), host) for ip in dict.fromkeys(ips))
 
 
 # ---- retries
 #
 # When a failed upstream try is tried again, and after how long: backoff, ``Retry-After`` and
-# the retry budget (SPEC §10). Pure: the caller passes the time and the random draw in; no I/O.
+# the retry budget (docs/behaviour.md#failover). Pure: the caller passes the time and the random
+# draw in; no I/O.
 
 
 Reason = str | int  # "connect", "reset" or an HTTP status, as ``retry_on`` lists them
@@ -580,7 +582,8 @@ class UpstreamState:
         )
         self.exchanges = 0  # upstream requests in flight, retries and backoff waits included
         self.health_rounds = 0  # completed health checks of every replica
-        # A fresh event per change, as the devserver does: waiters re-check their condition.
+        # A fresh event per change: every waiter wakes, re-checks its condition, and waits on the
+        # new event if it still does not hold, so no change between two waits is missed.
         self._changed = asyncio.Event()
 
     def failed(self, url: str) -> None:

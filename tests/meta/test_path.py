@@ -13,7 +13,7 @@ import aiohttp
 
 from proxy.config.models import Listen, single_upstream_config
 from proxy.server.process import Server
-from tests.conftest import Backend
+from tests.support.servers import Backend
 
 PACKAGE = Path(__file__).resolve().parents[2] / "proxy"
 BOUND = 15
