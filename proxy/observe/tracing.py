@@ -15,7 +15,6 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
-from proxy.core.futures import wake
 from proxy.observe.log import log_event
 from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
@@ -185,19 +184,19 @@ class Tracing(Observer):
         takes to time out (each batch's export, retried, up to 30 s in all), past a pod's grace
         period; so it runs in a daemon thread that, past the bound, ends with the process."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
+        done = asyncio.Event()
 
         def shut_down() -> None:
             try:
                 self._provider.shutdown()
             finally:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    loop.call_soon_threadsafe(wake, done)
+                    loop.call_soon_threadsafe(done.set)
 
         threading.Thread(target=shut_down, name="n-proxy-tracing-close", daemon=True).start()
         try:
             async with asyncio.timeout(within):
-                await done
+                await done.wait()
         except TimeoutError:
             log_event("spans not sent at shutdown: dropped", within_s=round(within, 1))
             return False

@@ -23,7 +23,6 @@ from multidict import CIMultiDict
 
 from proxy.config.models import Config, Upstream
 from proxy.core.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
-from proxy.core.futures import wake
 from proxy.core.plan import Plan
 from proxy.core.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
 from proxy.core.stitch import StreamError, StreamStitcher, error_event, stitch_json
@@ -380,6 +379,12 @@ Item = list[RawEvent] | BaseException | None  # events, a failure, or None: the 
 PING = b": keep-alive\n\n"  # an SSE comment: load balancers see bytes, clients ignore it
 
 
+def _wake(future: asyncio.Future[None] | None) -> None:
+    """Let the task parked on ``future`` run on; a future already done is left as it is."""
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
 class Mailbox:
     """A bounded hand-off from the child tasks to the one writer.
 
@@ -408,7 +413,7 @@ class Mailbox:
         """Past the bound by at most one item per child: its reader pauses until ``room``,
         so a child behind a slow client still holds about one read in the proxy."""
         self._items.append(item)
-        wake(self._getter)
+        _wake(self._getter)
 
     async def room(self) -> None:
         """Until the mailbox is back within its bound."""
@@ -438,17 +443,17 @@ class Mailbox:
         items = list(self._items)
         self._items.clear()
         while self._putters:
-            wake(self._putters.popleft())
+            _wake(self._putters.popleft())
         return items
 
     def ping(self) -> None:
         """Wake the writer with nothing to take (its keep-alive is due)."""
         self._pinged = True
-        wake(self._getter)
+        _wake(self._getter)
 
     def cut(self, reason: str) -> None:
         self.cut_reason = reason
-        wake(self._getter)
+        _wake(self._getter)
 
 
 class PingTimer:

@@ -17,13 +17,6 @@ from tests.support.servers import Backend
 
 PACKAGE = Path(__file__).resolve().parents[2] / "proxy"
 BOUND = 15
-# Modules to be merged into another within this step, counted as the one they join (the upstream
-# client's response and the futures it settles join its connection: one exchange on one
-# connection, as httpcore's http11.py). Emptied by that merge.
-JOINING = {
-    "proxy.http.response": "proxy.http.connection",
-    "proxy.core.futures": "proxy.http.connection",
-}
 BODY = {
     "model": "m",
     "messages": [{"role": "user", "content": "hi"}],
@@ -75,13 +68,6 @@ async def test_one_streaming_fan_out_runs_through_at_most_half_the_modules(
         await server.close()
     assert raw.count(b"data: [DONE]") == 1
     assert "proxy.request.fanout" in calls  # the profile saw the request
-    touched = {JOINING.get(module, module) for module in calls}
+    touched = set(calls)
     listed = "\n".join(f"{calls[m]:6d} {m}" for m in sorted(calls))
     assert len(touched) <= BOUND, f"{len(touched)} modules, past {BOUND}:\n{listed}"
-
-
-def test_the_modules_still_to_join_another_are_still_there() -> None:
-    """Once merged, a module leaves ``JOINING``: the bound then counts what is there."""
-    names = {module_of(str(p)) for p in PACKAGE.rglob("*.py")}
-    assert set(JOINING) <= names, "merged modules still listed in JOINING"
-    assert set(JOINING.values()) <= names
