@@ -6,8 +6,14 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
+import aiohttp
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
+from proxy.config.models import single_upstream_config
 from proxy.observe.record import (
     ChildRecord,
     LargeRequest,
@@ -15,6 +21,12 @@ from proxy.observe.record import (
     Observers,
     RequestRecord,
 )
+from proxy.observe.tracing import Tracing
+from tests.support.logs import LogCapture
+from tests.support.ports import free_port
+from tests.support.servers import Backend, Servers, with_upstream
+
+CHAT = "/v1/chat/completions"
 
 
 class Seen(Observer):
@@ -127,3 +139,55 @@ def test_a_large_request_hook_sees_only_large_requests(
         record.child(i)
     record.ended()
     assert ends == ([record] if called else [])
+
+
+async def test_the_log_line_the_metrics_and_the_spans_of_one_fan_out_agree_on_every_shared_fact(
+    servers: Servers, backend: Backend, http: aiohttp.ClientSession, request_log: LogCapture
+) -> None:
+    """All three are observers of one record: the same request read three ways gives the same
+    status, route, upstream, n, children, replicas, retries, duration and first chunk."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    dead = f"http://127.0.0.1:{free_port()}"  # refused: children placed there are retried
+    config = with_upstream(single_upstream_config(backend.url), urls=(dead, backend.url))
+    proxy = await servers.proxy(config, tracing=Tracing(provider))
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "n": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 5,
+    }
+    async with http.post(proxy.url + CHAT, json=body, headers={"X-Request-Id": "agree"}) as r:
+        assert r.status == 200
+        await r.read()
+    await request_log.wait_for(1)
+    (line,) = request_log.lines
+    spans = exporter.get_finished_spans()
+    (server,) = [s for s in spans if s.kind == SpanKind.SERVER]
+    children = sorted(
+        (s for s in spans if s.kind == SpanKind.CLIENT),
+        key=lambda s: int(str((s.attributes or {})["n_proxy.child_index"])),
+    )
+    facts = dict(server.attributes or {})
+    labels = {"route": CHAT, "fanned_out": "true"}
+
+    assert line["request_id"] == "agree"
+    assert line["status"] == facts["http.response.status_code"] == 200
+    assert proxy.metric("n_proxy_requests_total", status="200", **labels) == 1
+    assert line["route"] == facts["http.route"] == CHAT
+    assert line["upstream"] == facts["n_proxy.upstream"] == "default"
+    assert line["n"] == facts["n_proxy.n"] == proxy.metric("n_proxy_request_n_sum") == 3
+    assert line["children"] == facts["n_proxy.children"] == len(children) == 3
+    assert proxy.metric("n_proxy_upstream_responses_total", outcome="2xx") == 3
+    spent = [int(str((s.attributes or {})["n_proxy.retries"])) for s in children]
+    assert line["retries"] == sum(spent) == proxy.metric("n_proxy_retries_total")
+    assert {str((s.attributes or {})["n_proxy.replica"]) for s in children} == {backend.url}
+    assert line["replica"] == backend.url
+    duration = proxy.metric("n_proxy_request_duration_seconds_sum", **labels)
+    assert line["duration_ms"] == round(duration * 1000, 3)
+    first_chunk = proxy.metric("n_proxy_time_to_first_chunk_seconds_sum", **labels)
+    assert line["ttft_ms"] == round(first_chunk * 1000, 3)
+    provider.shutdown()
