@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from proxy.config.models import Config, single_upstream_config
-from proxy.upstream.service import UpstreamPool
+from proxy.upstream.service import Upstreams
 from tests.support.logs import LogCapture, capture_logs
 from tests.support.rawupstream import RawUpstream
 from tests.support.rig import MakeRig, Rig
@@ -117,10 +117,10 @@ async def make_rig(
     """Rigs with leak accounting (``tests/support/rig.py``); the proxy's health probe is stubbed
     so that every upstream connection is the test's."""
 
-    async def always_healthy(self: UpstreamPool, *args: Any, **kwargs: Any) -> bool:
+    async def always_healthy(self: Upstreams, *args: Any, **kwargs: Any) -> bool:
         return True
 
-    monkeypatch.setattr(UpstreamPool, "healthy", always_healthy)
+    monkeypatch.setattr(Upstreams, "healthy", always_healthy)
     clients: list[aiohttp.ClientSession] = []
 
     async def make(**options: Any) -> Rig:

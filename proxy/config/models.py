@@ -6,7 +6,6 @@ words it inside; ``${ENV}`` placeholders in URLs and header values are expanded 
 
 from __future__ import annotations
 
-import fnmatch
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -213,13 +212,6 @@ class Route(_Section):
             raise ValueError("give model or path_prefix")
         return self
 
-    def matches(self, path: str, model: str | None) -> bool:
-        if self.path_prefix is not None and not path.startswith(self.path_prefix):
-            return False
-        if self.model is not None:
-            return model is not None and fnmatch.fnmatchcase(model, self.model)
-        return True
-
 
 class Config(_Section):
     upstreams: Annotated[tuple[Upstream, ...], Field(min_length=1)]
@@ -294,18 +286,6 @@ class Config(_Section):
             if upstream.name == name:
                 return upstream
         raise KeyError(name)
-
-    def choose_upstream(self, path: str, model: str | None) -> Upstream:
-        """The destination comes from configuration alone, never from Host or the URI
-        (docs/behaviour.md#routing)."""
-        for route in self.routes:
-            if route.matches(path, model):
-                return self.upstream(route.upstream)
-        return self.upstream(self.default_upstream)
-
-    @property
-    def routes_by_model(self) -> bool:
-        return any(r.model is not None for r in self.routes)
 
 
 def single_upstream_config(url: str, **overrides: Any) -> Config:

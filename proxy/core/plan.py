@@ -1,5 +1,6 @@
 """Validating a fan-out request and planning its children (docs/behaviour.md#validation,
-#children, #best-of). Pure: no I/O.
+#children, #best-of), with the JSON value rules the body policy rests on (``is_int``: JSON's
+``true`` is not a number). Pure: no I/O.
 
 ``plan_request`` returns ``None`` when the request passes through untouched (n missing, null or 1),
 otherwise a ``Plan`` with one ``Child`` per (prompt, choice).
@@ -11,18 +12,27 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import orjson
 
 from proxy.core.errors import InvalidRequest
-from proxy.core.numbers import is_int
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 RANDOM_SEED = -1  # llama.cpp's and vLLM's "random" sentinel: sent unchanged to every child
 
 Endpoint = Literal["chat", "completions"]
+
+
+# JSON numbers as the OpenAI API means them: Python's ``bool`` is an ``int``, JSON's ``true`` is
+# not a number.
+def is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def endpoint_of(path: str) -> Endpoint | None:

@@ -3,6 +3,7 @@ from the protocol, keep-alive pooling. It knows nothing of LLMs, n or replicas, 
 aiohttp: its failures are its own (``proxy.http.errors``).
 """
 
+from proxy.http.connection import UpstreamResponse
 from proxy.http.errors import (
     BadResponse,
     BodyTooLong,
@@ -14,7 +15,6 @@ from proxy.http.errors import (
     ResponseTimeout,
 )
 from proxy.http.pool import ConnectionPool
-from proxy.http.response import UpstreamResponse
 
 __all__ = [
     "BadResponse",

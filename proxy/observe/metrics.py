@@ -1,16 +1,18 @@
 """Prometheus metrics of one proxy instance (its own registry, so tests can run several).
 
-What moves on every request is a plain Python number read at scrape time (``proxy.observe.tally``,
-through one ``Collector``): prometheus-client's own metric objects take a lock per update.
-Under ``--workers`` (multiprocess mode) those families are prometheus-client's instead, so every
-worker's files add up. Labelled families start at zero for every label set known up front.
+What moves on every request is a plain Python number read at scrape time (the plain counts
+below, through one ``Collector``): prometheus-client's own metric objects take a lock on every
+update (1.6 µs an ``observe``), these cost an add or two. Under ``--workers`` (multiprocess mode)
+those families are prometheus-client's instead, so every worker's files add up. Labelled families
+start at zero for every label set known up front.
 """
 
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import prometheus_client
 from prometheus_client import (
@@ -23,13 +25,18 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from proxy.core.errors import UpstreamTimeout
+from proxy.core.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.observe.census import GAUGES
-from proxy.observe.tally import Count, Observe, PlainCounter, PlainGauge, PlainHistogram
+from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
 if TYPE_CHECKING:
     from proxy.config.models import Config
@@ -70,13 +77,108 @@ PROTOCOL_ERROR_KINDS = ("request_line", "header", "too_long", "body", "other")
 _STATUS_CLASSES = ("other", "other", "2xx", "3xx", "4xx", "5xx", "other", "other", "other", "other")
 
 
-def status_outcome(status: int) -> str:
-    return _STATUS_CLASSES[status // 100 % 10]
+# ---- plain counts: counters and histograms that are Python numbers, turned into metric
+# families only when scraped (one process only; ``--workers`` uses prometheus-client's).
 
 
-def failure_outcome(exc: BaseException) -> str:
-    """No status line came: out of time (a 504), or anything else (a 502)."""
-    return "timeout" if isinstance(exc, TimeoutError | UpstreamTimeout) else "unreachable"
+class Count(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class Observe(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class _Count:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class _Spread:
+    """A histogram's buckets as plain counts; cumulated only when scraped."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        # bisect_left: the first bound >= amount, Prometheus's `le`.
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+
+class _Family:
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+
+
+class PlainCounter(_Family):
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
+        super().__init__(name, documentation, labelnames)
+        self._children: dict[tuple[str, ...], _Count] = {}
+        if not self.labelnames:
+            self.labels()  # exported at zero from the start, as prometheus-client does
+
+    def labels(self, *values: str) -> _Count:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _Count()
+        return child
+
+    def inc(self, amount: float = 1) -> None:
+        self.labels().inc(amount)
+
+    def collect(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            family.add_metric(values, child.value)
+        return family
+
+
+class PlainHistogram(_Family):
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+    ) -> None:
+        super().__init__(name, documentation, labelnames)
+        self.bounds = tuple(float(b) for b in buckets)
+        self._children: dict[tuple[str, ...], _Spread] = {}
+        if not self.labelnames:
+            self.labels()
+
+    def labels(self, *values: str) -> _Spread:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _Spread(self.bounds)
+        return child
+
+    def observe(self, amount: float) -> None:
+        self.labels().observe(amount)
+
+    def collect(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        names = [*(str(b) for b in self.bounds), "+Inf"]
+        for values, child in list(self._children.items()):
+            total = 0
+            buckets = []
+            for name, count in zip(names, child.counts, strict=True):
+                total += count
+                buckets.append((name, float(total)))
+            family.add_metric(list(values), buckets, child.sum)
+        return family
 
 
 class _PlainCollector(Collector):
@@ -92,7 +194,6 @@ class _PlainCollector(Collector):
 class Metrics:
     def __init__(self) -> None:
         self.plain: list[PlainCounter | PlainHistogram] = []
-        self._answered: dict[tuple[str, int, bool], tuple[Count, Observe, Observe]] = {}
         # What the proxy holds now (proxy.observe.census), read at scrape time.
         self.census: Callable[[], Census] | None = None
         self._replicas_sampled: set[tuple[str, str]] = set()  # multiprocess: labels written
@@ -118,11 +219,6 @@ class Metrics:
             "n_proxy_request_n",
             "The n of fanned-out requests (choices per prompt, or best_of).",
             buckets=(2, 3, 4, 5, 8, 10, 16, 32, 64, 128),
-        )
-        self.children_in_flight = self._gauge(
-            "n_proxy_children_in_flight",
-            "Upstream requests in flight, per upstream.",
-            ["upstream"],
         )
         self.queue_wait = self._histogram(
             "n_proxy_queue_wait_seconds",
@@ -248,6 +344,13 @@ class Metrics:
                 registry=r,
                 multiprocess_mode="livesum",
             )
+            self._in_flight = Gauge(
+                "n_proxy_children_in_flight",
+                _IN_FLIGHT,
+                ["upstream"],
+                registry=r,
+                multiprocess_mode="livesum",
+            )
             self._held = {
                 name: Gauge(name, doc, registry=r, multiprocess_mode="livesum")
                 for name, doc in GAUGES.items()
@@ -272,13 +375,6 @@ class Metrics:
         self.plain.append(family)
         return family
 
-    def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Any:
-        if MULTIPROCESS:
-            return Gauge(name, doc, labels, registry=self.registry, multiprocess_mode="livesum")
-        family = PlainGauge(name, doc, labels)
-        self.plain.append(family)
-        return family
-
     def _histogram(
         self, name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = _LATENCY
     ) -> Any:
@@ -296,7 +392,6 @@ class Metrics:
                 self.first_chunk.labels(route, fanned)
         for upstream in config.upstreams:
             name = upstream.name
-            self.children_in_flight.labels(name)
             self.queue_wait.labels(name)
             self.upstream_ttfb.labels(name)
             self.upstream_duration.labels(name)
@@ -312,35 +407,23 @@ class Metrics:
             for url in upstream.urls:
                 self.ejections.labels(name, url)
 
-    def answered(
-        self,
-        route: str,
-        status: int,
-        fanned_out: bool,
-        seconds: float,
-        first_chunk: float | None,
-    ) -> None:
-        """One request answered: its count, duration and first chunk, the children looked up
-        once per label set."""
-        key = (route, status, fanned_out)
-        children = self._answered.get(key)
-        if children is None:
-            fanned = "true" if fanned_out else "false"
-            children = self._answered[key] = (
-                self.requests.labels(route, str(status), fanned),
-                self.request_duration.labels(route, fanned),
-                self.first_chunk.labels(route, fanned),
-            )
-        count, duration, first = children
-        count.inc()
-        duration.observe(seconds)
-        if first_chunk is not None:
-            first.observe(first_chunk)
+    def answered_series(
+        self, route: str, status: int, fanned_out: bool
+    ) -> tuple[Count, Observe, Observe]:
+        """The request count, duration and first-chunk children of one (route, status, fanned
+        out) label set."""
+        fanned = "true" if fanned_out else "false"
+        return (
+            self.requests.labels(route, str(status), fanned),
+            self.request_duration.labels(route, fanned),
+            self.first_chunk.labels(route, fanned),
+        )
 
     def sampled(self) -> Iterator[Metric]:
         """What the proxy holds as it is now (single process: read at scrape time)."""
         depth = GaugeMetricFamily("n_proxy_queue_depth", _QUEUE_DEPTH, labels=["upstream"])
         in_use = GaugeMetricFamily("n_proxy_slots_in_use", _SLOTS_IN_USE, labels=["upstream"])
+        in_flight = GaugeMetricFamily("n_proxy_children_in_flight", _IN_FLIGHT, labels=["upstream"])
         outstanding = GaugeMetricFamily(
             "n_proxy_replica_outstanding", _OUTSTANDING, labels=["upstream", "replica"]
         )
@@ -352,10 +435,12 @@ class Metrics:
             for upstream in census.upstreams:
                 depth.add_metric([upstream.name], upstream.queued)
                 in_use.add_metric([upstream.name], upstream.slots_held)
+                in_flight.add_metric([upstream.name], upstream.exchanges)
                 for url, count in upstream.outstanding.items():
                     outstanding.add_metric([upstream.name, url], count)
         yield depth
         yield in_use
+        yield in_flight
         yield outstanding
         yield from held.values()
 
@@ -372,6 +457,7 @@ class Metrics:
         for upstream in census.upstreams:
             self._queue_depth.labels(upstream.name).set(upstream.queued)
             self._slots_in_use.labels(upstream.name).set(upstream.slots_held)
+            self._in_flight.labels(upstream.name).set(upstream.exchanges)
             for url, count in upstream.outstanding.items():
                 self._outstanding.labels(upstream.name, url).set(count)
                 seen.add((upstream.name, url))
@@ -389,6 +475,7 @@ class Metrics:
 
 _QUEUE_DEPTH = "Children waiting for a max_concurrency slot, per upstream."
 _SLOTS_IN_USE = "max_concurrency slots held, per upstream."
+_IN_FLIGHT = "Upstream requests in flight, per upstream, retries and backoff waits included."
 _OUTSTANDING = (
     "Upstream requests in flight on each replica from this proxy (what least_outstanding "
     "placement compares)."
@@ -403,3 +490,81 @@ class _Shared(Collector):
 
     def collect(self) -> Iterable[Metric]:
         return self._collector.collect()
+
+
+class RequestMetrics(Observer):
+    """Every metric a request's steps move, from its record: the queue wait, each upstream
+    request's answer (status class, timeout or unreachable), time to its head and to its end,
+    retries, children aborted, the request's count, duration, first chunk and n, the proxy's
+    overhead, the chunks a stream stitched. Labelled children are looked up once per upstream
+    (and per route and status), not on every request."""
+
+    def __init__(self, metrics: Metrics, config: Config) -> None:
+        self._metrics = metrics
+        self._upstreams = {u.name: _UpstreamSeries(metrics, u.name) for u in config.upstreams}
+        self._answered: dict[tuple[str, int, bool], tuple[Count, Observe, Observe]] = {}
+
+    def admitted(self, child: ChildRecord) -> None:
+        self._upstreams[child.record.upstream].queue_wait.observe(child.queued)
+
+    def retry(self, child: ChildRecord, reason: str) -> None:
+        self._metrics.retries.labels(child.record.upstream, reason).inc()
+
+    def head(self, child: ChildRecord) -> None:
+        series = self._upstreams[child.record.upstream]
+        series.ttfb.observe(child.head_at - child.sent_at)
+        series.answered(child.status).inc()
+
+    def child_ended(self, child: ChildRecord, failure: BaseException | None) -> None:
+        series = self._upstreams[child.record.upstream]
+        series.duration.observe(child.done_at - child.sent_at)
+        if not child.status and isinstance(failure, UpstreamTimeout | UpstreamUnavailable):
+            # No status line came: out of time (a 504), or anything else (a 502).
+            (series.timeout if isinstance(failure, UpstreamTimeout) else series.unreachable).inc()
+
+    def ended(self, record: RequestRecord) -> None:
+        key = (record.route, record.status, record.fanned_out)
+        children = self._answered.get(key)
+        if children is None:
+            children = self._answered[key] = self._metrics.answered_series(*key)
+        count, duration, first = children
+        count.inc()
+        duration.observe(record.seconds)
+        first_chunk = record.first_chunk
+        if first_chunk is not None:
+            first.observe(first_chunk)
+        overhead = record.overhead
+        if overhead is not None:
+            self._metrics.overhead.observe(overhead)
+        if record.fanned_out:
+            self._metrics.n.observe(record.n)
+            if record.aborted:
+                self._upstreams[record.upstream].aborted.inc(record.aborted)
+            if record.chunks:
+                self._metrics.stitched_chunks.inc(record.chunks)
+
+
+class _UpstreamSeries:
+    """One upstream's labelled children of the request-path families."""
+
+    __slots__ = ("_by_class", "_name", "_responses", "aborted", "duration", "queue_wait",
+                 "timeout", "ttfb", "unreachable")  # fmt: skip
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self._name = name
+        self._responses = metrics.upstream_responses
+        self.queue_wait: Observe = metrics.queue_wait.labels(name)
+        self.ttfb: Observe = metrics.upstream_ttfb.labels(name)
+        self.duration: Observe = metrics.upstream_duration.labels(name)
+        self.timeout: Count = self._responses.labels(name, "timeout")
+        self.unreachable: Count = self._responses.labels(name, "unreachable")
+        self.aborted: Count = metrics.children_aborted.labels(name)
+        self._by_class: list[Count | None] = [None] * 10  # status // 100 % 10 -> its count
+
+    def answered(self, status: int) -> Count:
+        """The count of upstream answers of ``status``'s class."""
+        at = status // 100 % 10
+        count = self._by_class[at]
+        if count is None:
+            count = self._by_class[at] = self._responses.labels(self._name, _STATUS_CLASSES[at])
+        return count

@@ -1,8 +1,9 @@
 """Optional OpenTelemetry tracing (the ``otel`` extra): a server span per request and a client
-span per upstream request or child, each child sent with its own ``traceparent``.
+span per upstream request or child, each child sent with its own ``traceparent``; an observer of
+the request's record (``proxy.observe.record``), which holds the spans.
 
 Off unless the standard ``OTEL_*`` variables ask for traces (``wanted``). When off, nothing
-here imports opentelemetry and the request path only checks ``Runtime.tracing is None``.
+here imports opentelemetry and no step of a request calls into this module.
 """
 
 from __future__ import annotations
@@ -12,20 +13,14 @@ import contextlib
 import os
 import threading
 from collections.abc import Mapping, MutableMapping
-from contextlib import AbstractAsyncContextManager
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from proxy.core.futures import wake
 from proxy.observe.log import log_event
+from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span
 
-    from proxy.upstream.exchange import Trace
-
-T = TypeVar("T")
 _HOP_TRACE_HEADERS = ("traceparent", "tracestate")
 
 
@@ -96,9 +91,10 @@ def _provider_from_env(environ: Mapping[str, str]) -> TracerProvider:
     return provider
 
 
-class Tracing:
+class Tracing(Observer):
     """Spans for one proxy instance, from ``provider`` (tests pass one with an in-memory
-    exporter)."""
+    exporter): each request's server span from its ``begun`` to its ``ended``, each upstream
+    request's client span from its first try (``sent``) to its end."""
 
     def __init__(self, provider: TracerProvider) -> None:
         from opentelemetry import propagate, trace
@@ -108,75 +104,75 @@ class Tracing:
         self._propagate = propagate
         self._trace = trace
 
-    def server_span(self, method: str, path: str, headers: Mapping[str, str]) -> Span:
+    def begun(self, record: RequestRecord) -> None:
         """The request's span, a child of the client's ``traceparent`` when it sent one."""
-        parent = self._propagate.extract(headers)
-        return self._tracer.start_span(
+        method = record.method
+        span = record.span = self._tracer.start_span(
             method,
-            context=parent,
+            context=self._propagate.extract(record.headers),
             kind=self._trace.SpanKind.SERVER,
-            attributes={"http.request.method": method, "url.path": path},
+            attributes={"http.request.method": method, "url.path": record.path},
         )
+        record.trace_id = f"{span.get_span_context().trace_id:032x}"
 
-    def end_server(
-        self, span: Span, route: str, upstream: str, n: int, children: int, status: int
-    ) -> None:
+    def sent(self, child: ChildRecord, headers: MutableMapping[str, str]) -> None:
+        """The child's span; its ``headers`` (not sent yet) carry the span's own ``traceparent``
+        instead of the client's: a fan-out child is its own hop."""
+        record = child.record
+        parent = record.span
+        if parent is None:
+            return
+        method = record.method
+        span = child.span = self._tracer.start_span(
+            f"{method} {record.upstream}",
+            context=self._trace.set_span_in_context(parent),
+            kind=self._trace.SpanKind.CLIENT,
+            attributes={"http.request.method": method, "n_proxy.upstream": record.upstream,
+                        "n_proxy.replica": child.replica or ""},
+        )  # fmt: skip
+        if child.index is not None:
+            span.set_attribute("n_proxy.child_index", child.index)
+        for name in _HOP_TRACE_HEADERS:
+            if name in headers:
+                del headers[name]
+        self._propagate.inject(headers, context=self._trace.set_span_in_context(span))
+
+    def child_ended(self, child: ChildRecord, failure: BaseException | None) -> None:
+        span = child.span
+        if span is None:
+            return
+        status = child.status
+        error = _failure(failure) if failure is not None else None
+        attributes: dict[str, Any] = {"n_proxy.retries": child.retries}
+        if child.replica is not None:
+            attributes["n_proxy.replica"] = child.replica
+        if status:
+            attributes["http.response.status_code"] = status
+        if error is not None:
+            attributes["error.type"] = type(error).__name__
+            span.record_exception(error)
+        span.set_attributes(attributes)
+        if error is not None or status >= 500:
+            span.set_status(self._trace.StatusCode.ERROR)
+        span.end()
+
+    def ended(self, record: RequestRecord) -> None:
+        span = record.span
+        if span is None:
+            return
+        route, status = record.route, record.status
         if route != "other":  # semantic conventions: "{method} {route}", else the method
             span.update_name(f"{span.name} {route}")  # type: ignore[attr-defined]
             span.set_attribute("http.route", route)
         span.set_attributes(
             {
                 "http.response.status_code": status,
-                "n_proxy.upstream": upstream,
-                "n_proxy.n": n,
-                "n_proxy.children": children,
+                "n_proxy.upstream": record.upstream,
+                "n_proxy.n": record.n,
+                "n_proxy.children": len(record.children) if record.fanned_out else 0,
             }
         )
         if status >= 500:
-            span.set_status(self._trace.StatusCode.ERROR)
-        span.end()
-
-    def traced(
-        self,
-        parent: Span,
-        exchange: AbstractAsyncContextManager[T],
-        trace: Trace,
-        method: str,
-        upstream: str,
-        replica: str,
-        index: int | None,
-        headers: MutableMapping[str, str],
-    ) -> Traced[T]:
-        """``exchange`` inside a client span, its ``headers`` (not sent yet) carrying the span's
-        own ``traceparent`` instead of the client's: a fan-out child is its own hop."""
-        span = self._tracer.start_span(
-            f"{method} {upstream}",
-            context=self._trace.set_span_in_context(parent),
-            kind=self._trace.SpanKind.CLIENT,
-            attributes={"http.request.method": method, "n_proxy.upstream": upstream,
-                        "n_proxy.replica": replica},
-        )  # fmt: skip
-        if index is not None:
-            span.set_attribute("n_proxy.child_index", index)
-        for name in _HOP_TRACE_HEADERS:
-            if name in headers:
-                del headers[name]
-        self._propagate.inject(headers, context=self._trace.set_span_in_context(span))
-        return Traced(self, span, exchange, trace)
-
-    def end_client(
-        self, span: Span, trace: Trace, status: int | None, error: BaseException | None
-    ) -> None:
-        attributes: dict[str, Any] = {"n_proxy.retries": trace.retries}
-        if trace.replica is not None:
-            attributes["n_proxy.replica"] = trace.replica
-        if status is not None:
-            attributes["http.response.status_code"] = status
-        if error is not None:
-            attributes["error.type"] = type(error).__name__
-            span.record_exception(error)
-        span.set_attributes(attributes)
-        if error is not None or (status is not None and status >= 500):
             span.set_status(self._trace.StatusCode.ERROR)
         span.end()
 
@@ -188,65 +184,25 @@ class Tracing:
         takes to time out (each batch's export, retried, up to 30 s in all), past a pod's grace
         period; so it runs in a daemon thread that, past the bound, ends with the process."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
+        done = asyncio.Event()
 
         def shut_down() -> None:
             try:
                 self._provider.shutdown()
             finally:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    loop.call_soon_threadsafe(wake, done)
+                    loop.call_soon_threadsafe(done.set)
 
         threading.Thread(target=shut_down, name="n-proxy-tracing-close", daemon=True).start()
         try:
             async with asyncio.timeout(within):
-                await done
+                await done.wait()
         except TimeoutError:
             log_event("spans not sent at shutdown: dropped", within_s=round(within, 1))
             return False
         return True
 
 
-class Traced(Generic[T]):
-    """An upstream exchange inside its client span: the span ends with the exchange."""
-
-    __slots__ = ("_error", "_exchange", "_span", "_status", "_trace", "_tracing")
-
-    def __init__(
-        self, tracing: Tracing, span: Span, exchange: AbstractAsyncContextManager[T], trace: Trace
-    ) -> None:
-        self._tracing = tracing
-        self._span = span
-        self._exchange = exchange
-        self._trace = trace
-        self._status: int | None = None
-
-    async def __aenter__(self) -> T:
-        try:
-            reply = await self._exchange.__aenter__()
-        except BaseException as exc:
-            self._tracing.end_client(self._span, self._trace, None, _failure(exc))
-            raise
-        self._status = getattr(getattr(reply, "response", None), "status", None)
-        return reply
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            await self._exchange.__aexit__(exc_type, exc, tb)
-        finally:
-            failure = _failure(exc) if exc is not None else None
-            self._tracing.end_client(self._span, self._trace, self._status, failure)
-
-
 def _failure(exc: BaseException) -> BaseException | None:
     """A cancelled child (a sibling failed, the client left) is not the upstream's error."""
     return None if isinstance(exc, asyncio.CancelledError | GeneratorExit) else exc
-
-
-def trace_id(span: Span) -> str:
-    return f"{span.get_span_context().trace_id:032x}"

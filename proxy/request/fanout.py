@@ -2,7 +2,9 @@
 
 The I/O shell around ``plan`` and ``stitch``: children run as tasks, each taking its own upstream
 slot; every pending child is cancelled (its connection closed, its slot or place in line given
-back) in a ``finally``, so nothing generates for a client that is gone.
+back) in a ``finally``, so nothing generates for a client that is gone. A stream's children hand
+their events to its one writer through a bounded ``Mailbox`` (backpressure reaches the upstream),
+and a ``PingTimer`` wakes the writer to send a keep-alive when nothing was written for a while.
 """
 
 from __future__ import annotations
@@ -10,32 +12,24 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections import deque
+from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.config.models import Upstream
+from proxy.config.models import Config, Upstream
 from proxy.core.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
 from proxy.core.plan import Plan
-from proxy.core.sse import MAX_EVENT_BYTES, SSEDecoder
+from proxy.core.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
 from proxy.core.stitch import StreamError, StreamStitcher, error_event, stitch_json
 from proxy.http import HTTPClientError
-from proxy.observe.metrics import failure_outcome, status_outcome
-from proxy.request.mailbox import PING, Mailbox, PingTimer
-from proxy.request.runtime import Runtime
+from proxy.observe.record import ChildRecord, RequestRecord
 from proxy.request.sink import Sink, client_sink
-from proxy.upstream.exchange import Answer, Trace, UpstreamRequest, upstream_error
-from proxy.upstream.service import Ticket, UpstreamPool
-
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
-    from proxy.observe.tracing import Tracing
+from proxy.upstream.service import Exchange, Ticket, UpstreamRequest, Upstreams, upstream_error
 
 T = TypeVar("T")
 # The upstream client stops reading a child's socket once it buffers twice this (inflated bytes
@@ -45,33 +39,52 @@ T = TypeVar("T")
 CHILD_READ_BUFFER = 16 * 1024
 
 
+class Fanouts:
+    """Every running fan-out's children, counted as tasks until they are done, and the streams
+    a drain can cut."""
+
+    def __init__(self) -> None:
+        self.children = 0
+        self.streams: set[Mailbox] = set()
+
+    def spawn(self, child: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """A fan-out child as a task, counted until it is done, however it ends: a task
+        cancelled before it ever ran has no ``finally`` of its own to count it out."""
+        task = asyncio.ensure_future(child)
+        self.children += 1
+        task.add_done_callback(self._child_done)
+        return task
+
+    def _child_done(self, task: asyncio.Task[Any]) -> None:
+        self.children -= 1
+
+    def cut_streams(self, reason: str) -> None:
+        for stream in list(self.streams):
+            stream.cut(reason)
+
+
 @dataclass
 class Fanout:
-    """One fan-out request: where its children go, what they carry, what came of them."""
+    """One fan-out request: where its children go and what they carry; what came of them is
+    on its record (a ``ChildRecord`` per child)."""
 
-    pool: UpstreamPool
-    runtime: Runtime
+    upstreams: Upstreams
     upstream: Upstream
     plan: Plan
+    config: Config
     path_qs: str
     headers: CIMultiDict[str]  # end-to-end headers shared by every child
-    tracing: Tracing | None = None
-    span: Span | None = None  # the request's server span, when tracing
-    aborted: int = 0  # children cancelled before they finished
-    traces: list[Trace] = field(init=False)  # each child's: its replica, retries, times
-    joined_at: float = 0.0  # when the children joined their upstream's queue
-    first_wait: float | None = None  # how long the first child sent waited for its slot
-    first_chunk_at: float | None = None  # streams: the first chunk written to the client
-    bytes_out: int | None = None  # streams: body bytes written to the client
-    usage: dict[str, Any] | None = None  # the merged usage, when the children sent one
+    record: RequestRecord
+    fanouts: Fanouts
+    children: list[ChildRecord] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.traces = [Trace() for _ in self.plan.children]
+        self.children = [self.record.child(c.index) for c in self.plan.children]
 
     @property
     def max_event_bytes(self) -> int:
         """One SSE line or event held for a child: within the cap on a child's JSON body."""
-        return min(MAX_EVENT_BYTES, self.runtime.config.max_response_bytes)
+        return min(MAX_EVENT_BYTES, self.config.max_response_bytes)
 
     def child_headers(self, pos: int) -> CIMultiDict[str]:
         headers = self.headers.copy()
@@ -85,53 +98,20 @@ class Fanout:
         headers["Content-Type"] = "application/json"
         return headers
 
-    def admit(self, count: int) -> list[Ticket]:
-        """Each child's replica and place in line (``UpstreamPool.admit``)."""
-        self.joined_at = time.perf_counter()
-        return self.pool.admit(self.upstream, count)
+    def admit(self) -> list[Ticket]:
+        """Each child's replica and place in line (``Upstreams.admit``)."""
+        return self.upstreams.admit(self.upstream, len(self.plan.children))
 
-    def send(self, pos: int, url: str) -> AbstractAsyncContextManager[Answer]:
-        """Child ``pos``'s request, once its place is granted (inside its span when tracing)."""
-        waited = time.perf_counter() - self.joined_at
-        self.runtime.metrics.queue_wait.labels(self.upstream.name).observe(waited)
-        if self.first_wait is None:
-            self.first_wait = waited
-        headers = self.child_headers(pos)
+    def exchange(self, pos: int, ticket: Ticket) -> Exchange:
+        """Child ``pos``'s upstream request, from its place in line to the end of its body."""
         request = UpstreamRequest(
-            "POST", self.path_qs, headers, self.plan.children[pos].body,
+            "POST", self.path_qs, self.child_headers(pos), self.plan.children[pos].body,
             inflate=True, read_bufsize=CHILD_READ_BUFFER,
         )  # fmt: skip
-        trace = self.traces[pos]
-        exchange = self.pool.send(self.upstream, url, request, trace)
-        if self.tracing is None or self.span is None:
-            return exchange
-        index = self.plan.children[pos].index
-        return self.tracing.traced(
-            self.span, exchange, trace, "POST", self.upstream.name, url, index, headers
-        )
-
-    def answered(self, answer: int | BaseException) -> None:
-        """A child's status line after any retries, or the failure that left it without one."""
-        outcome = status_outcome(answer) if isinstance(answer, int) else failure_outcome(answer)
-        self.runtime.metrics.upstream_responses.labels(self.upstream.name, outcome).inc()
-
-    def summary(self) -> Trace:
-        """The children's traces as one: first sent, last done, retries summed."""
-        sent = [t.sent_at for t in self.traces if t.sent_at is not None]
-        done = [t.done_at for t in self.traces if t.done_at is not None]
-        retries = sum(t.retries for t in self.traces)
-        return Trace(min(sent, default=None), max(done, default=None), retries)
-
-    def replicas(self) -> str | None:
-        """The replicas that answered the children, each once, in child order."""
-        seen = dict.fromkeys(t.replica for t in self.traces if t.replica is not None)
-        return ",".join(seen) if seen else None
+        return self.upstreams.exchange(ticket, request, self.children[pos])
 
     async def cancel(self, tasks: Sequence[asyncio.Future[Any]]) -> None:
-        aborted = await _cancel_all(tasks)
-        if aborted:
-            self.aborted += aborted
-            self.runtime.metrics.children_aborted.labels(self.upstream.name).inc(aborted)
+        self.record.aborted += await _cancel_all(tasks)
 
 
 async def respond_json(fanout: Fanout) -> web.Response:
@@ -139,21 +119,14 @@ async def respond_json(fanout: Fanout) -> web.Response:
     failure."""
     plan = fanout.plan
     # One slot per child, FIFO: a batch larger than max_concurrency runs in turns.
-    tickets = fanout.admit(len(plan.children))
+    tickets = fanout.admit()
 
     async def fetch(pos: int) -> dict[str, Any]:
-        answered = False
-        try:
-            async with tickets[pos].place, fanout.send(pos, tickets[pos].url) as answer:
-                answered = True
-                fanout.answered(answer.response.status)
-                raw = await answer.read()
-                if answer.response.status >= 300:
-                    raise ChildFailed(answer.response.status, raw, answer.response.content_type)
-        except ProxyError as exc:
-            if not answered:
-                fanout.answered(exc)
-            raise
+        async with fanout.exchange(pos, tickets[pos]) as exchange:
+            raw = await exchange.read()
+            response = exchange.response
+            if response.status >= 300:
+                raise ChildFailed(response.status, raw, response.content_type)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -164,7 +137,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
             )
         return body
 
-    tasks = [fanout.runtime.spawn_child(fetch(pos)) for pos in range(len(tickets))]
+    tasks = [fanout.fanouts.spawn(fetch(pos)) for pos in range(len(tickets))]
     try:
         bodies = await _all_or_first_failure(tasks)
     finally:
@@ -174,7 +147,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
             _release(tickets)
     stitched = stitch_json(plan, bodies)
     usage = stitched.get("usage")
-    fanout.usage = usage if isinstance(usage, dict) else None
+    fanout.record.usage = usage if isinstance(usage, dict) else None
     return web.Response(
         body=orjson.dumps(stitched),
         content_type="application/json",
@@ -216,7 +189,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
     they arrive."""
     plan = fanout.plan
     count = len(plan.children)
-    config = fanout.runtime.config
+    config = fanout.config
     wait_all = config.stream_start == "all"
     if wait_all and count > fanout.upstream.max_concurrency:
         # stream_start: all: every child's status line comes before the 200, so every child must
@@ -226,19 +199,17 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             f"{fanout.upstream.max_concurrency}: send fewer prompts or a smaller n",
             param="prompt" if plan.prompts > 1 else "n",
         )
-    tickets = fanout.admit(count)
+    tickets = fanout.admit()
     mailbox = Mailbox(count)
     start = Start(count, wait_all)
 
     async def run_child(pos: int) -> None:
-        replied = answered = False
+        answered = False
         try:
-            async with tickets[pos].place, fanout.send(pos, tickets[pos].url) as answer:
-                replied = True
-                response = answer.response
-                fanout.answered(response.status)
+            async with fanout.exchange(pos, tickets[pos]) as exchange:
+                response = exchange.response
                 if response.status >= 300:
-                    raise ChildFailed(response.status, await answer.read(), response.content_type)
+                    raise ChildFailed(response.status, await exchange.read(), response.content_type)
                 answered = True
                 start.answer(None)
                 decoder = SSEDecoder(max_event_bytes=fanout.max_event_bytes)
@@ -249,19 +220,17 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                     if events:
                         mailbox.put_nowait((pos, events))
 
-                await answer.relay(feed, mailbox.full, mailbox.room)
+                await response.relay(feed, mailbox.full, mailbox.room)
                 await mailbox.put((pos, decoder.close_raw()))
             await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:
-            if isinstance(exc, ProxyError) and not replied:
-                fanout.answered(exc)  # no status line came
             if answered or not start.answer(exc):
                 await mailbox.put((pos, exc))
         except (TimeoutError, HTTPClientError, ValueError) as exc:
             if answered or not start.answer(upstream_error(exc, fanout.upstream)):
                 await mailbox.put((pos, exc))
 
-    tasks = [fanout.runtime.spawn_child(run_child(pos)) for pos in range(count)]
+    tasks = [fanout.fanouts.spawn(run_child(pos)) for pos in range(count)]
     try:
         await start.decided
         response = web.StreamResponse(
@@ -273,17 +242,16 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
         )
         try:
             await response.prepare(request)  # the 200 leaves now, not with the first chunk
-            if request.transport is None:
-                raise ConnectionResetError("the client left")
-            sink = client_sink(request, request.transport)
+            sink = client_sink(request, fanout.record, first_chunk=False)
             stitcher = StreamStitcher(plan)
-            fanout.runtime.streams.add(mailbox)
+            streams = fanout.fanouts.streams
+            streams.add(mailbox)
             try:
-                await _merge(stitcher, mailbox, sink, config.sse_keepalive_seconds, fanout)
+                await _merge(stitcher, mailbox, sink, config.sse_keepalive_seconds, fanout.record)
             finally:
-                fanout.runtime.streams.discard(mailbox)
-                fanout.usage = stitcher.usage()
-                fanout.runtime.metrics.stitched_chunks.inc(stitcher.chunks)
+                streams.discard(mailbox)
+                fanout.record.usage = stitcher.usage()
+                fanout.record.chunks = stitcher.chunks
             await response.write_eof()
         except ConnectionError:  # the client is gone (at the head, mid-stream, at the end)
             if request.transport is not None:
@@ -304,7 +272,7 @@ def _release(tickets: Sequence[Ticket]) -> None:
 
 
 async def _merge(
-    stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds: float, fanout: Fanout
+    stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds: float, record: RequestRecord
 ) -> None:
     """Write chunks as they arrive, then the merged tail or one error event.
 
@@ -318,11 +286,9 @@ async def _merge(
     running = len(plan.children)
     write, full, drain = sink
     keepalive = PingTimer(mailbox, seconds)
-    fanout.bytes_out = 0
 
     async def send(data: bytes) -> None:
-        write(data)
-        fanout.bytes_out = (fanout.bytes_out or 0) + len(data)
+        write(data)  # counted on the record by the sink
         keepalive.wrote()
         if full():
             await drain()
@@ -355,8 +321,8 @@ async def _merge(
                 await send(b"".join(out))
                 return
             if out:
-                if fanout.first_chunk_at is None:
-                    fanout.first_chunk_at = time.perf_counter()
+                if record.first_chunk_at is None:
+                    record.first_chunk_at = time.perf_counter()
                 await send(out[0] if len(out) == 1 else b"".join(out))
         await send(stitcher.tail())
     finally:
@@ -405,3 +371,118 @@ async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> int:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     return len(running)
+
+
+# ---- the hand-off between a stream's child tasks and its one writer
+
+Item = list[RawEvent] | BaseException | None  # events, a failure, or None: the child ended cleanly
+PING = b": keep-alive\n\n"  # an SSE comment: load balancers see bytes, clients ignore it
+
+
+def _wake(future: asyncio.Future[None] | None) -> None:
+    """Let the task parked on ``future`` run on; a future already done is left as it is."""
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
+class Mailbox:
+    """A bounded hand-off from the child tasks to the one writer.
+
+    Bounded so a slow client stalls the children's reads (backpressure reaches the upstream);
+    ``cut`` wakes the writer at once, for a drain that has run out of time.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._items: deque[tuple[int, Item]] = deque()
+        self._size = size
+        self._getter: asyncio.Future[None] | None = None
+        self._putters: deque[asyncio.Future[None]] = deque()
+        self.cut_reason: str | None = None
+        self._pinged = False
+
+    async def put(self, item: tuple[int, Item]) -> None:
+        while len(self._items) >= self._size:
+            await self._taken()
+        self.put_nowait(item)
+
+    def full(self) -> bool:
+        """Over the bound: as ``put`` blocks, one item per child may wait without a pause."""
+        return len(self._items) > self._size
+
+    def put_nowait(self, item: tuple[int, Item]) -> None:
+        """Past the bound by at most one item per child: its reader pauses until ``room``,
+        so a child behind a slow client still holds about one read in the proxy."""
+        self._items.append(item)
+        _wake(self._getter)
+
+    async def room(self) -> None:
+        """Until the mailbox is back within its bound."""
+        while self.full():
+            await self._taken()
+
+    async def _taken(self) -> None:
+        """Until the writer next takes what is waiting."""
+        putter = asyncio.get_running_loop().create_future()
+        self._putters.append(putter)
+        try:
+            await putter
+        finally:
+            if putter in self._putters:
+                self._putters.remove(putter)
+
+    async def take(self) -> list[tuple[int, Item]] | None:
+        """Everything waiting (at least one item), [] once cut, None when woken by ``ping``."""
+        if not self._items and self.cut_reason is None and not self._pinged:
+            getter = self._getter = asyncio.get_running_loop().create_future()
+            await getter
+        if self.cut_reason is not None:
+            return []
+        self._pinged = False
+        if not self._items:
+            return None
+        items = list(self._items)
+        self._items.clear()
+        while self._putters:
+            _wake(self._putters.popleft())
+        return items
+
+    def ping(self) -> None:
+        """Wake the writer with nothing to take (its keep-alive is due)."""
+        self._pinged = True
+        _wake(self._getter)
+
+    def cut(self, reason: str) -> None:
+        self.cut_reason = reason
+        _wake(self._getter)
+
+
+class PingTimer:
+    """Pings the mailbox after ``seconds`` with nothing written (0: never).
+
+    One timer per stream, moved on lazily when it fires: a write costs a clock read, not a
+    timer of its own.
+    """
+
+    def __init__(self, mailbox: Mailbox, seconds: float) -> None:
+        self._mailbox = mailbox
+        self._seconds = seconds
+        self._loop = asyncio.get_running_loop()
+        self._written_at = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+        if seconds:
+            self._timer = self._loop.call_at(self._written_at + seconds, self._check)
+
+    def wrote(self) -> None:
+        self._written_at = self._loop.time()
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        due = self._written_at + self._seconds
+        if now >= due:
+            self._mailbox.ping()
+            due = now + self._seconds
+        self._timer = self._loop.call_at(due, self._check)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()

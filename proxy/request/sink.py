@@ -1,19 +1,22 @@
 """Writing a response straight into the client's transport, past aiohttp's writer.
 
 The relay (pass-through) and the stitched stream (fan-out) both write here: one
-``transport.write`` per piece, chunked framing done in place, no coroutine per chunk. The
+``transport.write`` per piece, chunked framing done in place, no coroutine per chunk, the bytes
+counted on the request's record. "The client left" is raised here only (``ClientGone``). The
 response's head is aiohttp's, sent first (``ExactHead``'s when its bytes are not UTF-8); its
 ``write_eof`` still ends the body.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Awaitable, Callable
+from time import perf_counter
 from typing import NamedTuple
 
 from aiohttp import web
+
+from proxy.observe.record import RequestRecord
 
 
 class Sink(NamedTuple):
@@ -25,15 +28,29 @@ class Sink(NamedTuple):
     drain: Callable[[], Awaitable[None]]
 
 
-def client_sink(request: web.Request, transport: asyncio.Transport) -> Sink:
-    """For a response already prepared: its body's bytes go to ``transport`` directly.
+class ClientGone(ConnectionResetError):
+    """The client left: its connection is closed or closing. Raised here only; callers catch
+    ``ConnectionError``, as for a reset from the socket itself."""
 
-    Writing or draining once the client is gone raises ``ConnectionResetError``, the error
-    callers handle (uvloop itself would raise ``RuntimeError`` on a transport whose connection
-    is lost). A write that finds the client's socket reset marks the transport closing at once
+    def __init__(self) -> None:
+        super().__init__("the client left")
+
+
+def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: bool) -> Sink:
+    """For a response already prepared: its body's bytes go to the client's transport directly,
+    each write counted on ``record`` (``bytes_out``) and, with ``first_chunk``, the first one's
+    time stamped (a fan-out stream stamps its first stitched chunk itself: a keep-alive ping
+    is not one).
+
+    Writing or draining once the client is gone raises ``ClientGone``, the error callers
+    handle (uvloop itself would raise ``RuntimeError`` on a transport whose connection is
+    lost). A write that finds the client's socket reset marks the transport closing at once
     and runs ``connection_lost`` only later: aiohttp's ``drain`` would return at once meanwhile
     (it waits only while the protocol is paused), so the check here comes first.
     """
+    transport = request.transport
+    if transport is None:
+        raise ClientGone()
     writer = request.writer
     send_headers = getattr(writer, "send_headers", None)  # aiohttp >= 3.12 holds the head back
     if send_headers is not None:
@@ -41,29 +58,55 @@ def client_sink(request: web.Request, transport: asyncio.Transport) -> Sink:
     protocol = request.protocol
     closing = transport.is_closing
     send = transport.write
+    if record.bytes_out is None:
+        record.bytes_out = 0
 
     def full() -> bool:
         return protocol.writing_paused or closing()
 
+    # Four writes, so that none tests per chunk what is known once: the framing and the stamp.
     if getattr(writer, "chunked", False):
+        if first_chunk:
+
+            def write(data: bytes) -> None:
+                if closing():
+                    raise ClientGone()
+                if record.first_chunk_at is None:
+                    record.first_chunk_at = perf_counter()
+                record.bytes_out = (record.bytes_out or 0) + len(data)
+                send(b"%x\r\n%b\r\n" % (len(data), data))
+
+        else:
+
+            def write(data: bytes) -> None:
+                if closing():
+                    raise ClientGone()
+                record.bytes_out = (record.bytes_out or 0) + len(data)
+                send(b"%x\r\n%b\r\n" % (len(data), data))
+
+    elif first_chunk:
 
         def write(data: bytes) -> None:
             if closing():
-                raise ConnectionResetError("the client left")
-            send(b"%x\r\n%b\r\n" % (len(data), data))
+                raise ClientGone()
+            if record.first_chunk_at is None:
+                record.first_chunk_at = perf_counter()
+            record.bytes_out = (record.bytes_out or 0) + len(data)
+            send(data)
 
     else:
 
         def write(data: bytes) -> None:
             if closing():
-                raise ConnectionResetError("the client left")
+                raise ClientGone()
+            record.bytes_out = (record.bytes_out or 0) + len(data)
             send(data)
 
     drain_writer = writer.drain
 
     async def drain() -> None:
         if closing():
-            raise ConnectionResetError("the client left")
+            raise ClientGone()
         await drain_writer()  # suspends: not closing and full means the protocol is paused
 
     return Sink(write, full, drain)
@@ -85,7 +128,7 @@ class ExactHead(web.StreamResponse):
         assert request is not None
         transport = request.transport
         if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client left")
+            raise ClientGone()
         version = request.version
         parts = [f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"]
         parts += [f"{name}: {value}" for name, value in self.headers.items()]

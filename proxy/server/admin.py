@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from proxy.request.runtime import Runtime
+from proxy.observe.metrics import Metrics
+from proxy.request.handler import InFlight
+from proxy.request.responses import SERVER
+from proxy.upstream.service import Upstreams
 
-ADMIN_RUNTIME = web.AppKey("admin_runtime", Runtime)
+
+@dataclass(frozen=True)
+class Watched:
+    """What the admin listener reports on: the proxy app's requests, upstreams and metrics."""
+
+    in_flight: InFlight
+    upstreams: Upstreams
+    metrics: Metrics
+
+    @property
+    def ready(self) -> bool:
+        return not self.in_flight.draining and self.upstreams.ready
 
 
-def build_admin_app(runtime: Runtime) -> web.Application:
+WATCHED = web.AppKey("watched", Watched)
+
+
+def build_admin_app(in_flight: InFlight, upstreams: Upstreams, metrics: Metrics) -> web.Application:
     app = web.Application()
-    app[ADMIN_RUNTIME] = runtime
+    app[WATCHED] = Watched(in_flight, upstreams, metrics)
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)
@@ -21,7 +40,7 @@ def build_admin_app(runtime: Runtime) -> web.Application:
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
-    response.headers["Server"] = "n-proxy"
+    response.headers["Server"] = SERVER
 
 
 async def _livez(request: web.Request) -> web.Response:
@@ -29,17 +48,18 @@ async def _livez(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    runtime = request.app[ADMIN_RUNTIME]
+    watched = request.app[WATCHED]
+    ready = watched.ready
     body = {
-        "ready": runtime.ready,
-        "draining": runtime.draining,
-        "upstreams": runtime.healthy,
-        "replicas": runtime.replicas,
-        "in_flight": runtime.in_flight,
+        "ready": ready,
+        "draining": watched.in_flight.draining,
+        "upstreams": watched.upstreams.checked_health,
+        "replicas": watched.upstreams.checked_replicas,
+        "in_flight": watched.in_flight.requests,
     }
-    return web.json_response(body, status=200 if runtime.ready else 503)
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = request.app[ADMIN_RUNTIME].metrics.render()
+    body = request.app[WATCHED].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

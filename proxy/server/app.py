@@ -1,5 +1,5 @@
-"""The proxy's aiohttp application: the one handler on every path, the upstream service started
-and stopped with the app, and its headers (``Server``, the demo notice).
+"""The proxy's aiohttp application: the one handler on every path, the upstreams started and
+stopped with the app, the request record's observers, and the demo notice's header.
 """
 
 from __future__ import annotations
@@ -12,30 +12,38 @@ from aiohttp import web
 
 from proxy.config.models import Config
 from proxy.observe.census import Census, UpstreamCensus
-from proxy.observe.metrics import MULTIPROCESS, Metrics
-from proxy.observe.tally import value_of
-from proxy.request.handler import handle
-from proxy.request.passthrough import UPSTREAM_SERVER
-from proxy.request.responses import SERVER
-from proxy.request.runtime import POOL, RUNTIME, TRIMMER, Runtime
+from proxy.observe.clienterrors import ClientErrors
+from proxy.observe.log import RequestLine
+from proxy.observe.metrics import MULTIPROCESS, Metrics, RequestMetrics
+from proxy.observe.record import Observer, Observers
+from proxy.observe.tracing import Tracing
+from proxy.request.handler import Handler, InFlight, server_header
 from proxy.server.connection import EveryPath
 from proxy.server.memory import Trimmer
 from proxy.upstream.discovery import Resolver
-from proxy.upstream.service import UpstreamPool
+from proxy.upstream.service import Upstreams
 
 DEMO_HEADER = "X-N-Proxy-Demo"
 _SAMPLE_SECONDS = 1.0  # --workers: how often each worker writes its queue depths for /metrics
 
+# What an app serves with, for the process, the admin listener and tests to read.
+UPSTREAMS = web.AppKey("upstreams", Upstreams)
+IN_FLIGHT = web.AppKey("in_flight", InFlight)
+
 
 def build_app(
     config: Config,
-    runtime: Runtime | None = None,
     *,
+    metrics: Metrics | None = None,
+    in_flight: InFlight | None = None,
+    client_errors: ClientErrors | None = None,
+    tracing: Tracing | None = None,
     resolver: Resolver | None = None,
     notice: str | None = None,
 ) -> web.Application:
     """``resolver`` replaces the system's DNS lookups for ``discovery.dns`` (tests inject one);
-    ``notice`` goes out as ``X-N-Proxy-Demo`` on every response (the demo mode's warning)."""
+    ``notice`` goes out as ``X-N-Proxy-Demo`` on every response (the demo mode's warning);
+    ``tracing`` (None: off) gets every request's and upstream request's span."""
     app = web.Application(
         client_max_size=config.max_body_bytes,
         # auto_decompress off: a pass-through forwards the client's bytes as they came; the
@@ -43,66 +51,74 @@ def build_app(
         # (proxy.core.encoding).
         handler_args={"max_field_size": 65536, "auto_decompress": False},
     )
-    app[RUNTIME] = runtime or Runtime(config)
-    app[TRIMMER] = trimmer = Trimmer()
-    app.on_response_prepare.append(_server_header)
+    if metrics is None:
+        metrics = Metrics()
+    metrics.known(config)
+    in_flight = in_flight or InFlight()
+    upstreams = Upstreams(config, metrics, resolver)
+    app[UPSTREAMS] = upstreams
+    app[IN_FLIGHT] = in_flight
+    metrics.census = functools.partial(take_census, in_flight, upstreams)
+    trimmer = Trimmer()
+    watching: list[Observer] = [RequestMetrics(metrics, config), RequestLine()]
+    if tracing is not None:
+        watching.insert(0, tracing)  # a span begins before the others see the request
+    handler = Handler(
+        config,
+        upstreams,
+        Observers(watching, large=trimmer.watch()),
+        in_flight,
+        client_errors or ClientErrors(metrics),
+        metrics,
+    )
+    app.on_response_prepare.append(server_header)
     if notice is not None:
         app.on_response_prepare.append(functools.partial(_notice_header, notice))
-    app.cleanup_ctx.append(functools.partial(_pool, resolver=resolver, trimmer=trimmer))
+    app.cleanup_ctx.append(functools.partial(_serve, upstreams=upstreams, trimmer=trimmer))
     every = EveryPath("/")
     app.router.register_resource(every)
-    every.add_route("*", handle)
+    every.add_route("*", handler.handle)
     return app
-
-
-async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
-    if not request.get(UPSTREAM_SERVER, False):
-        response.headers["Server"] = SERVER
 
 
 async def _notice_header(notice: str, request: web.Request, response: web.StreamResponse) -> None:
     response.headers[DEMO_HEADER] = notice  # replaces any copy a pass-through brought along
 
 
-async def _pool(
-    app: web.Application, resolver: Resolver | None, trimmer: Trimmer
+async def _serve(
+    app: web.Application, upstreams: Upstreams, trimmer: Trimmer
 ) -> AsyncIterator[None]:
-    runtime = app[RUNTIME]
-    pool = UpstreamPool(runtime.config, runtime.metrics, resolver)
-    await pool.start(runtime.health_reported)
-    app[POOL] = pool
-    runtime.metrics.census = functools.partial(take_census, runtime, pool)
-    sampler = asyncio.create_task(_sample(runtime.metrics)) if MULTIPROCESS else None
+    await upstreams.start()
+    sampler = asyncio.create_task(_sample(upstreams.metrics)) if MULTIPROCESS else None
     yield
     trimmer.close()
     if sampler is not None:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
-    await pool.close()
+    await upstreams.close()
 
 
-def take_census(runtime: Runtime, pool: UpstreamPool | None) -> Census:
-    """The counts as they are now; ``pool`` None before the app's start (nothing upstream)."""
-    upstreams = []
-    if pool is not None:
-        for upstream in pool.config.upstreams:
-            state = pool.state(upstream)
-            upstreams.append(
-                UpstreamCensus(
-                    upstream.name,
-                    state.slots.in_use,
-                    state.slots.queued,
-                    round(value_of(state.timings.in_flight)),
-                    {replica.url: replica.outstanding for replica in state.replicas},
-                )
+def take_census(in_flight: InFlight, upstreams: Upstreams) -> Census:
+    """The counts as they are now."""
+    counted = []
+    for upstream in upstreams.config.upstreams:
+        state = upstreams.state(upstream)
+        counted.append(
+            UpstreamCensus(
+                upstream.name,
+                state.slots.in_use,
+                state.slots.queued,
+                state.exchanges,
+                {replica.url: replica.outstanding for replica in state.replicas},
             )
+        )
     return Census(
-        requests=runtime.in_flight,
-        children=runtime.children,
-        streams=len(runtime.streams),
-        connections=len(pool.connections.in_use) if pool is not None else 0,
-        idle=pool.connections.idle_connections() if pool is not None else 0,
-        upstreams=tuple(upstreams),
+        requests=in_flight.requests,
+        children=in_flight.fanouts.children,
+        streams=len(in_flight.fanouts.streams),
+        connections=len(upstreams.connections.in_use),
+        idle=upstreams.connections.idle_connections(),
+        upstreams=tuple(counted),
     )
 
 

@@ -13,16 +13,15 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, cast
 
-import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from proxy.config.models import Config
-from proxy.core.errors import InvalidRequest, ProxyError, RequestTimeout, error_body, status_type
+from proxy.core.errors import InvalidRequest, RequestTimeout
 from proxy.observe.clienterrors import ClientErrors, kind_of, lacks_version
 from proxy.observe.metrics import Metrics
-from proxy.request.responses import SERVER
+from proxy.request.responses import error_page, status_response
 from proxy.server.backlog import listen_backlog
 
 
@@ -50,19 +49,8 @@ class ConnectionCap:
         self.metrics.client_connections.dec()
 
 
-def _page(status: int, error: ProxyError) -> bytes:
-    """A whole answer, written before any request is parsed: aiohttp's writer is not there."""
-    body = error.body()
-    head = (
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"
-        f"Server: {SERVER}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-_TIMEOUT_PAGE = _page(408, RequestTimeout("request headers not received in time"))
-_HTTP09_PAGE = _page(400, InvalidRequest("malformed request line: no HTTP version"))
+_TIMEOUT_PAGE = error_page(408, RequestTimeout("request headers not received in time"))
+_HTTP09_PAGE = error_page(400, InvalidRequest("malformed request line: no HTTP version"))
 _FIRST_LINE = 8190  # bytes of a connection's first line looked at: aiohttp's max_line_size
 _MESSAGE = 300  # characters of the parser's message in a 400's body
 
@@ -119,14 +107,7 @@ class ErrorPages(RequestHandler):
         else:  # a handler that raised: a bug, logged with its traceback
             super().handle_error(request, status, exc, message)  # raises if too late
         text = message[:_MESSAGE] if status < 500 and message else HTTPStatus(status).phrase
-        response = web.Response(
-            status=status,
-            body=orjson.dumps(error_body(text, status_type(status))),
-            content_type="application/json",
-            headers={"Server": SERVER},
-        )
-        response.force_close()
-        return response
+        return status_response(status, text)
 
 
 class ClientConnection(ErrorPages):

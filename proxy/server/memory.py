@@ -3,7 +3,9 @@
 Python frees a large request's objects as soon as it ends, but glibc's malloc keeps the pages
 (and, after a large free, raises its mmap threshold so the next large buffers come from the heap
 too), so RSS would stay at the high-water mark. ``malloc_trim(0)`` shortly after a large request,
-at most one pending at a time, returns them. Elsewhere than glibc this does nothing.
+at most one pending at a time, returns them. Elsewhere than glibc this does nothing. The trimmer
+watches the ends of large requests only (``LargeRequest``): a request under both thresholds never
+calls it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import asyncio
 import ctypes
 import ctypes.util
 from collections.abc import Callable
+
+from proxy.observe.record import LargeRequest, RequestRecord
 
 LARGE_BODY = 1 << 20  # request bytes
 LARGE_FANOUT = 256  # children
@@ -32,10 +36,12 @@ class Trimmer:
         self._trim = _malloc_trim()
         self._pending: asyncio.TimerHandle | None = None
 
-    def request_ended(self, body_bytes: int, children: int) -> None:
+    def watch(self) -> LargeRequest:
+        """What the record calls as a large request ends."""
+        return LargeRequest(LARGE_BODY, LARGE_FANOUT, self.large_request_ended)
+
+    def large_request_ended(self, record: RequestRecord) -> None:
         if self._trim is None or self._pending is not None:
-            return
-        if body_bytes < LARGE_BODY and children < LARGE_FANOUT:
             return
         self._pending = asyncio.get_running_loop().call_later(_DELAY, self._run)
 

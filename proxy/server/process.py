@@ -17,11 +17,13 @@ from collections.abc import Callable
 from aiohttp import web
 
 from proxy.config.models import Config
+from proxy.observe.clienterrors import ClientErrors
 from proxy.observe.log import log_event
+from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import tracing_from_env
-from proxy.request.runtime import Runtime
+from proxy.request.handler import InFlight
 from proxy.server.admin import build_admin_app
-from proxy.server.app import build_app
+from proxy.server.app import UPSTREAMS, build_app
 from proxy.server.connection import ClientConnection, ConnectionCap, ErrorPages, Listener
 
 _CUT_GRACE = 1.0  # seconds for cut streams to write their last event before sockets close
@@ -35,15 +37,26 @@ class Server:
     ) -> None:
         self.config = config
         self.reuse_port = reuse_port
-        self.runtime = Runtime(config, tracing=tracing_from_env())
+        self.metrics = Metrics()
+        self.tracing = tracing_from_env()
+        self.in_flight = InFlight()
+        self.client_errors = ClientErrors(self.metrics)  # one count and log budget for both
+        app = build_app(
+            config,
+            metrics=self.metrics,
+            in_flight=self.in_flight,
+            client_errors=self.client_errors,
+            tracing=self.tracing,
+            notice=notice,
+        )
+        self.upstreams = app[UPSTREAMS]
         self._proxy = web.AppRunner(
-            build_app(config, self.runtime, notice=notice),
-            handler_cancellation=True,
-            access_log=None,
-            shutdown_timeout=_CUT_GRACE,
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=_CUT_GRACE
         )
         self._admin = web.AppRunner(
-            build_admin_app(self.runtime), access_log=None, shutdown_timeout=_CUT_GRACE
+            build_admin_app(self.in_flight, self.upstreams, self.metrics),
+            access_log=None,
+            shutdown_timeout=_CUT_GRACE,
         )
         self._proxy_site: Listener | None = None
         self._drain_ends: float | None = None  # loop time by which the drain is to be over
@@ -54,8 +67,8 @@ class Server:
         await self._proxy.setup()
         _raise_fd_limit(self.config)
         listen = self.config.listen
-        errors = self.runtime.client_errors  # one count and log budget for both listeners
-        cap = ConnectionCap(self.config, self.runtime.metrics, errors)
+        errors = self.client_errors
+        cap = ConnectionCap(self.config, self.metrics, errors)
         connection = functools.partial(ClientConnection, cap)
         self._proxy_site = Listener(
             self._proxy, listen.host, listen.port, connection, self.reuse_port
@@ -70,24 +83,24 @@ class Server:
             self.admin_port = _port(self._admin)
 
     async def drain(self) -> None:
-        runtime = self.runtime
-        runtime.draining = True
+        in_flight = self.in_flight
+        in_flight.draining = True
         loop = asyncio.get_running_loop()
         self._drain_ends = loop.time() + self.config.drain_seconds
         grace = min(self.config.drain_grace_seconds, self.config.drain_seconds)
-        log_event("draining", in_flight=runtime.in_flight, drain_seconds=self.config.drain_seconds)
+        log_event("draining", in_flight=in_flight.requests, drain_seconds=self.config.drain_seconds)
         await asyncio.sleep(grace)
         if self._proxy_site is not None:
             await self._proxy_site.stop()
         try:
             async with asyncio.timeout_at(self._drain_ends):
-                await runtime.wait_idle()
+                await in_flight.wait_idle()
         except TimeoutError:
-            log_event("drain time is up; cutting streams", in_flight=runtime.in_flight)
-            runtime.cut_streams("the proxy is shutting down")
+            log_event("drain time is up; cutting streams", in_flight=in_flight.requests)
+            in_flight.fanouts.cut_streams("the proxy is shutting down")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_CUT_GRACE):
-                    await runtime.wait_idle()
+                    await in_flight.wait_idle()
 
     async def close(self) -> None:
         """Every listener closed, then the spans sent: within what is left of the drain (at
@@ -95,11 +108,11 @@ class Server:
         ``drain_seconds`` of SIGTERM whatever the trace collector does."""
         await self._proxy.cleanup()
         await self._admin.cleanup()
-        if self.runtime.tracing is not None:
+        if self.tracing is not None:
             left = _FLUSH_SECONDS
             if self._drain_ends is not None:
                 left = self._drain_ends - asyncio.get_running_loop().time()
-            await self.runtime.tracing.close(min(max(left, _CUT_GRACE), _FLUSH_SECONDS))
+            await self.tracing.close(min(max(left, _CUT_GRACE), _FLUSH_SECONDS))
 
 
 async def run(

@@ -3,44 +3,43 @@ checks, DNS discovery, concurrency and timeouts, around the one ``ConnectionPool
 connections.
 
 Every byte sent upstream, health checks included, goes through one ``ConnectionPool``
-(``proxy.http.pool``), http and https alike; requests go through ``UpstreamPool.send``
-(``proxy.upstream.exchange``). The replica state itself lives in ``proxy.upstream.replicas``;
-this module does its I/O.
+(``proxy.http.pool``), http and https alike. A request enters once per upstream request it
+sends: ``Upstreams.admit`` gives each a place in line, and ``Upstreams.exchange`` is everything
+after, from the wait for that place to the end of the body, reported step by step to the
+request's record; upstream client failures become the proxy's own errors here (502 when
+unreachable, 504 on a timeout). The upstreams' state lives in ``proxy.upstream.state``; this module
+does its I/O.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import fnmatch
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import NamedTuple
+from types import TracebackType
+from typing import Literal, NamedTuple
 
 from multidict import CIMultiDict
 
 from proxy.config.models import Config, Upstream
-from proxy.core.errors import Overloaded
+from proxy.core.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
 from proxy.core.headers import rebased_headers
-from proxy.core.url import tls_name
-from proxy.http import BodyTooLong, ConnectionPool, HTTPClientError, UpstreamResponse
+from proxy.http import (
+    BodyTooLong,
+    ClientClosed,
+    ConnectFailed,
+    ConnectionPool,
+    Disconnected,
+    HTTPClientError,
+    UpstreamResponse,
+)
 from proxy.observe.log import log_event, logger
 from proxy.observe.metrics import Metrics
+from proxy.observe.record import ChildRecord
 from proxy.upstream.discovery import Resolver, discover, resolve
-from proxy.upstream.exchange import (
-    Answered,
-    Exchange,
-    Trace,
-    UpstreamRequest,
-    failure_kind,
-    upstream_error,
-)
-from proxy.upstream.replicas import Replica
-from proxy.upstream.retry import Reason, Verdict, parse_retry_after
-from proxy.upstream.slots import Place
-from proxy.upstream.state import UpstreamState
+from proxy.upstream.state import Place, Reason, Replica, UpstreamState, Verdict, parse_retry_after
 
-# (upstream name, any replica healthy, each replica's URL -> takes work) after a health round.
-HealthReport = Callable[[str, bool, dict[str, bool]], None]
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 _DISCARD_SECONDS = 1.0  # ... if it comes this soon: a retry must not wait on a stalled body
 _RELAY_BUFFER = 32 * 1024  # a pass-through body: bytes read ahead of the client at most
@@ -49,15 +48,152 @@ WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
 WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
 
 
-class Ticket(NamedTuple):
-    """One admitted request: the replica it goes to, and its place in the upstream's line
-    (``async with ticket.place`` waits for the slot and gives it back)."""
+class UpstreamRequest(NamedTuple):
+    """What one upstream request carries: the same on every try, so the same seed and id."""
 
+    method: str
+    path_qs: str
+    headers: CIMultiDict[str]
+    body: bytes | None
+    inflate: bool = False  # undo a gzip or deflate Content-Encoding (children parse the body)
+    read_bufsize: int | None = None  # bytes read ahead of the consumer
+
+
+class Ticket(NamedTuple):
+    """One admitted upstream request (a pass-through's, a fan-out child's): its upstream, the
+    replica it goes to, its place in the upstream's line and when it joined the line."""
+
+    state: UpstreamState
     url: str
     place: Place
+    joined: float  # perf_counter seconds, the record's clock
 
 
-class UpstreamPool:
+class Exchange:
+    """One upstream request of a client request, from its place in line to the end of its body:
+    ``async with upstreams.exchange(ticket, request, child) as exchange``.
+
+    Entering waits for the place, then sends the request, with retries and fallback, until a
+    response head is in; the response is then ``exchange.response``, its body read whole with
+    ``read`` or relayed with ``response.relay``. Leaving gives back, in one place and whatever
+    happened, the connection (pooled when its body was read to the end, closed otherwise), the
+    replica's ``outstanding`` count, the fallback's place and its own, and the upstream's count
+    of requests in flight. The steps go to ``child``, the request's record of it.
+
+    A class, not an ``asynccontextmanager``: it is on every request's path, and a generator
+    behind two awaits per request costs more than these few lines.
+    """
+
+    __slots__ = ("_fallback", "_replica", "_request", "_ticket", "_upstreams", "child",
+                 "response")  # fmt: skip
+    response: UpstreamResponse  # its head in once entered
+
+    def __init__(
+        self, upstreams: Upstreams, ticket: Ticket, request: UpstreamRequest, child: ChildRecord
+    ) -> None:
+        self._upstreams = upstreams
+        self._ticket = ticket
+        self._request = request
+        self.child = child
+        self._replica: Replica | None = None  # the replica that answered, once one did
+        self._fallback: Place | None = None
+
+    async def __aenter__(self) -> Exchange:
+        ticket = self._ticket
+        await ticket.place.wait()  # cancelled, the place is given back there
+        child = self.child
+        child.admitted(ticket.joined)
+        ticket.state.exchanges += 1
+        try:
+            self.response, self._replica, self._fallback = await self._upstreams._answer(
+                ticket.state, ticket.url, self._request, child
+            )
+        except BaseException as exc:
+            self._release(exc)
+            raise
+        child.head(self.response.status)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._release(exc)
+
+    def _release(self, failure: BaseException | None) -> None:
+        ticket = self._ticket
+        replica = self._replica
+        try:
+            if replica is not None:
+                # Read to its end: back to the pool. Left unread: closed, so the upstream stops.
+                self._upstreams.connections.release(self.response)
+        finally:
+            if replica is not None:
+                replica.outstanding -= 1
+            if self._fallback is not None:
+                self._fallback.release()
+            ticket.place.release()
+            ticket.state.exchanges -= 1
+            self.child.ended(failure)
+
+    async def read(self) -> bytes:
+        """The whole body; a read that fails is the proxy's 502 or 504 (docs/behaviour.md#errors).
+
+        Past ``max_response_bytes`` the read stops at once and the request fails with 502;
+        leaving the body unread makes the exchange drop the connection, so the upstream stops
+        too."""
+        response = self.response
+        upstream = self._ticket.state.upstream
+        limit = self._upstreams.config.max_response_bytes
+        length = response.content_length
+        try:
+            if length is not None and length > limit:
+                raise BodyTooLong(length)
+            data: bytes = await response.read(limit)
+        except BodyTooLong:
+            raise UpstreamUnavailable(
+                f"upstream {upstream.name} sent a body larger than {limit} bytes"
+            ) from None
+        except (TimeoutError, HTTPClientError) as exc:
+            raise upstream_error(exc, upstream) from None
+        return data
+
+
+def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:
+    """Map an upstream client failure to the proxy's own error (docs/behaviour.md#errors: 502
+    or 504)."""
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeout(f"upstream {upstream.name} timed out")
+    return UpstreamUnavailable(f"upstream {upstream.name} failed: {type(exc).__name__}")
+
+
+def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
+    """``connect``: the request never reached a server (its connect timing out included).
+    ``reset``: the connection closed before a status line came back, or the client was closed
+    under it. Anything else (a timeout waiting for the answer, a malformed answer) is neither."""
+    match exc:
+        case ConnectFailed():
+            return "connect"
+        case Disconnected() | ClientClosed():
+            return "reset"
+    return None
+
+
+# The response to relay, the replica it came from (its ``outstanding`` counts it until the
+# exchange ends), and the fallback upstream's place in line when the fallback sent it.
+Answered = tuple[UpstreamResponse, Replica, Place | None]
+
+
+class Upstreams:
+    """Every upstream of the config: which one a request goes to (``route``), its admission, its
+    exchanges with retries and fallback, its health checks and DNS discovery (not "a pool":
+    ``ConnectionPool`` is the connections').
+
+    ``checked_health`` and ``checked_replicas`` hold each upstream's last health round, as
+    ``/readyz`` shows it; ``health_checked`` is set once every upstream has had one."""
+
     def __init__(self, config: Config, metrics: Metrics, resolver: Resolver | None = None) -> None:
         self.config = config
         self.metrics = metrics
@@ -68,12 +204,21 @@ class UpstreamPool:
         self._loops: list[asyncio.Task[None]] = []
         self.connections = ConnectionPool()
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # between tries
+        self.checked_health: dict[str, bool] = {}  # upstream name -> any replica passed
+        self.checked_replicas: dict[str, dict[str, bool]] = {}  # name -> replica -> takes work
+        self.health_checked = asyncio.Event()
+        # Each route as (path prefix or None, model glob or None, its upstream), in config order.
+        self._routes = [
+            (r.path_prefix, r.model, config.upstream(r.upstream)) for r in config.routes
+        ]
+        self._default = config.upstream(config.default_upstream)
+        self.routes_by_model = any(r.model is not None for r in config.routes)
 
-    async def start(self, report: HealthReport | None = None) -> None:
-        """The pool's own loops: the slot watchdog, each upstream's health checks (results to
-        ``report``) and, where configured, its DNS discovery. ``close`` ends them."""
+    async def start(self) -> None:
+        """The service's own loops: the slot watchdog, each upstream's health checks and, where
+        configured, its DNS discovery. ``close`` ends them."""
         loops = [self._watch()]
-        loops += [self._check_health(u, report) for u in self.config.upstreams]
+        loops += [self._check_health(u) for u in self.config.upstreams]
         loops += [self._discover(u) for u in self.config.upstreams if u.discovery.dns]
         self._loops = [asyncio.create_task(loop) for loop in loops]
 
@@ -83,13 +228,31 @@ class UpstreamPool:
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self.connections.close()
 
-    async def _check_health(self, upstream: Upstream, report: HealthReport | None) -> None:
+    async def _check_health(self, upstream: Upstream) -> None:
         """Every replica of ``upstream`` each ``health_interval`` (docs/behaviour.md#failover)."""
         while True:
-            healthy = await self.healthy(upstream)
-            if report is not None:
-                report(upstream.name, healthy, self.replica_health(upstream))
+            self.checked_health[upstream.name] = await self.healthy(upstream)
+            self.checked_replicas[upstream.name] = self.replica_health(upstream)
+            if len(self.checked_health) == len(self.config.upstreams):
+                self.health_checked.set()
             await asyncio.sleep(upstream.health_interval)
+
+    @property
+    def ready(self) -> bool:
+        """Some upstream passed its last health check."""
+        return any(self.checked_health.values())
+
+    def route(self, path: str, model: str | None) -> Upstream:
+        """Where a request goes: the first route whose path prefix and model glob (case-sensitive)
+        it matches, else the default upstream. Configuration alone decides, never the request's
+        ``Host`` or an absolute URI: no open proxy."""
+        for prefix, glob, upstream in self._routes:
+            if prefix is not None and not path.startswith(prefix):
+                continue
+            if glob is not None and (model is None or not fnmatch.fnmatchcase(model, glob)):
+                continue
+            return upstream
+        return self._default
 
     async def _discover(self, upstream: Upstream) -> None:
         while True:
@@ -103,14 +266,15 @@ class UpstreamPool:
         """``count`` requests into the upstream, in one step: a place each in its FIFO line (429
         on arrival when the line is full), then a replica each by its ``placement``, over the
         healthy replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
-        state = self.state(upstream)
+        state = self._states[upstream.name]
         try:
             places = state.slots.join(count)
         except Overloaded:
             self.metrics.rejected.labels(upstream.name).inc()
             raise
         urls = state.replicas.place(count, time.monotonic())
-        return [Ticket(url, place) for url, place in zip(urls, places, strict=True)]
+        joined = time.perf_counter()
+        return [Ticket(state, url, place, joined) for url, place in zip(urls, places, strict=True)]
 
     async def _watch(self) -> None:
         """Report queued children that the queue in front of them does not explain: a slot leak
@@ -134,37 +298,27 @@ class UpstreamPool:
         logger.warning("slot watchdog", extra={"fields": fields})
         state.slots.repair()
 
-    def send(
-        self, upstream: Upstream, url: str, request: UpstreamRequest, trace: Trace | None = None
-    ) -> Exchange:
-        """Open one upstream request: ``async with pool.send(...) as answer``.
+    def exchange(self, ticket: Ticket, request: UpstreamRequest, child: ChildRecord) -> Exchange:
+        """One upstream request, once its place is granted: ``async with`` it (``Exchange``).
 
         Failures listed in ``retry_on`` are retried before the answer is given out: nothing of a
         retried answer can have reached the client (docs/behaviour.md#failover). The response is
         closed (never reused) if its body is left unread.
         """
-        state = self.state(upstream)
-        return Exchange(
-            functools.partial(self.open_response, state, url, request, trace),
-            self.connections.release,
-            state.timings,
-            upstream,
-            self.config.max_response_bytes,
-            trace,
-        )
+        return Exchange(self, ticket, request, child)
 
-    async def open_response(
+    async def _answer(
         self,
         state: UpstreamState,
         url: str,
         request: UpstreamRequest,
-        trace: Trace | None,
+        child: ChildRecord,
         fallback: bool = True,
     ) -> Answered:
         """The response to relay: up to ``retries`` further tries, each on another replica when
         there is one, with the same body and headers (so the same seed and request id), spaced
-        by the backoff and within the retry budget (``proxy.upstream.retry``). When every try
-        failed in a way ``retry_on`` lists, the fallback upstream is tried (not its own fallback).
+        by the backoff and within the retry budget (``RetryPolicy``). When every try failed in a
+        way ``retry_on`` lists, the fallback upstream is tried (not its own fallback).
 
         Each wait is a cancellation point that holds nothing: the failed try's connection and
         its replica's ``outstanding`` count are let go before it. A retry is counted, logged
@@ -179,8 +333,7 @@ class UpstreamPool:
                 replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
                 assert replica is not None
             tried.append(replica.url)
-            if trace is not None:
-                trace.replica = replica.url
+            child.sent(replica.url, request.headers)
             replica.outstanding += 1
             reason: Reason | None
             failed: UpstreamResponse | None = None
@@ -196,7 +349,7 @@ class UpstreamPool:
                     place = self._fallback_place(state, verdict) if fallback else None
                     if place is None:
                         raise upstream_error(exc, upstream) from None
-                    return await self._fall_back(state, place, request, trace, None)
+                    return await self._fall_back(state, place, request, child, None)
             except BaseException:
                 replica.outstanding -= 1
                 raise
@@ -207,7 +360,7 @@ class UpstreamPool:
                 else:
                     replicas.succeeded(replica.url)
                 if status not in state.retry_on:
-                    return Answered(response, replica)
+                    return response, replica, None
                 reason = status
                 header = response.headers.get("Retry-After")
                 wait = None if header is None else parse_retry_after(header, time.time())
@@ -215,16 +368,14 @@ class UpstreamPool:
                 if verdict.outcome != "retry":
                     place = self._fallback_place(state, verdict) if fallback else None
                     if place is None:
-                        return Answered(response, replica)
+                        return response, replica, None
                     replica.outstanding -= 1
-                    return await self._fall_back(state, place, request, trace, response)
+                    return await self._fall_back(state, place, request, child, response)
                 replica.outstanding -= 1
                 failed = response
             await self._wait_to_retry(state, verdict, failed)
             # The wait is over and the retry goes out: only now is it counted and logged.
-            self.metrics.retries.labels(upstream.name, str(reason)).inc()
-            if trace is not None:
-                trace.retries += 1
+            child.retry(str(reason))
             log_event(
                 "upstream retry", upstream=upstream.name, replica=replica.url, reason=str(reason),
                 retry=len(tried), delay_ms=round(verdict.delay * 1000, 1),
@@ -280,7 +431,7 @@ class UpstreamPool:
         state: UpstreamState,
         place: Place,
         request: UpstreamRequest,
-        trace: Trace | None,
+        child: ChildRecord,
         failed: UpstreamResponse | None,
     ) -> Answered:
         """The request through the fallback upstream, within its ``max_concurrency`` and with
@@ -298,13 +449,13 @@ class UpstreamPool:
             headers = rebased_headers(
                 request.headers, state.upstream.headers, other.upstream.headers
             )
-            answered = await self.open_response(
-                other, url, request._replace(headers=headers), trace, fallback=False
+            response, replica, _ = await self._answer(
+                other, url, request._replace(headers=headers), child, fallback=False
             )
         except BaseException:
             place.release()
             raise
-        return answered._replace(place=place)
+        return response, replica, place
 
     async def _open(
         self, replica: Replica, request: UpstreamRequest, upstream: Upstream
@@ -316,7 +467,7 @@ class UpstreamPool:
             replica.url, method, path_qs, _with_host(headers, replica), body,
             connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
             inflate=inflate, buffer=2 * (read_bufsize or _RELAY_BUFFER),
-            tls_name=tls_name(replica.url, replica.host),
+            tls_name=replica.tls_name,
         )  # fmt: skip
 
     async def _discard(self, response: UpstreamResponse, within: float) -> None:
@@ -357,7 +508,7 @@ class UpstreamPool:
                     replica.url, "GET", upstream.health_path,
                     _with_host(upstream.headers, replica), None,
                     connect=timeout, first_byte=timeout, idle=timeout,
-                    tls_name=tls_name(replica.url, replica.host),
+                    tls_name=replica.tls_name,
                 )  # fmt: skip
                 status = response.status
                 await self._discard(response, timeout)

@@ -23,7 +23,7 @@ from proxy.config.models import (
     parse_config,
     single_upstream_config,
 )
-from proxy.request.runtime import RUNTIME
+from proxy.server.app import UPSTREAMS
 from tests.support.servers import Backend, Servers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,7 +137,7 @@ async def test_no_section_of_a_running_proxys_config_can_be_changed(
     full = load_config(ROOT / "config" / "full.yaml", {"CHAT_API_KEY": "k"})
     at_backend = tuple(u.model_copy(update={"urls": (backend.url,)}) for u in full.upstreams)
     proxy = await servers.proxy(full.model_copy(update={"upstreams": at_backend}))
-    config = proxy.app[RUNTIME].config
+    config = proxy.app[UPSTREAMS].config
     sections = list(_sections(config, "config"))
     every_kind = {
         kind
@@ -419,7 +419,7 @@ def test_single_upstream_config_is_one_default_upstream() -> None:
 def test_single_upstream_config_applies_overrides() -> None:
     config = single_upstream_config("http://127.0.0.1:8000", max_n=64, log_format="text")
     assert (config.max_n, config.log_format) == (64, "text")
-    assert config.choose_upstream("/v1/completions", "m").urls == ("http://127.0.0.1:8000",)
+    assert config.upstream(config.default_upstream).urls == ("http://127.0.0.1:8000",)
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://h:1", "http://", "not a url"])
@@ -428,47 +428,11 @@ def test_single_upstream_config_rejects_a_bad_url(url: str) -> None:
         single_upstream_config(url)
 
 
-# --- choose_upstream: configuration alone picks the destination (docs/behaviour.md#routing) ---
-
-ROUTED = """\
-default_upstream: fallback
-upstreams:
-  - {name: fallback, url: http://fallback:1}
-  - {name: llama, url: http://llama:1}
-  - {name: openai, url: http://openai:1}
-  - {name: qwen-v1, url: http://qwen:1}
-routes:
-  - {model: "llama-*", upstream: llama}
-  - {path_prefix: /openai/, upstream: openai}
-  - {model: "qwen?", path_prefix: /v1/, upstream: qwen-v1}
-"""
-
-
-@pytest.mark.parametrize(
-    ("path", "model", "expected"),
-    [
-        pytest.param("/v1/chat/completions", "llama-3-8b", "llama", id="model-glob"),
-        pytest.param("/openai/v1/chat/completions", "llama-3", "llama", id="first-route-wins"),
-        pytest.param("/openai/v1/completions", "gpt", "openai", id="path-prefix"),
-        pytest.param("/openai/v1/models", None, "openai", id="path-prefix-without-model"),
-        pytest.param("/v1/completions", "qwen2", "qwen-v1", id="model-and-prefix"),
-        pytest.param("/v2/completions", "qwen2", "fallback", id="model-right-prefix-wrong"),
-        pytest.param("/v1/completions", "qwen25", "fallback", id="glob-question-mark-one-char"),
-        pytest.param("/v1/chat/completions", "Llama-3", "fallback", id="glob-is-case-sensitive"),
-        pytest.param("/v1/chat/completions", "mistral", "fallback", id="no-match-falls-back"),
-        pytest.param("/v1/models", None, "fallback", id="no-model-falls-back"),
-    ],
-)
-def test_choose_upstream(path: str, model: str | None, expected: str) -> None:
-    assert parse_config(ROUTED, {}).choose_upstream(path, model).name == expected
-
-
 def test_default_upstream_defaults_to_the_first() -> None:
     config = parse_config(
         "upstreams: [{name: one, url: http://a:1}, {name: two, url: http://b:1}]", {}
     )
     assert config.default_upstream == "one"
-    assert config.choose_upstream("/v1/chat/completions", "m").name == "one"
 
 
 # --- replicas and failover (docs/behaviour.md#failover) -----------------------------------------

@@ -419,6 +419,19 @@ def test_stream_holds_back_usage_only_chunks_and_done_then_sends_one_merged_tail
     ]
 
 
+def test_the_merged_usage_after_the_tail_is_the_tail_s_merged_once() -> None:
+    s = StreamStitcher(plan(STREAM_WITH_USAGE))
+    s.chunk(0, usage_chunk("chatcmpl-0_abc", 12, 3))
+    before = s.usage()  # mid-stream (a stream that failed): merged from what came so far
+    assert before == {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
+    assert s.usage() is not before
+    s.chunk(1, usage_chunk("chatcmpl-1_abc", 12, 5))
+    tail = s.tail()
+    usage = s.usage()
+    assert usage == sse(tail)[0]["usage"]
+    assert s.usage() is usage  # the request's record takes the tail's, not a second merge
+
+
 @pytest.mark.parametrize(
     "body",
     [

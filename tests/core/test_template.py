@@ -1,4 +1,5 @@
-"""Tests for proxy.core.template: the byte templates send what the full path sends, byte for byte.
+"""Tests for the byte templates (proxy.core.stitch): they send what the full path sends, byte
+for byte.
 
 Literal streams first (vLLM's, the pacer's, crafted bytes around the value, a multi-line
 event), then a differential fuzzer: child streams as a server might send them (token

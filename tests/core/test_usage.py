@@ -1,5 +1,5 @@
-"""Tests for proxy.core.usage: per-child usage dicts in, the native-n usage out
-(docs/behaviour.md#usage, #best-of)."""
+"""Tests for the usage merge (proxy.core.stitch): per-child usage dicts in, the native-n usage
+out (docs/behaviour.md#usage, #best-of)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.core.usage import merge_usage
+from proxy.core.stitch import merge_usage
 
 
 def usage(prompt: int, completion: int, **extra: Any) -> dict[str, Any]:

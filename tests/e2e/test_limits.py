@@ -316,7 +316,7 @@ async def test_slow_request_body_is_408_and_the_connection_closed(fake: Fake) ->
         answer = await exchange(server.proxy_port, head)
         assert answer.status == 408
         assert answer.error()["type"] == "invalid_request_error"
-        assert server.runtime.metrics.client_timeouts.labels("body")._value.get() == 1
+        assert server.metrics.client_timeouts.labels("body")._value.get() == 1
         # A prompt client on the same proxy is unaffected.
         whole = json_request(CHAT, {"messages": [], "n": 2})
         assert (await exchange(server.proxy_port, whole)).status == 200
@@ -341,7 +341,7 @@ async def test_trickled_request_headers_are_cut_with_408(fake: Fake, case: str) 
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
-        assert server.runtime.metrics.client_timeouts.labels("headers")._value.get() == 1
+        assert server.metrics.client_timeouts.labels("headers")._value.get() == 1
     answer = parse(raw)
     assert answer.status == 408
     assert answer.headers["Server"] == "n-proxy"
@@ -358,13 +358,13 @@ async def test_connections_past_max_connections_are_closed_at_accept(fake: Fake)
             with contextlib.suppress(ConnectionError):
                 assert await asyncio.wait_for(reader.read(-1), 20) == b""
             writer.close()
-            assert server.runtime.metrics.connections_refused._value.get() == 1
+            assert server.metrics.connections_refused._value.get() == 1
         finally:
             for _, held_writer in held:
                 held_writer.close()
         # Once the held connections are gone, new ones are served again.
         for _ in range(400):  # the held connections' ends reach the proxy in a moment
-            if server.runtime.metrics.client_connections._value.get() == 0:
+            if server.metrics.client_connections._value.get() == 0:
                 break
             await asyncio.sleep(0.05)
         answer = await exchange(server.proxy_port, request("/v1/models", b"", method="GET"))

@@ -20,8 +20,14 @@ from proxy.http import (
     ResponseTimeout,
     UpstreamResponse,
 )
-from proxy.http.connection import WRITE_PIECE, ConnectionState, UpstreamConnection, _crlf_after_end
-from proxy.http.response import Mode, ResponseState
+from proxy.http.connection import (
+    WRITE_PIECE,
+    ConnectionState,
+    Mode,
+    ResponseState,
+    UpstreamConnection,
+    _crlf_after_end,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 Serve = Callable[[Handler], Awaitable[tuple["Raw", str]]]

@@ -43,9 +43,7 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
 INSTANCE_MEMBERS = {web.StreamResponse: ("_req",), aiohttp.web_server.Server: ("_kwargs",)}
 
 # Reach-ups still to be removed inside this step (module, the module it must not import).
-KNOWN_REACH_UPS: frozenset[tuple[str, str]] = frozenset(
-    {("proxy.observe.tracing", "proxy.upstream.exchange")}
-)
+KNOWN_REACH_UPS: frozenset[tuple[str, str]] = frozenset(())
 
 
 def module_name(path: Path) -> str:

@@ -21,10 +21,10 @@ import threading
 
 import pytest
 
-from proxy.request.runtime import POOL, RUNTIME
+from proxy.server.app import UPSTREAMS
 from proxy.devserver import DevConfig, start_devserver
 from proxy.config.models import Listen
-from proxy.request.mailbox import Mailbox
+from proxy.request.fanout import Mailbox
 from proxy.server.process import Server
 from tests.support.servers import Backend, proxy_config, start_proxy
 
@@ -41,7 +41,7 @@ async def test_clean_fanout(proxy, http):
 
 async def test_slot_left_held(proxy):
     (upstream,) = proxy.config.upstreams
-    proxy.app[POOL].admit(upstream, 1)  # a place in line taken and never given back
+    proxy.app[UPSTREAMS].admit(upstream, 1)  # a place in line taken and never given back
 
 
 async def test_stream_left_unread(proxy, http):
@@ -55,7 +55,7 @@ async def test_stream_left_unread(proxy, http):
 
 async def test_fails_and_leaks(proxy):
     (upstream,) = proxy.config.upstreams
-    proxy.app[POOL].admit(upstream, 1)
+    proxy.app[UPSTREAMS].admit(upstream, 1)
     assert False, "a failure of its own"
 
 
@@ -81,10 +81,10 @@ async def server_with_a_request_in_flight(backend, http, drain_seconds):
     url = f"http://127.0.0.1:{server.proxy_port}{CHAT}"
     request = asyncio.ensure_future(http.post(url, json=body))
     for _ in range(500):
-        if server.runtime.in_flight:
+        if server.in_flight.requests:
             break
         await asyncio.sleep(0.01)
-    assert server.runtime.in_flight == 1
+    assert server.in_flight.requests == 1
     return server, request
 
 
@@ -120,8 +120,8 @@ def test_slot_left_held_on_a_thread_s_loop(threaded):
     loop, runner = threaded
 
     async def admit():
-        (upstream,) = runner.app[RUNTIME].config.upstreams
-        runner.app[POOL].admit(upstream, 1)
+        (upstream,) = runner.app[UPSTREAMS].config.upstreams
+        runner.app[UPSTREAMS].admit(upstream, 1)
 
     asyncio.run_coroutine_threadsafe(admit(), loop).result(30)
 
@@ -182,7 +182,7 @@ def test_leaks_fail_by_name_with_what_was_held_and_clean_tests_pass(
     assert "run_child" in unread
     pending = errors["test_task_of_the_proxy_left_pending"]
     assert "1 tasks of the proxy still pending after the test's fixtures were torn down" in pending
-    assert "proxy/request/mailbox.py:" in pending
+    assert "proxy/request/fanout.py:" in pending
     assert "was never shut down" in errors["test_proxy_never_shut_down"]
     # Judged before aiohttp's cleanup cancels the handler, whose finally would hide the leak.
     closed = errors["test_server_closed_mid_request"]

@@ -238,7 +238,7 @@ async def send_raw(port: int, pieces: list[bytes]) -> bytes:
 
 
 def protocol_errors(server: Server) -> dict[str, float]:
-    text = server.runtime.metrics.render().decode()
+    text = server.metrics.render().decode()
     return {
         sample.labels["kind"]: sample.value
         for family in text_string_to_metric_families(text)
@@ -299,7 +299,7 @@ async def test_protocol_error_lines_are_rate_limited_and_say_how_many_were_held_
     setup("json", stream)
     server = await running_with_admin(backend)
     now = [100.0]
-    server.runtime.client_errors.clock = lambda: now[0]
+    server.client_errors.clock = lambda: now[0]
     try:
         for _ in range(LINES_PER_SECOND + 5):  # within one second of the throttle's clock
             await send_raw(server.proxy_port, MALFORMED["header"])

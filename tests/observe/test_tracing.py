@@ -28,7 +28,6 @@ from opentelemetry.trace import SpanKind
 from proxy.config.models import single_upstream_config
 from proxy.observe import log
 from proxy.observe.tracing import Tracing, tracing_from_env, wanted
-from proxy.request.runtime import Runtime
 from tests.support.servers import Backend, Servers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +87,7 @@ async def traced_proxy(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = single_upstream_config(backend.url)
-    proxy = await servers.proxy(config, runtime=Runtime(config, tracing=Tracing(provider)))
+    proxy = await servers.proxy(config, tracing=Tracing(provider))
     yield proxy.url
     await servers.stop(proxy)
     provider.shutdown()
@@ -172,7 +171,7 @@ async def test_unreachable_upstream_marks_the_child_span_as_an_error(
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = single_upstream_config("http://127.0.0.1:9")  # discard port: nothing listens
-    proxy = await servers.proxy(config, runtime=Runtime(config, tracing=Tracing(provider)))
+    proxy = await servers.proxy(config, tracing=Tracing(provider))
     body = {"model": "m", "messages": MESSAGES, "n": 2}
     async with http.post(proxy.url + "/v1/chat/completions", json=body) as r:
         assert r.status == 502
@@ -207,7 +206,7 @@ async def main():
         for n in (1, 3):
             async with http.post(url, json={**body, "n": n}) as r:
                 assert r.status == 200, r.status
-    assert server.runtime.tracing is None
+    assert server.tracing is None
     await server.close()
     await runner.cleanup()
 
@@ -245,7 +244,7 @@ async def test_otlp_endpoint_builds_a_batching_otlp_pipeline(
     tracing = tracing_from_env(os.environ)
     assert tracing is not None
     config = single_upstream_config(backend.url)
-    proxy = await servers.proxy(config, runtime=Runtime(config, tracing=tracing))
+    proxy = await servers.proxy(config, tracing=tracing)
     body = {"model": "m", "messages": MESSAGES, "n": 2, "max_tokens": 2}
     async with http.post(proxy.url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200

@@ -26,8 +26,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config.models import Config, single_upstream_config
-from proxy.request.runtime import POOL, RUNTIME
-from proxy.server.app import build_app
+from proxy.server.app import IN_FLIGHT, UPSTREAMS, build_app
 from tests.support.rawupstream import RawUpstream
 from tests.support.rig import MakeRig
 from tests.support.servers import Backend
@@ -260,8 +259,8 @@ async def test_clients_resetting_a_passthrough_stream_never_freeze_the_proxy(
         moment = f"{chunks} chunks, {delay} s, pipelined: {pipelined}"
         assert await answers(proxy.port), f"frozen after a reset at {moment}"
         upstream.close(stream)
-    await proxy.run(lambda app: app[RUNTIME].wait_idle())  # every handler ended
-    assert not await proxy.run(lambda app: idle(app[POOL].connections.in_use))
+    await proxy.run(lambda app: app[IN_FLIGHT].wait_idle())  # every handler ended
+    assert not await proxy.run(lambda app: idle(app[UPSTREAMS].connections.in_use))
 
 
 # --- the client gone as the head is written ---------------------------------------------------
@@ -312,8 +311,8 @@ async def leave(port: int, method: str, path: str, body: bytes = b"") -> bytes:
 
 async def settled(app: web.Application) -> None:
     """Every handler ended and every upstream request let its connection, slot and replica go."""
-    pool = app[POOL]
-    await app[RUNTIME].wait_idle()
+    pool = app[UPSTREAMS]
+    await app[IN_FLIGHT].wait_idle()
     (upstream,) = pool.config.upstreams
     state = pool.state(upstream)
     assert not pool.connections.in_use  # a handler waits for its children to unwind
@@ -398,7 +397,7 @@ async def test_clients_closing_just_after_sending_a_fan_out_strand_nothing(
         writer.close()
         await writer.wait_closed()
 
-    pool = rig.app[POOL]
+    pool = rig.app[UPSTREAMS]
     (upstream,) = pool.config.upstreams
     state = pool.state(upstream)
     for wave in range(WAVES):
@@ -406,9 +405,9 @@ async def test_clients_closing_just_after_sending_a_fan_out_strand_nothing(
             await asyncio.gather(*(leave(j) for j in range(WAVE)))
         try:
             async with asyncio.timeout(WAIT):
-                await rig.app[RUNTIME].wait_idle()
+                await rig.app[IN_FLIGHT].wait_idle()
         except TimeoutError:
-            pytest.fail(f"wave {wave}: {rig.app[RUNTIME].in_flight} handlers never ended")
+            pytest.fail(f"wave {wave}: {rig.app[IN_FLIGHT].requests} handlers never ended")
         held = (
             state.slots.in_use,
             [r.outstanding for r in state.replicas],

@@ -517,17 +517,7 @@ def _chunk_line(rid: str, length: int, **choice: Any) -> bytes:
     [
         pytest.param(0, False, id="at-the-bound"),
         pytest.param(1, True, id="past-it-mid-body"),
-        pytest.param(
-            1,
-            False,
-            id="past-it-in-the-bodys-last-read",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="proxy/http/response.py: the body's end completes the response before "
-                "the sink sees that read, so fail() drops the sink's SSEError and the child "
-                "ends as 'stream ended before finishing'",
-            ),
-        ),
+        pytest.param(1, False, id="past-it-in-the-bodys-last-read"),
     ],
 )
 async def test_a_child_line_past_the_decoders_bound_is_the_streams_one_error_event(
@@ -574,3 +564,52 @@ async def test_a_child_line_past_the_decoders_bound_is_the_streams_one_error_eve
         assert errors == []
         finished = [c["index"] for p in payloads[:-1] for c in p["choices"] if c["finish_reason"]]
         assert sorted(finished) == [0, 1]
+
+
+async def test_a_line_past_the_bound_in_the_last_read_of_a_relayed_child_is_its_error_event(
+    http: aiohttp.ClientSession, servers: Servers
+) -> None:
+    """Child 1's first chunk reaches the client (its body is being relayed), then the rest of
+    its body comes in one read that also ends it: a line past the bound in that read is still
+    that choice's error event, not "stream ended before finishing"."""
+    relayed = asyncio.Event()
+
+    async def children(request: web.Request) -> web.StreamResponse:
+        rid = request.headers["X-Request-Id"]
+        if not rid.startswith("1_"):
+            body = _chunk_line(rid, 200, finish_reason="stop") + b"\n\ndata: [DONE]\n\n"
+            return web.Response(body=body, content_type="text/event-stream")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(_chunk_line(rid, 200, finish_reason=None) + b"\n\n")
+        async with asyncio.timeout(WAIT):
+            await relayed.wait()
+        # One write and the end of the chunked body together: one read on loopback.
+        await response.write_eof(_chunk_line(rid, MAX_EVENT_BYTES + 1, finish_reason="stop"))
+        return response
+
+    upstream = await servers.upstream(children)
+    config = single_upstream_config(upstream.url, max_response_bytes=MAX_EVENT_BYTES)
+    proxy = await servers.proxy(config)
+    body = {"model": "m", "messages": MESSAGES, "n": 2, "stream": True}
+    raw = b""
+    async with http.post(proxy.url + CHAT, json=body, headers={"X-Request-Id": "t"}) as r:
+        assert r.status == 200
+        async with asyncio.timeout(WAIT):
+            async for piece in r.content.iter_any():
+                raw += piece
+                if not relayed.is_set() and any(
+                    c["index"] == 1 and c["delta"].get("content")
+                    for p in sse_payloads(raw.rpartition(b"\n\n")[0] + b"\n\n")
+                    if p != "[DONE]"
+                    for c in p["choices"]
+                ):
+                    relayed.set()  # child 1's first chunk is here: its body is being relayed
+    payloads = sse_payloads(raw)
+    assert payloads.count("[DONE]") == 1
+    (error,) = [p for p in payloads[:-1] if "error" in p]
+    assert error["error"]["message"] == (
+        "choice 1 failed: upstream stream is malformed: "
+        f"SSE line or event exceeds max_event_bytes={MAX_EVENT_BYTES}"
+    )

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config.models import single_upstream_config
-from proxy.request.runtime import RUNTIME
+from proxy.server.app import IN_FLIGHT
 from tests.support.rawupstream import RawUpstream, exchange
 from tests.support.servers import Backend, Proxy, Servers
 from tests.support.upstreams import RecordingUpstream
@@ -236,4 +236,4 @@ async def test_the_request_line_counts_a_passed_through_body_whole_or_streamed(
 async def proxy_idle(proxy: Proxy) -> None:
     """Until the request's handler ended (its log line is written as it ends)."""
     async with asyncio.timeout(10):
-        await proxy.app[RUNTIME].wait_idle()
+        await proxy.app[IN_FLIGHT].wait_idle()

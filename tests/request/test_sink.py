@@ -1,14 +1,15 @@
-"""The client sink: chunked framing in place, and a gone client is a ConnectionResetError."""
+"""The client sink: chunked framing in place, every write counted on the request's record, and a
+gone client is a ConnectionResetError."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 from aiohttp import web
 
+from proxy.observe.record import Observers, RequestRecord
 from proxy.request.sink import client_sink
 
 
@@ -26,7 +27,13 @@ class Transport:
         return self.closing
 
 
-def sink_for(chunked: bool) -> tuple[Any, Transport, list[str]]:
+def record() -> RequestRecord:
+    return RequestRecord(Observers([]), "POST", "/v1/chat/completions", {})
+
+
+def sink_for(
+    chunked: bool, on: RequestRecord | None = None, first_chunk: bool = True
+) -> tuple[Any, Transport, list[str]]:
     calls: list[str] = []
 
     async def drain() -> None:
@@ -35,9 +42,11 @@ def sink_for(chunked: bool) -> tuple[Any, Transport, list[str]]:
     writer = SimpleNamespace(
         chunked=chunked, send_headers=lambda: calls.append("headers"), drain=drain
     )
-    request = SimpleNamespace(writer=writer, protocol=SimpleNamespace(writing_paused=False))
     transport = Transport()
-    sink = client_sink(cast(web.Request, request), cast(asyncio.Transport, transport))
+    request = SimpleNamespace(
+        writer=writer, protocol=SimpleNamespace(writing_paused=False), transport=transport
+    )
+    sink = client_sink(cast(web.Request, request), on or record(), first_chunk=first_chunk)
     return sink, transport, calls
 
 
@@ -62,3 +71,31 @@ def test_a_gone_client_is_a_connection_reset_and_the_sink_is_full(chunked: bool)
     with pytest.raises(ConnectionResetError):
         sink.write(b"late")
     assert transport.written == []
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_every_write_is_counted_on_the_record_and_the_first_stamped_when_asked(
+    chunked: bool,
+) -> None:
+    relayed = record()
+    sink, _, _ = sink_for(chunked, relayed, first_chunk=True)
+    assert relayed.bytes_out == 0  # answered: nothing written yet
+    assert relayed.first_chunk_at is None
+    sink.write(b"data: x\n\n")
+    stamped = relayed.first_chunk_at
+    assert stamped is not None
+    sink.write(b"hello")
+    assert relayed.bytes_out == 14  # the body's bytes, not the chunked framing's
+    assert relayed.first_chunk_at == stamped
+    stitched = record()
+    sink, _, _ = sink_for(chunked, stitched, first_chunk=False)
+    sink.write(b": keep-alive\n\n")  # a fan-out stamps its first stitched chunk itself
+    assert stitched.bytes_out == 14
+    assert stitched.first_chunk_at is None
+
+
+def test_a_client_gone_before_the_body_is_a_connection_reset() -> None:
+    writer = SimpleNamespace(chunked=False, drain=None)
+    request = SimpleNamespace(writer=writer, protocol=None, transport=None)
+    with pytest.raises(ConnectionResetError, match="the client left"):
+        client_sink(cast(web.Request, request), record(), first_chunk=True)

@@ -2,8 +2,8 @@
 
 Every proxy app of the suite runs under an aiohttp ``AppRunner`` (conftest's ``start_proxy``, the
 rigs of the failover, fault, limit, ops... tests, and ``proxy.server.process.Server``), so the check
-hooks ``AppRunner.setup`` and ``cleanup`` and sees each runner whose app is a proxy
-(``proxy.server.app.RUNTIME``). A proxy is judged on its census (``proxy.observe.census``: requests
+hooks ``AppRunner.setup`` and ``cleanup`` and sees each runner whose app is a proxy (it has
+``proxy.server.app.IN_FLIGHT``). A proxy is judged on its census (``proxy.observe.census``: requests
 and fan-out children in flight, slots held or queued, replicas' outstanding counts, upstream
 requests in flight, pooled connections checked out), which must settle to 0 within
 ``SETTLE_SECONDS``:
@@ -39,9 +39,8 @@ from pytest_asyncio import is_async_test
 
 import proxy
 from proxy.observe.census import Census
-from proxy.request.runtime import POOL, RUNTIME
-from proxy.server.app import take_census
-from proxy.upstream.service import UpstreamPool
+from proxy.server.app import IN_FLIGHT, UPSTREAMS, take_census
+from proxy.upstream.service import Upstreams
 
 # Generous for a loaded 2-core machine: a request that ends normally settles in milliseconds.
 # (The check's own tests run it with less, through the environment.)
@@ -69,17 +68,16 @@ class LiveProxy:
         return f"proxy{where} (started in {self.started_by})"
 
     def census(self) -> Census:
-        return take_census(self.app[RUNTIME], self.app.get(POOL))
+        return take_census(self.app[IN_FLIGHT], self.app[UPSTREAMS])
 
     def own_tasks(self) -> set[asyncio.Future[Any]]:
         """The pool's background loops: health checks, discovery, the slot watchdog."""
-        pool = self.app.get(POOL)
-        return set(pool._loops) if pool is not None else set()
+        return set(self.app[UPSTREAMS]._loops)
 
 
 def _health_check(task: asyncio.Future[Any]) -> bool:
     """One replica's check, run by a live pool's health loop (a task of ``asyncio.gather``)."""
-    return getattr(_coro(task), "cr_code", None) is UpstreamPool._check.__code__
+    return getattr(_coro(task), "cr_code", None) is Upstreams._check.__code__
 
 
 @dataclass
@@ -108,7 +106,7 @@ async def settle(live: LiveProxy, within: float = SETTLE_SECONDS) -> Census:
     """The census once it shows nothing held, or as it is when ``within`` seconds are up.
 
     Polled, not awaited on an event: a census is a few integer reads, and the counts it reads
-    live in many places (slots, replicas, the pool, the runtime)."""
+    live in many places (slots, replicas, the pool, the requests in flight)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while True:
@@ -224,7 +222,7 @@ _original_cleanup: Callable[[web.AppRunner], Awaitable[None]] | None = None
 async def _setup(runner: web.AppRunner) -> None:
     assert _original_setup is not None
     await _original_setup(runner)
-    if RUNTIME in runner.app:
+    if IN_FLIGHT in runner.app:
         loop = asyncio.get_running_loop()
         JUDGE.live[id(runner)] = LiveProxy(runner, loop, JUDGE.test)
 
@@ -236,7 +234,7 @@ async def _cleanup(runner: web.AppRunner) -> None:
         await _original_cleanup(runner)
         return
     judging = JUDGE.judging
-    drained = live.app[RUNTIME].draining
+    drained = live.app[IN_FLIGHT].draining
     if judging and not drained and not live.leaked:
         _judge_census(live, await settle(live), "at its shutdown")
     try:
@@ -319,7 +317,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         raise
     if JUDGE.judging:
         for live in list(JUDGE.live.values()):
-            if not live.app[RUNTIME].draining and not live.leaked:
+            if not live.app[IN_FLIGHT].draining and not live.leaked:
                 _run_on(live.loop, _judge_alive(live))
     return result
 

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from proxy.config.models import Timeouts
 from proxy.devserver import DevState
-from proxy.request.runtime import POOL, RUNTIME
+from proxy.server.app import IN_FLIGHT, UPSTREAMS
 from tests.support.client import Answer, post
 from tests.support.logs import LogCapture
 from tests.support.servers import Backend, Servers, proxy_config, with_upstream
@@ -81,8 +81,8 @@ class Rig:
     async def assert_no_leaks(self, requests: int) -> None:
         """After ``requests`` proxied requests: nothing held, running or open past the baseline."""
         await self.log.wait_for(requests, ANSWER_WITHIN)
-        assert self.app[RUNTIME].in_flight == 0
-        pool = self.app[POOL]
+        assert self.app[IN_FLIGHT].requests == 0
+        pool = self.app[UPSTREAMS]
         assert not pool.connections.in_use  # one here is a leaked child
         # Idle keep-alive connections are not leaks: close them, then everything they ran must end.
         await self.client.close()

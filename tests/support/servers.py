@@ -25,11 +25,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config.models import Config, Upstream, single_upstream_config
 from proxy.devserver import DevConfig, DevState, start_devserver
-from proxy.request.runtime import POOL, RUNTIME, Runtime
-from proxy.server.app import build_app
+from proxy.observe.tracing import Tracing
+from proxy.server.app import UPSTREAMS, build_app
 from proxy.server.process import Server
 from proxy.upstream.discovery import Resolver
-from proxy.upstream.service import UpstreamPool
+from proxy.upstream.service import Upstreams
 from tests.support.upstreams import AnswerFn, RecordingUpstream
 
 
@@ -66,13 +66,13 @@ class Proxy:
         return int(self.url.rsplit(":", 1)[1])
 
     @property
-    def pool(self) -> UpstreamPool:
-        return self.app[POOL]
+    def pool(self) -> Upstreams:
+        return self.app[UPSTREAMS]
 
     @property
     def upstream(self) -> Upstream:
         """The first upstream (the only one, mostly)."""
-        return self.app[RUNTIME].config.upstreams[0]
+        return self.app[UPSTREAMS].config.upstreams[0]
 
     def usable(self) -> dict[str, bool]:
         """Each replica of the first upstream: whether children may go there now."""
@@ -84,7 +84,7 @@ class Proxy:
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples whose labels include ``labels``, from /metrics' text."""
-        text = self.app[RUNTIME].metrics.render().decode()
+        text = self.app[UPSTREAMS].metrics.render().decode()
         total = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -104,10 +104,10 @@ def with_upstream(config: Config, **changes: Any) -> Config:
 
 
 async def start_proxy(
-    config: Config, resolver: Resolver | None = None, runtime: Runtime | None = None
+    config: Config, resolver: Resolver | None = None, tracing: Tracing | None = None
 ) -> tuple[web.AppRunner, str]:
     """The proxy's app on a free loopback port; the caller owns ``runner.cleanup()``."""
-    app = build_app(config, runtime, resolver=resolver)
+    app = build_app(config, resolver=resolver, tracing=tracing)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -139,10 +139,10 @@ class Servers:
         return self._keep(Backend(f"http://{host}:{bound}", state, runner), runner.cleanup)
 
     async def proxy(
-        self, config: Config, resolver: Resolver | None = None, runtime: Runtime | None = None
+        self, config: Config, resolver: Resolver | None = None, tracing: Tracing | None = None
     ) -> Proxy:
-        """``runtime``: one of the test's own (its tracing, say) instead of a fresh one."""
-        runner, url = await start_proxy(config, resolver, runtime)
+        """``tracing``: the test's own (its span exporter, say); None: tracing off."""
+        runner, url = await start_proxy(config, resolver, tracing)
         return self._keep(Proxy(url, config, runner.app, runner), runner.cleanup)
 
     async def server(self, config: Config) -> Server:

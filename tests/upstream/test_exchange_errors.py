@@ -15,7 +15,7 @@ from proxy.http import (
     Disconnected,
     ResponseTimeout,
 )
-from proxy.upstream.exchange import failure_kind, upstream_error
+from proxy.upstream.service import failure_kind, upstream_error
 
 UPSTREAM = Upstream(name="llama", urls=("http://127.0.0.1:1",))
 

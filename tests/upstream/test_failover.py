@@ -21,7 +21,7 @@ from aiohttp import web
 
 from proxy.config.models import Config, Eject, Upstream
 from proxy.core.sse import SSEDecoder
-from proxy.request.runtime import RUNTIME
+from proxy.server.app import UPSTREAMS
 from proxy.upstream.discovery import Resolver
 from tests.support.client import post
 from tests.support.logs import LogCapture
@@ -72,7 +72,7 @@ def record_waits(proxy: Proxy, real: bool = False, draw: float = 0.0) -> Waits:
     """Record the proxy's waits; ``draw`` fixes the jitter (0: each wait is half its ceiling)."""
     waits = Waits(real=real)
     proxy.pool.sleep = waits
-    for upstream in proxy.app[RUNTIME].config.upstreams:
+    for upstream in proxy.app[UPSTREAMS].config.upstreams:
         proxy.pool.state(upstream).retry.draw = lambda: draw
     return waits
 
@@ -163,10 +163,12 @@ async def test_a_replica_that_comes_to_life_gets_children_within_one_health_inte
     later = f"http://127.0.0.1:{port}"
     proxy = await proxy_for([live.url, later], health_interval=0.2)
     state = proxy.pool.state(proxy.upstream)
-    runtime = proxy.app[RUNTIME]
     await proxy.until(lambda: state.health_rounds >= 1)
     assert proxy.usable() == {live.url: True, later: False}
-    assert runtime.replicas["u"] == {live.url: True, later: False}  # what /readyz lists
+    assert proxy.pool.checked_replicas["u"] == {
+        live.url: True,
+        later: False,
+    }  # what /readyz lists
     for i in range(2):
         assert (await post(http, proxy.url + CHAT, chat(2), f"before{i}"))[0] == 200
     assert len(rids(live)) == 4  # spread, but only over the healthy replica
@@ -176,7 +178,7 @@ async def test_a_replica_that_comes_to_life_gets_children_within_one_health_inte
     await proxy.until(lambda: proxy.usable()[later])
     # A round that began before the replica listened may still fail it; the next passes.
     assert state.health_rounds <= rounds + 2
-    assert runtime.replicas["u"] == {live.url: True, later: True}
+    assert proxy.pool.checked_replicas["u"] == {live.url: True, later: True}
     for i in range(2):
         assert (await post(http, proxy.url + CHAT, chat(2), f"after{i}"))[0] == 200
     parents = [rid.split("_", 1)[1] for rid, _, _ in revived.seen]
@@ -766,7 +768,7 @@ async def test_a_client_leaving_a_fallback_stream_gives_back_the_fallbacks_place
         Config(upstreams=(primary, Upstream(name="spare", urls=(spare.url,))))
     )
     record_waits(proxy)
-    other = proxy.pool.state(proxy.app[RUNTIME].config.upstream("spare"))
+    other = proxy.pool.state(proxy.app[UPSTREAMS].config.upstream("spare"))
     long = chat(2, stream=True, max_tokens=10_000, ignore_eos=True, x_demo={"token_delay": 0.05})
     async with http.post(proxy.url + CHAT, json=long) as stream:
         assert stream.status == 200

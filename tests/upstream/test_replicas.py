@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.upstream.replicas import (
+from proxy.upstream.state import (
     Address,
     Change,
     Ejection,

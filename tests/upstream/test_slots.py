@@ -1,5 +1,5 @@
-"""Tests for proxy.upstream.slots: FIFO per-child admission under every cancellation interleaving
-(docs/behaviour.md#admission).
+"""Tests for the admission line (proxy.upstream.state): FIFO per-child admission under every
+cancellation interleaving (docs/behaviour.md#admission).
 
 The unit tests pin each interleaving that once leaked a slot; the property test cancels random
 requests and children at random moments and checks that every slot comes back and that no
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from proxy.config.models import Config
 from proxy.core.errors import Overloaded
-from proxy.request.runtime import POOL
-from proxy.upstream.slots import Place, Slots
+from proxy.server.app import UPSTREAMS
+from proxy.upstream.state import Place, Slots
 from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
 CLIENTS = 50
@@ -240,7 +240,7 @@ async def test_queued_n10_clients_leaving_at_once_give_every_slot_back(
     backend = await make_backend(token_delay=0.01)
     config = with_upstream(proxy_config(backend), max_concurrency=4, max_queue=10_000)
     proxy = await make_proxy(config)
-    slots = proxy.app[POOL].state(proxy.config.upstreams[0]).slots
+    slots = proxy.app[UPSTREAMS].state(proxy.config.upstreams[0]).slots
     endless = {
         "model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True,
         "max_tokens": 10_000, "ignore_eos": True,
@@ -274,11 +274,11 @@ async def test_watchdog_logs_and_counts_a_stall_then_repairs_it(
 ) -> None:
     from proxy.config.models import single_upstream_config
     from proxy.observe.metrics import Metrics
-    from proxy.upstream.service import UpstreamPool
+    from proxy.upstream.service import Upstreams
 
     config = single_upstream_config("http://127.0.0.1:9")
     metrics = Metrics()
-    pool = UpstreamPool(config, metrics)
+    pool = Upstreams(config, metrics)
     state = pool.state(config.upstreams[0])
     state.slots = Slots(1, max_queue=10)
     state.slots.join(1)

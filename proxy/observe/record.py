@@ -1,0 +1,238 @@
+"""One record per request: what it came to, written in one place as it goes.
+
+The handler owns a ``RequestRecord``; every upstream request it sends (a pass-through's one, each
+fan-out child) has a ``ChildRecord`` in it. The layers below report named steps, as httpcore's
+trace hook has its transports do: a child ``admitted`` (its place in line granted), ``sent``
+(each try, to a replica), ``retry``, ``head`` (its status line, retries done) and ``ended``; the
+request ``ended``. Each step writes its facts here and then tells the ``Observer`` s: the
+metrics, the spans and the request's log line are built from the record alone, so they cannot
+disagree. Facts with no step (the route, the bytes written, the first chunk's time, the usage)
+are plain attributes, written where they become known.
+
+The record knows neither its observers nor the layers that report to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
+from time import perf_counter  # not loop.time(): uvloop's has millisecond steps
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+
+class Observer:
+    """What watches requests: one method per step, each called once the record holds the step's
+    facts. Every method does nothing here; only those a subclass overrides are called."""
+
+    def begun(self, record: RequestRecord) -> None: ...
+
+    def admitted(self, child: ChildRecord) -> None: ...
+
+    def sent(self, child: ChildRecord, headers: MutableMapping[str, str]) -> None:
+        """The child's first try, before a byte of it leaves: ``headers`` are still its own."""
+
+    def retry(self, child: ChildRecord, reason: str) -> None:
+        """A retry goes out now (its wait is over): ``reason`` is what failed the try before."""
+
+    def head(self, child: ChildRecord) -> None: ...
+
+    def child_ended(self, child: ChildRecord, failure: BaseException | None) -> None:
+        """The child's exchange is over; ``failure`` is what ended it early, if anything."""
+
+    def ended(self, record: RequestRecord) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LargeRequest:
+    """An end hook for large requests only: a body of ``body_bytes`` or more, or ``children``
+    upstream requests or more. A request under both is not even looked at (the memory
+    trimmer's: it is the only one that needs this)."""
+
+    body_bytes: int
+    children: int
+    ended: Callable[[RequestRecord], None]
+
+
+class Observers:
+    """Every observer's steps, gathered once: a step calls only the methods that do something."""
+
+    __slots__ = ("admitted", "begun", "child_ended", "ended", "head", "large", "retry", "sent")
+
+    def __init__(self, observers: Iterable[Observer], large: LargeRequest | None = None) -> None:
+        chosen = list(observers)
+
+        def hooks(step: str) -> tuple[Any, ...]:
+            base = getattr(Observer, step)
+            return tuple(getattr(o, step) for o in chosen if getattr(type(o), step) is not base)
+
+        self.begun: tuple[Callable[[RequestRecord], None], ...] = hooks("begun")
+        self.admitted: tuple[Callable[[ChildRecord], None], ...] = hooks("admitted")
+        self.sent: tuple[Callable[[ChildRecord, MutableMapping[str, str]], None], ...] = hooks(
+            "sent"
+        )
+        self.retry: tuple[Callable[[ChildRecord, str], None], ...] = hooks("retry")
+        self.head: tuple[Callable[[ChildRecord], None], ...] = hooks("head")
+        self.child_ended: tuple[Callable[[ChildRecord, BaseException | None], None], ...] = hooks(
+            "child_ended"
+        )
+        self.ended: tuple[Callable[[RequestRecord], None], ...] = hooks("ended")
+        self.large = large
+
+
+class RequestRecord:
+    """One client request: where it went, what it sent back, how long each part took.
+
+    Times are ``perf_counter`` seconds. Bytes written to the client are counted by the writer
+    (``bytes_out``, one add per write) and its first body chunk stamped by it
+    (``first_chunk_at``); no step is called per chunk.
+    """
+
+    __slots__ = (
+        "aborted", "bytes_in", "bytes_out", "children", "chunks", "done_at", "ended_at",
+        "fanned_out", "first_chunk_at", "headers", "method", "model", "n", "observers", "path",
+        "queued", "relayed", "request_id", "retries", "route", "sent_at", "span", "started",
+        "status", "trace_id", "upstream", "usage",
+    )  # fmt: skip
+
+    def __init__(
+        self, observers: Observers, method: str, path: str, headers: Mapping[str, str]
+    ) -> None:
+        self.observers = observers
+        self.started = perf_counter()
+        self.method = method
+        self.path = path
+        self.headers = headers  # the client's, as it sent them
+        self.route = "other"  # the fan-out path it came in on, or "other"
+        self.upstream = ""
+        self.model: str | None = None  # the body's, where the body was read
+        self.fanned_out = False
+        self.n = 1
+        self.request_id: str | None = None  # a fan-out's parent id; else the client's, if any
+        self.children: list[ChildRecord] = []  # its upstream requests, in child order
+        self.status = 499  # nginx's "client closed request", kept when the client leaves first
+        self.relayed = True  # the body follows the upstream's as it arrives (not stitched)
+        self.bytes_in = 0
+        self.bytes_out: int | None = None  # the response body's length, where the proxy knows it
+        self.first_chunk_at: float | None = None  # streamed responses: the first body chunk
+        self.queued: float | None = None  # how long its first upstream request waited to go
+        self.sent_at: float | None = None  # its first upstream request went out
+        self.done_at: float | None = None  # its last upstream request ended
+        self.retries = 0  # over every child
+        self.aborted = 0  # children cancelled before they finished
+        self.chunks = 0  # SSE chunks a fan-out stream wrote
+        self.usage: dict[str, Any] | None = None  # a fan-out's merged usage, when sent one
+        self.span: Span | None = None  # its server span, when tracing
+        self.trace_id: str | None = None  # the span's trace id, when tracing
+        self.ended_at = 0.0
+        for hook in observers.begun:
+            hook(self)
+
+    def child(self, index: int | None) -> ChildRecord:
+        """A record for one more upstream request: fan-out child ``index``'s, or (None) the
+        pass-through's."""
+        child = ChildRecord(self, index)
+        self.children.append(child)
+        return child
+
+    def ended(self) -> None:
+        """The request is over (answered, failed, or its client gone): every observer's end."""
+        self.ended_at = perf_counter()
+        observers = self.observers
+        for hook in observers.ended:
+            hook(self)
+        large = observers.large
+        if large is not None and (
+            self.bytes_in >= large.body_bytes or len(self.children) >= large.children
+        ):
+            large.ended(self)
+
+    @property
+    def seconds(self) -> float:
+        return self.ended_at - self.started
+
+    @property
+    def first_chunk(self) -> float | None:
+        """Seconds from its arrival to its first body chunk written (time to first token)."""
+        at = self.first_chunk_at
+        return at - self.started if at is not None else None
+
+    @property
+    def overhead(self) -> float | None:
+        """Time before its first upstream request less the wait for a slot (the upstream's queue),
+        plus stitching after its last upstream body ended; None when nothing went upstream."""
+        if self.sent_at is None:
+            return None
+        after = 0.0
+        if not self.relayed and self.done_at is not None:
+            after = max(self.ended_at - self.done_at, 0.0)
+        return max(self.sent_at - self.started - (self.queued or 0.0), 0.0) + after
+
+    def replicas(self) -> str | None:
+        """The replicas that answered its upstream requests, each once, in child order."""
+        seen = dict.fromkeys(c.replica for c in self.children if c.replica is not None)
+        return ",".join(seen) if seen else None
+
+
+class ChildRecord:
+    """One upstream request of a request: its place in line, its tries, its answer."""
+
+    __slots__ = ("done_at", "head_at", "index", "queued", "record", "replica", "retries",
+                 "sent_at", "span", "status")  # fmt: skip
+
+    def __init__(self, record: RequestRecord, index: int | None) -> None:
+        self.record = record
+        self.index = index  # the choice it is for (None: a pass-through)
+        self.queued = 0.0  # seconds it waited for its upstream slot
+        self.replica: str | None = None  # the replica of its last try
+        self.retries = 0
+        # Each 0 until it happened: its first try sent, its status line (retries done) in, its
+        # exchange over.
+        self.sent_at = 0.0
+        self.head_at = 0.0
+        self.status = 0
+        self.done_at = 0.0
+        self.span: Span | None = None  # its client span, when tracing
+
+    def admitted(self, joined: float) -> None:
+        """Its place in line is granted; it joined the line at ``joined``."""
+        self.queued = waited = perf_counter() - joined
+        record = self.record
+        if record.queued is None:
+            record.queued = waited
+        for hook in record.observers.admitted:
+            hook(self)
+
+    def sent(self, replica: str, headers: MutableMapping[str, str]) -> None:
+        """A try goes to ``replica``: the first, or one after ``retry``."""
+        self.replica = replica
+        if not self.sent_at:
+            self.sent_at = now = perf_counter()
+            record = self.record
+            if record.sent_at is None:
+                record.sent_at = now
+            for hook in record.observers.sent:
+                hook(self, headers)
+
+    def retry(self, reason: str) -> None:
+        self.retries += 1
+        record = self.record
+        record.retries += 1
+        for hook in record.observers.retry:
+            hook(self, reason)
+
+    def head(self, status: int) -> None:
+        self.status = status
+        self.head_at = perf_counter()
+        for hook in self.record.observers.head:
+            hook(self)
+
+    def ended(self, failure: BaseException | None) -> None:
+        """Its exchange is over: the body read or relayed, or ``failure`` (a cancellation too)."""
+        self.done_at = now = perf_counter()
+        record = self.record
+        record.done_at = now
+        for hook in record.observers.child_ended:
+            hook(self, failure)
