@@ -1,11 +1,5 @@
-"""The 20-line aiohttp forwarder: what a plain aiohttp reverse proxy costs, as a contender.
-
-python -m bench.forwarder --port 8200 --upstream http://127.0.0.1:8100 [--lean]
-
-``--lean`` swaps aiohttp's ClientSession for n-proxy's own upstream client
-(``proxy/pool.py``) and reads each body whole: the floor of an aiohttp server in front of
-that client, with none of the proxy's per-request work (headers, slots, retries, metrics, log).
-"""
+"""The 20-line aiohttp forwarder, a contender: what a plain aiohttp reverse proxy costs. ``--lean``:
+the same on n-proxy's own upstream client, bodies read whole (the floor under n-proxy)."""
 
 from __future__ import annotations
 

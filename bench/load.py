@@ -1,9 +1,5 @@
-"""Closed-loop load at fixed concurrency, by wrk (preferred) or by ``bench.loadgen``.
-
-Both return a ``LoadResult``. wrk is C and costs a fraction of a core; the Python generator needs
-about as much CPU as the server it measures, which on a 2-core machine skews the result (see
-bench/README.md), so it is the fallback and the smoke run's tool (it accepts sub-second runs).
-"""
+"""Closed-loop load at fixed concurrency, by wrk (C, a fraction of a core) or by ``bench.loadgen``
+(which needs about a core itself: the fallback, and the smoke run's tool)."""
 
 from __future__ import annotations
 
@@ -41,7 +37,7 @@ class LoadResult:
         return self.requests / self.seconds if self.seconds > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "rps": round(self.rps, 1)}
+        return {**asdict(self), "rps": self.rps}
 
 
 @dataclass(frozen=True)
@@ -72,77 +68,16 @@ end
 """
 
 
-def run_wrk(
-    wrk: str, base_url: str, request: Request, concurrency: int, seconds: int, work: Path
-) -> LoadResult:
-    work.mkdir(parents=True, exist_ok=True)
-    script = work / f"wrk-{hashlib.sha256(request.body).hexdigest()[:12]}.lua"
-    script.write_text(_lua(request))
-    argv = [
-        wrk,
-        "-t1",  # one thread: it keeps up with these servers and leaves the cores to them
-        f"-c{concurrency}",
-        f"-d{max(1, seconds)}s",
-        f"--timeout={WRK_TIMEOUT_SECONDS}s",
-        "-s",
-        str(script),
-        base_url + request.path,
-    ]
-    out = subprocess.run(
-        argv, capture_output=True, text=True, timeout=seconds + WRK_TIMEOUT_SECONDS + 30
-    )
-    raw = _marked(out.stdout, " ".join(argv), out.stderr)
-    errors = sum(raw[k] for k in ("connect", "read", "write", "status", "timeout"))
-    # wrk counts non-2xx answers in both `requests` and `status`.
-    return LoadResult(
-        tool="wrk",
-        requests=raw["requests"] - raw["status"],
-        errors=errors,
-        seconds=raw["duration_us"] / 1e6,
-        p50_ms=raw["p50"] / 1000,
-        p90_ms=raw["p90"] / 1000,
-        p99_ms=raw["p99"] / 1000,
-        max_ms=raw["max"] / 1000,
-    )
-
-
-def run_python(
-    base_url: str,
-    request: Request,
-    concurrency: int,
-    seconds: float,
-    work: Path,
-    latencies_out: Path | None = None,
-) -> LoadResult:
-    work.mkdir(parents=True, exist_ok=True)
-    body_file = work / f"body-{hashlib.sha256(request.body).hexdigest()[:12]}.json"
-    body_file.write_bytes(request.body)
-    argv = [
-        sys.executable,
-        "-m",
-        "bench.loadgen",
-        "--url",
-        base_url + request.path,
-        "--body-file",
-        str(body_file),
-        "--concurrency",
-        str(concurrency),
-        "--seconds",
-        str(seconds),
-    ]
-    if latencies_out is not None:
-        argv += ["--latencies-out", str(latencies_out)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
-    raw = _marked(out.stdout, " ".join(argv), out.stderr)
-    return LoadResult(**raw)
-
-
-def _marked(stdout: str, what: str, stderr: str) -> dict[str, Any]:
-    for line in stdout.splitlines():
+def _marked(argv: list[str], timeout: float) -> dict[str, Any]:
+    """Run a load tool; the JSON of its result line."""
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    for line in out.stdout.splitlines():
         if line.startswith(_MARK):
             parsed: dict[str, Any] = json.loads(line[len(_MARK) :])
             return parsed
-    raise RuntimeError(f"{what}: no result line\n{stdout[-1000:]}\n{stderr[-1000:]}")
+    raise RuntimeError(
+        f"{' '.join(argv)}: no result line\n{out.stdout[-1000:]}{out.stderr[-1000:]}"
+    )
 
 
 def result_line(result: dict[str, Any]) -> str:
@@ -160,16 +95,33 @@ class Loader:
     wrk: str | None = None
 
     def run(self, base_url: str, request: Request, concurrency: int) -> LoadResult:
-        if self.tool == "wrk":
-            assert self.wrk is not None, "the wrk tool needs the wrk binary"
-            return run_wrk(self.wrk, base_url, request, concurrency, round(self.seconds), self.work)
-        return run_python(base_url, request, concurrency, self.seconds, self.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256(request.body).hexdigest()[:12]
+        if self.tool == "python":
+            body = self.work / f"body-{digest}.json"
+            body.write_bytes(request.body)
+            argv = [sys.executable, "-m", "bench.loadgen", "--url", base_url + request.path]
+            argv += ["--body-file", str(body), "--concurrency", str(concurrency)]
+            return LoadResult(**_marked([*argv, "--seconds", str(self.seconds)], self.seconds + 60))
+        assert self.wrk is not None, "the wrk tool needs the wrk binary"
+        script = self.work / f"wrk-{digest}.lua"
+        script.write_text(_lua(request))
+        seconds = max(1, round(self.seconds))  # wrk takes whole seconds
+        # One thread: it keeps up with these servers and leaves the cores to them.
+        argv = [self.wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "-s", str(script)]
+        argv += [f"--timeout={WRK_TIMEOUT_SECONDS}s", base_url + request.path]
+        raw = _marked(argv, seconds + WRK_TIMEOUT_SECONDS + 30)
+        # wrk counts non-2xx answers in both `requests` and `status`.
+        errors = sum(raw[k] for k in ("connect", "read", "write", "status", "timeout"))
+        return LoadResult(
+            "wrk", raw["requests"] - raw["status"], errors, raw["duration_us"] / 1e6,
+            *(raw[p] / 1000 for p in ("p50", "p90", "p99", "max")),
+        )  # fmt: skip
 
 
 def post(base_url: str, request: Request, timeout: float = 30.0) -> tuple[int, bytes]:
     """One blocking POST, for checking a contender's answer before timing it."""
-    host_port = base_url.removeprefix("http://")
-    conn = http.client.HTTPConnection(host_port, timeout=timeout)
+    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout)
     try:
         conn.request("POST", request.path, request.body, HEADERS)
         response = conn.getresponse()

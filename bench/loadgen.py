@@ -1,15 +1,10 @@
-"""A closed-loop HTTP load generator on aiohttp, run as its own process.
-
-``concurrency`` connections each send the same POST back to back until the time is up; it prints
-one result line with exact latency percentiles (and can dump every latency for raw analysis).
-"""
+"""A closed-loop HTTP load generator on aiohttp, in its own process: ``concurrency`` connections
+POST back to back until the time is up; one result line with exact latency percentiles."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import math
 import sys
 import time
 from pathlib import Path
@@ -17,16 +12,11 @@ from pathlib import Path
 import aiohttp
 
 from bench.load import HEADERS, result_line
+from bench.stats import percentile
+from bench.streams import run_async
 
 MAX_REQUESTS_PER_SECOND = 200_000  # a bound on the loop, far above what one core can send
-
-
-def percentile(sorted_values: list[int], q: float) -> int:
-    """Nearest-rank percentile of an ascending list (0 when empty)."""
-    if not sorted_values:
-        return 0
-    rank = max(1, min(len(sorted_values), math.ceil(q / 100 * len(sorted_values))))
-    return sorted_values[rank - 1]
+QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))
 
 
 async def generate(
@@ -70,30 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--body-file", type=Path, required=True)
     parser.add_argument("--concurrency", type=int, required=True)
     parser.add_argument("--seconds", type=float, required=True)
-    parser.add_argument("--latencies-out", type=Path)
     args = parser.parse_args(argv)
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     body = args.body_file.read_bytes()
-    latencies, errors, elapsed = asyncio.run(
-        generate(args.url, body, args.concurrency, args.seconds)
-    )
-    if args.latencies_out is not None:
-        args.latencies_out.write_text("".join(f"{v}\n" for v in latencies))
-    latencies.sort()
-    ms = 1e6
-    result = {
-        "tool": "python",
-        "requests": len(latencies),
-        "errors": errors,
-        "seconds": elapsed,
-        "p50_ms": percentile(latencies, 50) / ms,
-        "p90_ms": percentile(latencies, 90) / ms,
-        "p99_ms": percentile(latencies, 99) / ms,
-        "max_ms": (latencies[-1] if latencies else 0) / ms,
-    }
+    latencies, errors, elapsed = run_async(generate(args.url, body, args.concurrency, args.seconds))
+    ms = sorted(ns / 1e6 for ns in latencies)
+    result = {"tool": "python", "requests": len(ms), "errors": errors, "seconds": elapsed}
+    result |= {f"{q}_ms": percentile(ms, p) if ms else 0.0 for q, p in QUANTILES}
     print(result_line(result), flush=True)
     return 0
 

@@ -1,7 +1,5 @@
-"""The servers under test as child processes: start, wait until ready, sample, stop.
-
-Counters come straight from /proc (Linux only), so the bench needs no psutil.
-"""
+"""The servers under test as child processes: start, wait until ready, sample, stop; counters
+straight from /proc (Linux only), so the bench needs no psutil."""
 
 from __future__ import annotations
 
@@ -83,14 +81,8 @@ def sample(pid: int, tree: bool = False) -> ProcSample:
             parts.append(_one(each))
     if not parts:
         raise ProcessLookupError(pid)
-    return ProcSample(
-        at=time.monotonic(),
-        cpu_seconds=sum(p[0] for p in parts),
-        rss_bytes=sum(p[1] for p in parts),
-        fds=sum(p[2] for p in parts),
-        read_bytes=sum(p[3] for p in parts),
-        written_bytes=sum(p[4] for p in parts),
-    )
+    cpu, rss, fds, read, written = (sum(column) for column in zip(*parts, strict=True))
+    return ProcSample(time.monotonic(), cpu, int(rss), int(fds), int(read), int(written))
 
 
 def free_port() -> int:
@@ -294,28 +286,16 @@ class CpuWatch:
 
     def stop(self) -> CpuUse:
         wall = max(time.monotonic() - self._start[0], 1e-9)
-        machine_now = _machine_seconds()
         machine, interrupts, steal = (
-            (now - then) / wall for now, then in zip(machine_now, self._start[1], strict=True)
+            (now - then) / wall
+            for now, then in zip(_machine_seconds(), self._start[1], strict=True)
         )
         harness = (_own_and_children_seconds() - self._start[2]) / wall
-        now = self._servers_cpu()
-        by_server = {
-            name: round((now[name] - self._by_server[name]) / wall, 3)
-            for name in now
-            if name in self._by_server
-        }
+        now, then = self._servers_cpu(), self._by_server
+        by_server = {name: (now[name] - then[name]) / wall for name in now if name in then}
         servers = sum(by_server.values())
-        return CpuUse(
-            wall_seconds=round(wall, 3),
-            machine=round(machine, 3),
-            servers=round(servers, 3),
-            harness=round(harness, 3),
-            foreign=round(max(0.0, machine - servers - harness), 3),
-            interrupts=round(interrupts, 3),
-            steal=round(steal, 3),
-            by_server=by_server,
-        )
+        foreign = max(0.0, machine - servers - harness)
+        return CpuUse(wall, machine, servers, harness, foreign, interrupts, steal, by_server)
 
 
 def machine() -> dict[str, Any]:

@@ -1,8 +1,5 @@
-"""Reading one SSE response as a client does, with the moments that matter timed.
-
-Used in-process by the streaming scenarios; events are counted on the raw bytes (no parsing), so
-the reader stays cheap next to the servers it measures.
-"""
+"""Reading one SSE response as a client does, with the moments that matter timed (events counted
+on the raw bytes, so the reader stays cheap next to the servers it measures)."""
 
 from __future__ import annotations
 

@@ -1,40 +1,31 @@
-"""The soak: minutes of mixed and hostile traffic through n-proxy, its RSS, fds and slots sampled.
-
-All must stay flat: a leak of a few hundred bytes per request shows as a steady climb here
-long before it shows in production. Beside the well-behaved clients run queued requests whose
-clients leave, large batches (and batches past ``max_children``), gzip bodies, clients that
-trickle their headers or body, idle connections and bursts past ``max_connections``. Before the
-mix, one large request shows whether RSS returns to its baseline; after it, a request that
-needs every upstream slot proves none leaked. Writes bench/results/soak.{json,md}; not in CI.
-"""
+"""The soak: minutes of mixed and hostile traffic through n-proxy; its RSS, fds, children in flight
+and upstream slots must stay flat (not in CI: ``python -m bench soak``)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gzip
-import json
 import random
 import re
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
 from bench.load import HEADERS
-from bench.main import RESULTS
-from bench.procs import Fleet, ProcSample, Server, free_port, machine, wait_ready
-from bench.stack import start_backend
+from bench.procs import ProcSample, Server, free_port
+from bench.report import Row, Target, table, target
+from bench.scenario import Context, Scenario
+from bench.stack import start_backend, start_proxy
 from bench.stats import median
 from bench.streams import run_async
 from bench.workload import CHAT_PATH, MODEL, chat_body
 
-MAX_MINUTES = 120.0
+MAX_SECONDS = 7200.0
+SAMPLES = 60  # RSS, fds and gauges this many times over the soak (at most once a second)
 RSS_FLAT_KIB = 4096  # idle after the mix vs idle after the warm-up rounds
 FDS_FLAT = 64  # open fds swing with the requests in flight; a leak climbs past this
 COMPLETIONS_PATH = "/v1/completions"
@@ -44,15 +35,14 @@ CLIENT_SECONDS = 2.0  # client_timeouts.headers and .body: slow clients are cut 
 SLOW_CLIENTS = 8
 BURST_EVERY = 15.0  # seconds between bursts of connections past max_connections
 
-_PROXY_CONFIG = """\
-admin: {{host: 127.0.0.1, port: {admin}}}
-max_connections: {max_connections}
-client_timeouts: {{headers: {seconds}, body: {seconds}}}
+_PROXY_CONFIG = f"""\
+max_connections: {MAX_CONNECTIONS}
+client_timeouts: {{headers: {CLIENT_SECONDS}, body: {CLIENT_SECONDS}}}
 drain_seconds: 1
 upstreams:
   - name: demo
-    url: {url}
-    max_concurrency: {slots}
+    url: {{url}}
+    max_concurrency: {SLOTS}
     max_queue: 100000
 """
 
@@ -62,30 +52,28 @@ def _completions(prompts: int, n: int) -> bytes:
     return orjson.dumps({**body, "max_tokens": 4, "ignore_eos": True, "seed": 1})
 
 
+_SLOW_TOKENS, _SLOWER_TOKENS = {"token_delay": 0.01}, {"token_delay": 0.02}
+
+
+def _chat(n: int = 1, **options: Any) -> bytes:
+    return orjson.dumps(chat_body(n, **options))
+
+
 # What each soak client cycles through: the paths that allocate, and the ones that clean up.
+# "client leaves": read one chunk, then hang up (every child must be aborted and forgotten);
+# "queued": wait in the upstream's queue (n = 10 of 64 slots, behind the others), then hang up.
 _MIX: list[tuple[str, bytes]] = [
-    ("n=1", orjson.dumps(chat_body())),
-    ("n=4", orjson.dumps(chat_body(4))),
-    ("n=4 stream", orjson.dumps(chat_body(4, stream=True, max_tokens=64))),
-    ("n=2 child fails", orjson.dumps(chat_body(2, x_demo={"fault": "status_500"}))),
-    (
-        "n=4 stream, child breaks",
-        orjson.dumps(chat_body(4, stream=True, x_demo={"fault": "reset_mid_stream"})),
-    ),
-    # Read one chunk, then hang up: every child must be aborted and forgotten.
-    (
-        "n=4 stream, client leaves",
-        orjson.dumps(chat_body(4, stream=True, max_tokens=64, x_demo={"token_delay": 0.01})),
-    ),
-    # Wait in the upstream's queue (n = 10 of 64 slots, behind the others), then hang up.
-    (
-        "n=10 queued, client leaves",
-        orjson.dumps(chat_body(10, stream=True, max_tokens=32, x_demo={"token_delay": 0.02})),
-    ),
+    ("n=1", _chat()),
+    ("n=4", _chat(4)),
+    ("n=4 stream", _chat(4, stream=True, max_tokens=64)),
+    ("n=2 child fails", _chat(2, x_demo={"fault": "status_500"})),
+    ("n=4 stream, child breaks", _chat(4, stream=True, x_demo={"fault": "reset_mid_stream"})),
+    ("n=4 stream, client leaves", _chat(4, stream=True, max_tokens=64, x_demo=_SLOW_TOKENS)),
+    ("n=10 queued, client leaves", _chat(10, stream=True, max_tokens=32, x_demo=_SLOWER_TOKENS)),
     ("batch 128 prompts x 4", _completions(128, 4)),
     ("batch past max_children", _completions(1025, 2)),
-    ("n=4 gzip body", gzip.compress(orjson.dumps(chat_body(4)))),
-]
+    ("n=4 gzip body", gzip.compress(_chat(4))),
+]  # fmt: skip
 _PATHS = {"batch 128 prompts x 4": COMPLETIONS_PATH, "batch past max_children": COMPLETIONS_PATH}
 _GZIP = {**HEADERS, "Content-Encoding": "gzip"}
 
@@ -126,7 +114,8 @@ async def _raw(port: int, data: bytes, wait: float) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(data)
-        return await asyncio.wait_for(reader.read(-1), wait)
+        async with asyncio.timeout(wait):
+            return await reader.read(-1)
     except TimeoutError:
         return b"timeout"
     except ConnectionError:
@@ -181,7 +170,8 @@ async def _bursts(port: int, deadline: float, counts: Counter[str]) -> None:
 async def _end(reader: asyncio.StreamReader) -> str:
     """How the proxy ended one idle connection of a burst."""
     try:
-        answer = await asyncio.wait_for(reader.read(-1), CLIENT_SECONDS * 10)
+        async with asyncio.timeout(CLIENT_SECONDS * 10):
+            answer = await reader.read(-1)
     except ConnectionError:
         return "refused at accept"
     except TimeoutError:
@@ -237,7 +227,7 @@ async def _large_request_memory(
     }
 
 
-async def _every_slot_free(proxy: Server, session: aiohttp.ClientSession) -> bool:
+async def _every_slot_free(proxy: Server, session: aiohttp.ClientSession) -> int:
     """A request that needs every upstream slot at once: it hangs if the mix leaked one."""
     url = proxy.url + COMPLETIONS_PATH
     whole = _completions(SLOTS // 2, 2)
@@ -251,14 +241,11 @@ async def _every_slot_free(proxy: Server, session: aiohttp.ClientSession) -> boo
                     statuses.append(response.status)
     except TimeoutError:
         print(f"  a request needing every slot hung (answers before it: {statuses})")
-        return False
     print(f"  requests needing every slot: {statuses}")
-    return statuses == [200, 200]
+    return statuses.count(200)
 
 
-async def soak(
-    proxy: Server, admin: str, minutes: float, every: float, concurrency: int
-) -> dict[str, Any]:
+async def soak(proxy: Server, admin: str, seconds: float, concurrency: int) -> Row:
     counts: Counter[str] = Counter()
     samples: list[ProcSample] = []
     gauges: list[dict[str, float]] = []
@@ -268,7 +255,8 @@ async def soak(
         memory = await _large_request_memory(proxy, session)
         print(f"  large request: {memory}", flush=True)
         started = time.monotonic()
-        deadline = started + minutes * 60
+        deadline = started + seconds
+        every = max(1.0, seconds / SAMPLES)
         clients = [
             asyncio.create_task(_client(session, proxy.url, deadline, counts, i))
             for i in range(concurrency)
@@ -308,130 +296,89 @@ async def soak(
     # the proxy idle after the mix with the proxy idle after the warm-up rounds.
     rss_growth = idle_sample.rss_bytes // 1024 - memory["after_kib"][-1]
     fds_growth = median(s.fds for s in late) - median(s.fds for s in early)
-    children_left = idle["n_proxy_children_in_flight"]
     return {
-        "minutes": minutes,
-        "concurrency": concurrency,
-        "slow_clients": SLOW_CLIENTS,
-        "large_request": memory,
-        "requests": dict(counts),
+        "seconds": seconds, "concurrency": concurrency, "slow_clients": SLOW_CLIENTS,
+        "large_request": memory, "requests": dict(counts),
         "samples": [
-            {
-                "t": round(s.at - started, 1),
-                "rss_kib": s.rss_bytes // 1024,
-                "fds": s.fds,
-                "children_in_flight": g["n_proxy_children_in_flight"],
-                "client_connections": g["n_proxy_client_connections"],
-            }
+            {"t": round(s.at - started, 1), "rss_kib": s.rss_bytes // 1024, "fds": s.fds,
+             "children_in_flight": g["n_proxy_children_in_flight"],
+             "client_connections": g["n_proxy_client_connections"]}
             for s, g in zip(samples, gauges, strict=True)
         ],
         "idle": {**idle, "rss_kib": idle_sample.rss_bytes // 1024, "fds": idle_sample.fds},
-        "every_slot_free": slots_free,
-        "busy_rss_kib": busy_rss,
-        "rss_growth_kib": round(rss_growth),
+        "slots_served": slots_free, "busy_rss_kib": busy_rss, "rss_growth_kib": rss_growth,
         "fds_growth": fds_growth,
-        "failed": [
-            name
-            for name, ok in (
-                ("RSS grew", rss_growth <= RSS_FLAT_KIB),
-                ("fds grew", fds_growth <= FDS_FLAT),
-                ("children left in flight", children_left == 0),
-                ("a slot leaked", slots_free),
-            )
-            if not ok
-        ],
-    }
+    }  # fmt: skip
 
 
-def _verdict(result: dict[str, Any]) -> str:
-    return "NOT FLAT: " + ", ".join(result["failed"]) if result["failed"] else "flat"
+def _run(ctx: Context) -> Row:
+    backend = start_backend(ctx.fleet)
+    ctx.ready({"backend": backend})
+    seconds, rows = min(ctx.options.seconds, MAX_SECONDS), []
+    for label, (tree, env) in ctx.trees(backend.url).items():  # one after the other
+        admin = free_port()
+        config = f"admin: {{host: 127.0.0.1, port: {admin}}}\n" + _PROXY_CONFIG
+        proxy = start_proxy(ctx.fleet, ctx.work, backend.url, label, checkout=tree, config=config,
+                            env=env)  # fmt: skip
+        ctx.ready({label: proxy})
+        admin_url, clients = f"http://127.0.0.1:{admin}", ctx.options.concurrency[0]
+        rows.append({"proxy": label, **run_async(soak(proxy, admin_url, seconds, clients))})
+        ctx.fleet.stop(proxy)
+    return {"summary": rows}
 
 
-def _markdown(result: dict[str, Any], meta: dict[str, Any], note: str) -> str:
-    memory = result["large_request"]
-    idle = result["idle"]
-    lines = [
-        "# n-proxy soak",
-        "",
-        *([note, ""] if note else []),
-        f"{result['minutes']} min, {result['concurrency']} clients cycling through"
-        f" {len(_MIX)} kinds of request, {result['slow_clients']} clients trickling headers or"
-        f" bodies or idling (client_timeouts {CLIENT_SECONDS} s), a burst of"
-        f" {MAX_CONNECTIONS + 50} connections every {BURST_EVERY:.0f} s (max_connections"
-        f" {MAX_CONNECTIONS}), {SLOTS} upstream slots; {meta['cpus']} x {meta['cpu_model']}.",
-        "",
-        f"Idle RSS after the mix minus idle RSS after the warm-up rounds:"
-        f" {result['rss_growth_kib']:+,} KiB (flat: <= {RSS_FLAT_KIB:,}; under load, medians of"
-        f" the second and last fifths: {result['busy_rss_kib'][0]:,} and"
-        f" {result['busy_rss_kib'][1]:,} KiB); open fds growth: {result['fds_growth']}"
-        f" (flat: <= {FDS_FLAT}); children in flight once idle:"
-        f" {idle['n_proxy_children_in_flight']:.0f}; a request needing all {SLOTS} slots"
-        f" afterwards: {'served' if result['every_slot_free'] else 'HUNG'}"
-        f" -> **{_verdict(result)}**",
-        "",
-        f"Large requests first, in {len(memory['after_kib'])} rounds of a 2,048-child batch and"
-        f" a 15 MiB body: RSS {memory['cold_kib']:,} KiB cold; 3 s after each round"
-        f" {', '.join(f'{k:,}' for k in memory['after_kib'])} KiB (peaks"
-        f" {', '.join(f'{k:,}' for k in memory['peak_kib'])}): after the warm-up round,"
-        f" {memory['kept_after_warmup_kib']:+,} KiB kept.",
-        "",
-        "| t s | RSS KiB | fds | children in flight | client connections |",
-        "|---|---|---|---|---|",
-        *(
-            f"| {s['t']} | {s['rss_kib']:,} | {s['fds']} | {s['children_in_flight']:.0f}"
-            f" | {s['client_connections']:.0f} |"
-            for s in result["samples"]
-        ),
-        "",
-        "Requests (a client error is mostly a connection refused while a burst holds"
-        " max_connections): "
-        + ", ".join(f"{k} {v:,}" for k, v in sorted(result["requests"].items())),
-    ]
-    return "\n".join(lines) + "\n"
+def _render(data: Row) -> list[str]:
+    out = []
+    for result in data["summary"]:
+        memory, idle = result["large_request"], result["idle"]
+        out += [
+            "", f"### {result['proxy']}", "",
+            f"{result['seconds']:g} s, {result['concurrency']} clients cycling through"
+            f" {len(_MIX)} kinds of request, {result['slow_clients']} clients trickling headers"
+            f" or bodies or idling (client_timeouts {CLIENT_SECONDS} s), a burst of"
+            f" {MAX_CONNECTIONS + 50} connections every {BURST_EVERY:.0f} s (max_connections"
+            f" {MAX_CONNECTIONS}), {SLOTS} upstream slots.",
+            "",
+            f"Idle RSS after the mix minus idle RSS after the warm-up rounds:"
+            f" {result['rss_growth_kib']:+,} KiB (under load, medians of the second and last"
+            f" fifths: {result['busy_rss_kib'][0]:,} and {result['busy_rss_kib'][1]:,} KiB); open"
+            f" fds growth: {result['fds_growth']:+g}; children in flight once idle:"
+            f" {idle['n_proxy_children_in_flight']:.0f}; requests needing all {SLOTS} slots"
+            f" afterwards: {result['slots_served']} of 2 served.",
+            "",
+            f"Large requests first, in {len(memory['after_kib'])} rounds of a 2,048-child batch and"
+            f" a 15 MiB body: RSS {memory['cold_kib']:,} KiB cold; 3 s after each round"
+            f" {', '.join(f'{k:,}' for k in memory['after_kib'])} KiB (peaks"
+            f" {', '.join(f'{k:,}' for k in memory['peak_kib'])}): after the warm-up round,"
+            f" {memory['kept_after_warmup_kib']:+,} KiB kept.",
+            *table([("t s", "t", ""), ("RSS KiB", "rss_kib", "{:,}"), ("fds", "fds", ""),
+                    ("children in flight", "children_in_flight", "{:.0f}"),
+                    ("client connections", "client_connections", "{:.0f}")], result["samples"]),
+            "",
+            "Requests (a client error is mostly a connection refused while a burst holds"
+            " max_connections): "
+            + ", ".join(f"{k} {v:,}" for k, v in sorted(result["requests"].items())),
+        ]  # fmt: skip
+    return out
 
 
-def _start_proxy(fleet: Fleet, work: Path, upstream: Server) -> tuple[Server, str]:
-    port, admin = free_port(), free_port()
-    config = work / "n-proxy-soak.yaml"
-    config.write_text(
-        _PROXY_CONFIG.format(
-            admin=admin,
-            max_connections=MAX_CONNECTIONS,
-            seconds=CLIENT_SECONDS,
-            url=upstream.url,
-            slots=SLOTS,
-        )
-    )
-    argv = [sys.executable, "-m", "proxy", "--config", str(config)]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
-    return fleet.launch("n-proxy", argv, port, "/health"), f"http://127.0.0.1:{admin}"
+def _targets(data: Row) -> list[Target]:
+    out = []
+    for r in data["summary"]:
+        at = f" ({r['proxy']})"
+        out += [
+            target("soak: idle RSS after the mix over after warm-up" + at, r["rss_growth_kib"],
+                   "<=", RSS_FLAT_KIB, "{:+,.0f} KiB"),
+            target("soak: open fds growth" + at, r["fds_growth"], "<=", FDS_FLAT, "{:+.0f}"),
+            target("soak: children in flight once idle" + at,
+                   r["idle"]["n_proxy_children_in_flight"], "<=", 0, "{:.0f}"),
+            target("soak: requests needing every slot, served afterwards" + at, r["slots_served"],
+                   ">=", 2, "{:.0f} of 2"),
+        ]  # fmt: skip
+    return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/soak", description=__doc__)
-    parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--every", type=float, default=10.0, help="seconds between samples")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--note", default="", help="a line for the report: what was run")
-    args = parser.parse_args(argv)
-    minutes = min(max(args.minutes, 0.1), MAX_MINUTES)
-    raw = RESULTS / "raw" / "soak"
-    raw.mkdir(parents=True, exist_ok=True)
-    with Fleet(raw / "logs") as fleet:
-        backend = start_backend(fleet)
-        proxy, admin = _start_proxy(fleet, raw, backend)
-        for server in (backend, proxy):
-            wait_ready(server)
-        result = run_async(soak(proxy, admin, minutes, args.every, args.concurrency))
-    meta = machine()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps({"meta": meta, **result}, indent=1) + "\n")
-    (args.out / "soak.md").write_text(_markdown(result, meta, args.note))
-    verdict = _verdict(result)
-    print(f"soak: RSS {result['rss_growth_kib']:+,} KiB, fds {result['fds_growth']:+} -> {verdict}")
-    return 0 if not result["failed"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+SCENARIO = Scenario(
+    "soak", "Soak: minutes of mixed and hostile traffic", _run, _render, _targets,
+    full={"seconds": 600.0, "concurrency": (16,)}, smoke={"seconds": 20.0, "concurrency": (8,)},
+)  # fmt: skip
