@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -131,7 +132,7 @@ def render(results: Row) -> str:
         out += profile.lines(data["profile"]) if data.get("profile") else []
     if results["errors"]:
         out += ["", "## Errors", ""] + [f"- {k}: {v}" for k, v in results["errors"].items()]
-    return "\n".join(out) + "\n"
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(out) + "\n")  # one blank line between parts
 
 
 def run(
@@ -192,13 +193,8 @@ def finish(results: Row, out: Path, stem: str, chart_python: Path | None) -> int
     results["targets"] = [{**asdict(t), "verdict": t.verdict} for t in targets]
     write(out, stem, results, render(results))
     if chart_python and {"passthrough", "fanout"} & set(results):
-        argv = [
-            str(chart_python),
-            "-m",
-            "bench.tools.chart",
-            str(out / f"{stem}.json"),
-            str(out / f"{stem}.png"),
-        ]
+        files = [f"{out / stem}.json", f"{out / stem}.png"]
+        argv = [str(chart_python), "-m", "bench.tools.chart", *files]
         drawn = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         if drawn.returncode:
             print(f"bench: no chart: {drawn.stderr[-500:]}", flush=True)

@@ -92,6 +92,12 @@ async def read_stream(
     )
 
 
+def client(seconds: float, limit: int = 0, force_close: bool = False) -> aiohttp.ClientSession:
+    """A client session: ``limit`` connections (0: any number), each request ``seconds`` at most."""
+    connector = aiohttp.TCPConnector(limit=limit, force_close=force_close)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=seconds))
+
+
 def run_async(coro: Coroutine[Any, Any, T]) -> T:
     """Run an in-process client on uvloop when installed, as the servers under test are."""
     with contextlib.suppress(ImportError):

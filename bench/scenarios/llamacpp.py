@@ -11,12 +11,13 @@ import orjson
 from bench.report import Row, table
 from bench.scenario import Context, Scenario
 from bench.stats import median
-from bench.streams import StreamTiming, read_stream, run_async
+from bench.streams import StreamTiming, client, read_stream, run_async
 from tests.support.llamacpp import start_llama_server
 from tests.support.tinymodel import build_tiny_gguf
 
 CHAT = "/v1/chat/completions"
 ATTEMPTS = 3
+REQUEST_SECONDS = 300
 CONFIG = """\
 stream_start: {start}
 upstreams:
@@ -53,8 +54,7 @@ async def _measure(ctx: Context) -> Row:
                 cases += [(label, start, proxy.url, o.n[0]) for label, proxy in up.items()]
             # A new connection per request: llama-server drops a kept-alive connection after a
             # stream, and the same rule for every path keeps them comparable.
-            connector = aiohttp.TCPConnector(force_close=True)
-            async with aiohttp.ClientSession(connector=connector) as session:
+            async with client(REQUEST_SECONDS, force_close=True) as session:
                 for path, start, url, n in cases:
                     body = orjson.dumps({
                         "model": "tiny", "messages": [{"role": "user", "content": "hi"}],

@@ -9,7 +9,6 @@ import socket
 import time
 from typing import Any
 
-import aiohttp
 import orjson
 
 from bench.procs import ProcSample, Server
@@ -17,7 +16,7 @@ from bench.report import Column, Row, Target, pick, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import numbers
-from bench.streams import read_stream, run_async
+from bench.streams import client, read_stream, run_async
 from bench.workload import CHAT_PATH, chat_body
 
 KIB = 1024
@@ -38,10 +37,7 @@ async def open_streams(
     url = proxy.url + CHAT_PATH
     life = tokens * token_delay
     idle = proxy.sample()
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),
-        timeout=aiohttp.ClientTimeout(total=life + 120),
-    ) as session:
+    async with client(life + 120) as session:
         await read_stream(session, url, orjson.dumps(chat_body(n, stream=True, max_tokens=2)))
         warm = proxy.sample()
         flowing = 0

@@ -21,7 +21,7 @@ from bench.report import Row, Target, table, target
 from bench.scenario import Context, Scenario
 from bench.stack import start_backend, start_proxy
 from bench.stats import median
-from bench.streams import run_async
+from bench.streams import client, run_async
 from bench.workload import CHAT_PATH, MODEL, chat_body
 
 MAX_SECONDS = 7200.0
@@ -249,9 +249,7 @@ async def soak(proxy: Server, admin: str, seconds: float, concurrency: int) -> R
     counts: Counter[str] = Counter()
     samples: list[ProcSample] = []
     gauges: list[dict[str, float]] = []
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
-    ) as session:
+    async with client(60) as session:
         memory = await _large_request_memory(proxy, session)
         print(f"  large request: {memory}", flush=True)
         started = time.monotonic()

@@ -15,7 +15,7 @@ from bench.report import Column, Row, Target, pick, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import grouped, median, medians, ratio
-from bench.streams import read_stream, run_async
+from bench.streams import client, read_stream, run_async
 from bench.workload import CHAT_PATH, chat_body, stream_events
 
 SAMPLE_EVERY = 0.5  # seconds between RSS samples
@@ -73,10 +73,7 @@ async def _measure(ctx: Context, proxies: dict[str, Server]) -> Row:
     body = orjson.dumps(chat_body(o.n[0], stream=True, max_tokens=o.max_tokens))
     expected = stream_events(o.n[0], o.max_tokens)
     rows: list[Row] = []
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=o.concurrency[0]),
-        timeout=aiohttp.ClientTimeout(total=120),
-    ) as session:
+    async with client(120, limit=o.concurrency[0]) as session:
         for proxy in proxies.values():
             await read_stream(session, proxy.url + CHAT_PATH, body)  # warm-up
         for turn in range(o.rounds):

@@ -15,7 +15,7 @@ from bench.report import Column, Row, Target, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import median
-from bench.streams import StreamTiming, read_stream, run_async
+from bench.streams import StreamTiming, client, read_stream, run_async
 from bench.workload import CHAT_PATH, SEED, chat_body
 
 SLOW_START_S = 0.05  # the slow child's status line this late, as from a server with no free slot
@@ -93,9 +93,7 @@ def summarize(rows: list[Row]) -> Row:
 
 async def _measure(ctx: Context, pairs: list[tuple[str, float, Server, Server]]) -> Row:
     o, runs, summary = ctx.options, [], []
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
-    ) as session:
+    async with client(60) as session:
         for label, delay, proxy, backend in pairs:
             await _pair(session, proxy, backend, o.n[0], o.max_tokens, False)  # warm-up
             rows = [await _pair(session, proxy, backend, o.n[0], o.max_tokens, rep % 2 == 1)

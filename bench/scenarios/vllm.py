@@ -15,12 +15,12 @@ from bench.procs import sample
 from bench.report import Row, table
 from bench.scenario import Context, Scenario
 from bench.stats import median, over, paired
-from bench.streams import read_stream, run_async
+from bench.streams import client, read_stream, run_async
 from tests.support.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
 
 CHAT = "/v1/chat/completions"
 NATIVE = "native"
-REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300)
+REQUEST_SECONDS = 300
 TOKENS_RATIO = over("tokens_per_s")
 
 
@@ -81,8 +81,7 @@ async def streams(
 
 async def _measure(ctx: Context, routes: list[Route]) -> list[Row]:
     o, rows = ctx.options, []
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT) as session:
+    async with client(REQUEST_SECONDS) as session:
         for route in routes:  # warm-up: the first requests pay for lazy setup
             await streams(session, route.url, 2, 8, 2)
         for n in o.n:
