@@ -1,24 +1,31 @@
-"""Closed-loop load at fixed concurrency, by wrk (C, a fraction of a core) or by ``bench.loadgen``
-(which needs about a core itself: the fallback, and the smoke run's tool)."""
+"""Closed-loop load at fixed concurrency, by wrk (C, a fraction of a core) or by this module run as
+a process of its own (aiohttp, exact percentiles, but about a core itself: the fallback, and the
+smoke run's tool)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import http.client
 import json
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import aiohttp
+
+from bench.stats import percentile
+from bench.streams import run_async
+from bench.workload import HEADERS, Request
+
 Tool = Literal["wrk", "python"]
 WRK_TIMEOUT_SECONDS = 10
-# Every contender gets the same headers. LiteLLM's proxy refuses to start without a master key,
-# so it has this one; it guards nothing but a server on 127.0.0.1 for the length of a run.
-BENCH_KEY = "sk-bench-loopback-only"
-HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {BENCH_KEY}"}
 _MARK = "BENCHJSON "
+MAX_REQUESTS_PER_SECOND = 200_000  # a bound on the Python generator's loop, far above one core's
+QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))
 
 
 @dataclass(frozen=True)
@@ -38,12 +45,6 @@ class LoadResult:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "rps": self.rps}
-
-
-@dataclass(frozen=True)
-class Request:
-    path: str
-    body: bytes  # a JSON body, POSTed
 
 
 def _lua(request: Request) -> str:
@@ -80,11 +81,6 @@ def _marked(argv: list[str], timeout: float) -> dict[str, Any]:
     )
 
 
-def result_line(result: dict[str, Any]) -> str:
-    """How ``bench.loadgen`` reports, in the same framing as the wrk script."""
-    return _MARK + json.dumps(result)
-
-
 @dataclass(frozen=True)
 class Loader:
     """One load tool with its settings, so scenarios just say where, what and how many."""
@@ -100,9 +96,10 @@ class Loader:
         if self.tool == "python":
             body = self.work / f"body-{digest}.json"
             body.write_bytes(request.body)
-            argv = [sys.executable, "-m", "bench.loadgen", "--url", base_url + request.path]
-            argv += ["--body-file", str(body), "--concurrency", str(concurrency)]
-            return LoadResult(**_marked([*argv, "--seconds", str(self.seconds)], self.seconds + 60))
+            argv = [sys.executable, "-m", "bench.load", base_url + request.path, str(body)]
+            return LoadResult(
+                **_marked([*argv, str(concurrency), str(self.seconds)], self.seconds + 60)
+            )
         assert self.wrk is not None, "the wrk tool needs the wrk binary"
         script = self.work / f"wrk-{digest}.lua"
         script.write_text(_lua(request))
@@ -128,3 +125,47 @@ def post(base_url: str, request: Request, timeout: float = 30.0) -> tuple[int, b
         return response.status, response.read()
     finally:
         conn.close()
+
+
+async def generate(
+    url: str, body: bytes, concurrency: int, seconds: float
+) -> tuple[list[int], int, float]:
+    """Latencies in ns of the 2xx answers, the error count, and the elapsed seconds."""
+    latencies: list[int] = []
+    errors = 0
+    budget = max(1, int(seconds * MAX_REQUESTS_PER_SECOND))
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",)
+    ) as session:
+        start = time.perf_counter()
+        deadline = start + seconds
+
+        async def worker() -> None:
+            nonlocal errors
+            while time.perf_counter() < deadline and len(latencies) + errors < budget:
+                began = time.perf_counter_ns()
+                try:
+                    async with session.post(url, data=body, headers=HEADERS) as response:
+                        await response.read()
+                        ok = 200 <= response.status < 300
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter_ns() - began)
+                else:
+                    errors += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return latencies, errors, elapsed
+
+
+if __name__ == "__main__":  # the Python generator: URL BODY_FILE CONCURRENCY SECONDS
+    url, body, concurrency, seconds = sys.argv[1], Path(sys.argv[2]).read_bytes(), *sys.argv[3:5]
+    latencies, errors, elapsed = run_async(generate(url, body, int(concurrency), float(seconds)))
+    ms = sorted(ns / 1e6 for ns in latencies)
+    result = {"tool": "python", "requests": len(ms), "errors": errors, "seconds": elapsed}
+    result |= {f"{q}_ms": percentile(ms, p) if ms else 0.0 for q, p in QUANTILES}
+    print(_MARK + json.dumps(result), flush=True)

@@ -56,7 +56,7 @@ class Tools:
     nginx: str | None
     wrk: str | None
     litellm: str | None
-    tool: Tool  # the load generator: wrk, or bench.loadgen
+    tool: Tool  # the load generator: wrk, or bench.load as a process
     py_spy: str | None  # --profile
 
 

@@ -8,10 +8,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from bench.load import BENCH_KEY
 from bench.pacer import BODY, HEALTH_PATH
 from bench.procs import Fleet, Server, free_port
-from bench.workload import CHAT_PATH, MODEL
+from bench.workload import BENCH_KEY, CHAT_PATH, MODEL
 
 # Admission control is a deployment choice, not a cost: lift it so only the proxy's work shows.
 PROXY_CONFIG = """\

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from bench.load import HEADERS
+from bench.workload import HEADERS
 
 _EVENT = b"data: "
 # A chat chunk that carries generated text (the opening role chunk has "content":"").

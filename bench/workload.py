@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from bench.load import Request
-
 CHAT_PATH = "/v1/chat/completions"
 MODEL = "demo-model"
 SEED = 1000
+# Every contender gets the same headers. LiteLLM's proxy refuses to start without a master key,
+# so it has this one; it guards nothing but a server on 127.0.0.1 for the length of a run.
+BENCH_KEY = "sk-bench-loopback-only"
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {BENCH_KEY}"}
+
+
+@dataclass(frozen=True)
+class Request:
+    path: str
+    body: bytes  # a JSON body, POSTed
 
 
 def chat_body(

@@ -7,14 +7,14 @@ from collections.abc import Sequence
 
 import orjson
 
-from bench.load import Request, post
+from bench.load import post
 from bench.procs import Server
 from bench.report import Column, Row, Target, pick, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.scenarios.passthrough import timed
 from bench.stack import start_backend
 from bench.stats import grouped, median, medians, over, paired, ratio, rotated
-from bench.workload import chat_request
+from bench.workload import Request, chat_request
 
 NATIVE = "native"
 GOAL_N = 8

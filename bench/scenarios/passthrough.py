@@ -7,13 +7,13 @@ from collections.abc import Mapping, Sequence
 
 import orjson
 
-from bench.load import LoadResult, Request, post
+from bench.load import LoadResult, post
 from bench.procs import CpuUse, CpuWatch, Server, settle
 from bench.report import Column, Row, Target, pick, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.stack import start_backend, start_forwarder, start_litellm, start_nginx, start_proxy
 from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles, rotated
-from bench.workload import chat_request
+from bench.workload import Request, chat_request
 
 DIRECT = "direct"
 FORWARDER = "aiohttp forwarder"

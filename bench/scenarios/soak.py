@@ -15,14 +15,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.load import HEADERS
 from bench.procs import ProcSample, Server, free_port
 from bench.report import Row, Target, table, target
 from bench.scenario import Context, Scenario
 from bench.stack import start_backend, start_proxy
 from bench.stats import median
 from bench.streams import client, run_async
-from bench.workload import CHAT_PATH, MODEL, chat_body
+from bench.workload import CHAT_PATH, HEADERS, MODEL, chat_body
 
 MAX_SECONDS = 7200.0
 SAMPLES = 60  # RSS, fds and gauges this many times over the soak (at most once a second)
