@@ -79,6 +79,7 @@ def parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("output")
     r.add_argument("--out", type=Path, help="results folder (default bench/results;"
                    " with --smoke bench/results/raw/smoke)")  # fmt: skip
+    r.add_argument("--name", help="the report's file name (default: the scenario's, or latest)")
     r.add_argument("--note", default="", help="a line for the report")
     r.add_argument("--render", type=Path, metavar="JSON", help="only rebuild a run's Markdown")
     return p
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         run(load(name), args, found, raw / name, results)
     results["meta"]["seconds"] = time.monotonic() - started
     out = args.out or (raw if args.smoke else RESULTS)
-    stem = "profile" if args.profile else names[0] if len(names) == 1 else "latest"
+    stem = args.name or ("profile" if args.profile else names[0] if len(names) == 1 else "latest")
     chart = WORK / "venv" / "bin" / "python"
     return finish(results, out, stem, chart if chart.exists() and not args.smoke else None)
 

@@ -18,28 +18,14 @@ from bench.workload import CHAT_PATH, MODEL
 
 # A real non-streaming answer: one choice with index 0 and usage, so n-proxy can stitch n of them
 # into one n-choice answer. No ' $ or \ in it: nginx's `return` quotes it as text.
-BODY = orjson.dumps(
-    {
-        "id": "chatcmpl-bench5f0c2a9e41d7b3c8a6e0f1d2",
-        "object": "chat.completion",
-        "created": 1733000000,
-        "model": MODEL,
-        "system_fingerprint": "fp_bench_canned",
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": "This answer comes back through the proxy unchanged; it stands in"
-                    " for a short reply.",
-                },
-                "logprobs": None,
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": {"prompt_tokens": 14, "completion_tokens": 17, "total_tokens": 31},
-    }
-)
+_REPLY = "This answer comes back through the proxy unchanged; it stands in for a short reply."
+BODY = orjson.dumps({
+    "id": "chatcmpl-bench5f0c2a9e41d7b3c8a6e0f1d2", "object": "chat.completion",
+    "created": 1733000000, "model": MODEL, "system_fingerprint": "fp_bench_canned",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": _REPLY},
+                 "logprobs": None, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 14, "completion_tokens": 17, "total_tokens": 31},
+})  # fmt: skip
 HEALTH_PATH = "/health"
 MAX_BUFFERED = 1 << 20  # a request that big is not one this bench sends: close the connection
 MAX_STREAM = 100_000  # steps: bounds every stream even if asked for more

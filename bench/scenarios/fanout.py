@@ -62,32 +62,25 @@ def _run(ctx: Context) -> Row:
                     "proxy_cores": 0.0 if name == NATIVE else cpu.by_server[targets[name].name],
                     "other_load_cores": cpu.foreign, "steal_cores": cpu.steal,
                 })  # fmt: skip
-    return {"concurrency": c, "runs": rows, "summary": summarize(rows)}
+    return {"runs": rows, "summary": summarize(rows)}
 
 
 def summarize(rows: Sequence[Row]) -> list[Row]:
-    """Per (n, stream) and proxy: medians, the ratio to native paired by round, and the
+    """Medians per (n, stream, contender); the ratio to native paired by round; and the
     backend-bound ceiling: the ratio a proxy costing nothing would reach, from the backend CPU
     one native n-choice request takes over what its n single-choice requests take."""
     summary: list[Row] = []
-    for (n, stream), case in grouped(rows, "n", "stream"):
+    for (n, stream, name), mine in grouped(rows, "n", "stream", "target"):
+        case = [r for r in rows if (r["n"], r["stream"]) == (n, stream)]
         native = [r for r in case if r["target"] == NATIVE]
-        for (name,), mine in grouped([r for r in case if r["target"] != NATIVE], "target"):
-            summary.append({
-                "n": n, "stream": stream, "target": name,
-                "proxy_rps": median(r["rps"] for r in mine),
-                "native_rps": median(r["rps"] for r in native),
-                "ratio": median(paired(case, "target", name, NATIVE, over("rps"))),
-                "backend_ceiling": ratio(_backend_cpu(native), _backend_cpu(mine)),
-                "proxy_p50_ms": median(r["p50_ms"] for r in mine),
-                "native_p50_ms": median(r["p50_ms"] for r in native),
-                # Cores busy: is the proxy or the backend the bottleneck?
-                "proxy_cores": median(r["proxy_cores"] for r in mine),
-                "backend_cores_proxied": median(r["backend_cores"] for r in mine),
-                "backend_cores_native": median(r["backend_cores"] for r in native),
-                "errors": sum(r["errors"] for r in mine + native),
-                **medians(case, "other_load_cores", "steal_cores"),
-            })  # fmt: skip
+        summary.append({
+            "n": n, "stream": stream, "target": name, "errors": sum(r["errors"] for r in mine),
+            "ratio": median(paired(case, "target", name, NATIVE, over("rps"))),
+            "backend_ceiling": ratio(_backend_cpu(native), _backend_cpu(mine)),
+            # Cores busy: is the proxy or the backend the bottleneck?
+            **medians(mine, "rps", "p50_ms", "proxy_cores", "backend_cores", "other_load_cores",
+                      "steal_cores"),
+        })  # fmt: skip
     return summary
 
 
@@ -97,25 +90,20 @@ def _backend_cpu(rows: Sequence[Row]) -> float:
 
 
 COLUMNS: list[Column] = [
-    ("n", "n", ""), ("stream", "stream", ""), ("proxy", "target", ""),
-    ("proxy req/s", "proxy_rps", "{:,.0f}"), ("native req/s", "native_rps", "{:,.0f}"),
-    ("ratio", "ratio", "{:.0%}"), ("backend-bound ceiling", "backend_ceiling", "{:.0%}"),
-    ("proxy p50 ms", "proxy_p50_ms", "{:.3f}"), ("native p50 ms", "native_p50_ms", "{:.3f}"),
-    ("proxy cores", "proxy_cores", "{:.2f}"),
-    ("its backend's cores", "backend_cores_proxied", "{:.2f}"),
-    ("native backend cores", "backend_cores_native", "{:.2f}"), ("errors", "errors", ""),
-    ("other load, cores", "other_load_cores", "{:.2f}"), ("steal, cores", "steal_cores", "{:.2f}"),
+    ("n", "n", ""), ("stream", "stream", ""), ("contender", "target", ""),
+    ("req/s", "rps", "{:,.0f}"), ("over native", "ratio", "{:.0%}"),
+    ("backend-bound ceiling", "backend_ceiling", "{:.0%}"), ("p50 ms", "p50_ms", "{:.3f}"),
+    ("proxy cores", "proxy_cores", "{:.2f}"), ("its backend's cores", "backend_cores", "{:.2f}"),
+    ("errors", "errors", ""), ("other load, cores", "other_load_cores", "{:.2f}"),
+    ("steal, cores", "steal_cores", "{:.2f}"),
 ]  # fmt: skip
 
 
 def _render(data: Row) -> list[str]:
     return [
-        f"Concurrency {data['concurrency']}.",
+        f"Concurrency {data['options']['concurrency'][0]}. Backend-bound ceiling: the ratio even a"
+        " proxy costing nothing would reach (the demo backend's cost is mostly per request).",
         *table(COLUMNS, data["summary"]),
-        "",
-        "Backend-bound ceiling: the ratio even a proxy costing nothing would reach, from the"
-        " backend CPU that one native n-choice request takes over the CPU its n single-choice"
-        " requests take (the demo backend's cost is mostly per request, not per choice).",
     ]
 
 

@@ -14,7 +14,7 @@ from bench.procs import Server
 from bench.report import Column, Row, Target, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
-from bench.stats import median
+from bench.stats import medians
 from bench.streams import StreamTiming, client, read_stream, run_async
 from bench.workload import CHAT_PATH, SEED, chat_body
 
@@ -59,36 +59,18 @@ async def _pair(session: aiohttp.ClientSession, proxy: Server, backend: Server, 
         m, d = await merged(), await direct()
     else:
         d, m = await direct(), await merged()
+    first, end = m.first_token_at * 1e3, m.end_at * 1e3
+    fastest, slowest = min(t.first_token_at for t in d) * 1e3, max(t.end_at for t in d) * 1e3
+    slowest_headers = max(t.headers_at for t in d) * 1e3
     return {
-        "fastest_first_token_ms": min(t.first_token_at for t in d) * 1e3,
-        "fastest_first_byte_ms": min(t.first_byte_at for t in d) * 1e3,
-        "slowest_headers_ms": max(t.headers_at for t in d) * 1e3,
-        "slowest_end_ms": max(t.end_at for t in d) * 1e3,
-        "first_token_ms": m.first_token_at * 1e3, "first_byte_ms": m.first_byte_at * 1e3,
-        "end_ms": m.end_at * 1e3,
-    }  # fmt: skip
-
-
-def summarize(rows: list[Row]) -> Row:
-    def med(key: str) -> float:
-        return median(r[key] for r in rows)
-
-    return {
-        "fastest_child_first_token_ms": med("fastest_first_token_ms"),
-        "merged_first_token_ms": med("first_token_ms"),
-        "ttft_added_ms": median(r["first_token_ms"] - r["fastest_first_token_ms"] for r in rows),
-        "slowest_child_headers_ms": med("slowest_headers_ms"),
+        "fastest_child_first_token_ms": fastest, "merged_first_token_ms": first,
+        "ttft_added_ms": first - fastest, "slowest_child_headers_ms": slowest_headers,
         # How long before the slow child's status line the merged stream showed its first token.
-        "first_token_before_slowest_headers_ms": median(
-            r["slowest_headers_ms"] - r["first_token_ms"] for r in rows
-        ),
-        "first_byte_added_ms": median(
-            r["first_byte_ms"] - r["fastest_first_byte_ms"] for r in rows
-        ),
-        "slowest_child_total_ms": med("slowest_end_ms"),
-        "merged_total_ms": med("end_ms"),
-        "total_over_slowest": median(r["end_ms"] / r["slowest_end_ms"] for r in rows) - 1,
-    }
+        "first_token_before_slowest_headers_ms": slowest_headers - first,
+        "first_byte_added_ms": (m.first_byte_at - min(t.first_byte_at for t in d)) * 1e3,
+        "slowest_child_total_ms": slowest, "merged_total_ms": end,
+        "total_over_slowest": end / slowest - 1,
+    }  # fmt: skip
 
 
 async def _measure(ctx: Context, pairs: list[tuple[str, float, Server, Server]]) -> Row:
@@ -99,7 +81,9 @@ async def _measure(ctx: Context, pairs: list[tuple[str, float, Server, Server]])
             rows = [await _pair(session, proxy, backend, o.n[0], o.max_tokens, rep % 2 == 1)
                     for rep in range(o.reps)]  # fmt: skip
             runs += [{"proxy": label, "fast_delay_ms": delay * 1e3, **r} for r in rows]
-            summary.append({"proxy": label, "fast_delay_ms": delay * 1e3, **summarize(rows)})
+            summary.append(
+                {"proxy": label, "fast_delay_ms": delay * 1e3, **medians(rows, *rows[0])}
+            )
             say(f"ttft {label} at {delay * 1e3:g} ms/token", summary[-1], *SHOWN)
     return {"runs": runs, "summary": summary}
 
