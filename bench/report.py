@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -30,19 +31,17 @@ def version(argv: Sequence[str]) -> str:
 
 
 def commit(tree: Path = ROOT) -> str:
-    """The commit a proxy ran from, marked dirty when its proxy/ had uncommitted changes."""
+    """The commit a tree is at, marked dirty when its proxy/ has uncommitted changes."""
 
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=tree, capture_output=True, text=True).stdout
 
     try:
-        head, dirty = (
-            git("rev-parse", "--short", "HEAD").strip(),
-            git("status", "--porcelain", "proxy"),
-        )
+        head = git("rev-parse", "--short", "HEAD").strip()
+        dirty = git("status", "--porcelain", "proxy").strip()
     except OSError:
         return "unknown"
-    return f"{head}{'+dirty' if dirty.strip() else ''}" if head else "unknown"
+    return f"{head}{'+dirty' if dirty else ''}" if head else "unknown"
 
 
 def stamp(command: str, load: str, versions: list[str], baseline: Path | None, note: str) -> Row:
@@ -53,6 +52,7 @@ def stamp(command: str, load: str, versions: list[str], baseline: Path | None, n
         "baseline": f"{baseline} at {commit(baseline)}" if baseline else None,
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **machine(),
+        "load_average": os.getloadavg()[0],  # at the start: other work on a shared machine
         "load": load,
         "versions": versions,
         "note": note,
@@ -65,11 +65,12 @@ def header(title: str, meta: Row) -> list[str]:
         f"# {title}",
         "",
         f"Command: `{meta['command']}`  ",
-        f"n-proxy at commit {meta.get('commit', meta.get('proxy_version', 'unknown'))}"
+        f"n-proxy at commit {meta['commit']}"
         + (f"; baseline {meta['baseline']}" if meta.get("baseline") else "")
         + f"; started {meta['started']}, took {meta.get('seconds', 0):.0f} s  ",
         f"Machine: {meta['cpus']} x {meta['cpu_model']}, Linux {meta['kernel']}, Python"
-        f" {meta['python']}; {tools}. Everything on 127.0.0.1.",
+        f" {meta['python']}; {tools}; load average {meta.get('load_average', 0):.1f} at the"
+        " start. Everything on 127.0.0.1.",
     ]
     return lines + (["", meta["note"]] if meta.get("note") else [])
 
