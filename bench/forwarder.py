@@ -32,7 +32,7 @@ def build(upstream: str) -> web.Application:
 
 
 def build_lean(upstream: str) -> web.Application:
-    from proxy.http.pool import ConnectionPool
+    from proxy.http import ConnectionPool
 
     async def forward(request: web.Request) -> web.Response:
         pool: ConnectionPool = request.app["client"]

@@ -55,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = options.upstream is None and options.config is None
     workers = options.workers
     if workers == AUTO:
-        # Never more workers than the limits can be divided among (proxy.workers.worker_config).
+        # Never more workers than the limits can be divided among
+        # (proxy.server.workers.worker_config).
         workers = 1 if demo else min(auto_workers(), max_workers(config))
     if workers > 1:
         if demo:

@@ -1,104 +1,140 @@
-"""Shared fixtures: the demo backend and n-proxy, both real servers on 127.0.0.1."""
+"""Shared fixtures: the demo backend and n-proxy, both real servers on 127.0.0.1.
+
+pytest             # every test: the default, and what the whole check runs
+pytest -m fast     # the pure unit tests only (no server, no subprocess), in seconds
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from proxy.config.models import Config, single_upstream_config
-from proxy.devserver import DevConfig, DevState, start_devserver
-from proxy.server.app import build_app
+from proxy.upstream.service import UpstreamPool
+from tests.support.logs import LogCapture, capture_logs
+from tests.support.rawupstream import RawUpstream
+from tests.support.rig import MakeRig, Rig
+from tests.support.servers import Backend, Proxy, Servers
 
 # After every test, every in-process proxy must have given back all it held
 # (tests/support/lifecycle.py).
 pytest_plugins = ("tests.support.lifecycle", "pytester")
 
-
-@dataclass
-class Backend:
-    url: str
-    state: DevState
-
-
-@dataclass
-class Proxy:
-    url: str
-    config: Config
-    app: web.Application
-
-
-async def start_proxy(config: Config) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
+# ``-m fast``: these folders and files hold the pure unit tests; any of their tests that asks
+# for a server (``servers`` is behind every one), a client or a sub-pytest is left unmarked.
+_FAST = (
+    "tests/core/",
+    "tests/config/test_config.py",
+    "tests/upstream/test_slots.py",
+    "tests/upstream/test_replicas.py",
+    "tests/upstream/test_retry.py",
+    "tests/request/test_mailbox.py",
+    "tests/request/test_sink.py",
+    "tests/observe/test_census.py",
+    "tests/observe/test_clienterrors.py",
+    "tests/devserver/test_devserver_model.py",
+    "tests/devserver/test_devserver_request.py",
+    "tests/devserver/test_devserver_reply.py",
+)
+_SERVING = {"servers", "http", "llama_model", "pytester"}
 
 
-@pytest.fixture
-async def make_backend() -> AsyncIterator[Callable[..., Awaitable[Backend]]]:
-    runners: list[web.AppRunner] = []
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        where = item.path.relative_to(root).as_posix()
+        if where.startswith(_FAST) and not _SERVING & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.fast)
 
-    async def make(**options: Any) -> Backend:
-        runner, port, state = await start_devserver(DevConfig(**options))
-        runners.append(runner)
-        return Backend(f"http://127.0.0.1:{port}", state)
 
-    yield make
-    for runner in runners:
-        await runner.cleanup()
+# --- the servers ---------------------------------------------------------------------------------
 
 
 @pytest.fixture
-async def backend(make_backend: Callable[..., Awaitable[Backend]]) -> Backend:
-    return await make_backend()
+async def servers() -> AsyncIterator[Servers]:
+    """Every server the test starts (``tests/support/servers.py``), stopped newest first."""
+    async with Servers() as started:
+        yield started
+
+
+MakeBackend = Callable[..., Awaitable[Backend]]
+MakeProxy = Callable[[Config], Awaitable[Proxy]]
 
 
 @pytest.fixture
-async def make_proxy() -> AsyncIterator[Callable[[Config], Awaitable[Proxy]]]:
-    runners: list[web.AppRunner] = []
-
-    async def make(config: Config) -> Proxy:
-        runner, url = await start_proxy(config)
-        runners.append(runner)
-        return Proxy(url, config, runner.app)
-
-    yield make
-    for runner in runners:
-        await runner.cleanup()
+def make_backend(servers: Servers) -> MakeBackend:
+    return servers.backend
 
 
 @pytest.fixture
-async def proxy(make_proxy: Callable[[Config], Awaitable[Proxy]], backend: Backend) -> Proxy:
-    return await make_proxy(single_upstream_config(backend.url))
-
-
-def proxy_config(backend: Backend, **overrides: Any) -> Config:
-    return single_upstream_config(backend.url).model_copy(update=overrides)
-
-
-def with_upstream(config: Config, **changes: Any) -> Config:
-    """The one-upstream ``config`` with that upstream's fields changed."""
-    (upstream,) = config.upstreams
-    return config.model_copy(update={"upstreams": (upstream.model_copy(update=changes),)})
+async def backend(servers: Servers) -> Backend:
+    return await servers.backend()
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
+def make_proxy(servers: Servers) -> MakeProxy:
+    return servers.proxy
+
+
+@pytest.fixture
+async def proxy(servers: Servers, backend: Backend) -> Proxy:
+    return await servers.proxy(single_upstream_config(backend.url))
+
+
+@pytest.fixture
+async def raw_upstream(servers: Servers) -> RawUpstream:
+    """A raw-bytes upstream (``tests/support/rawupstream.py``) with nothing scripted yet."""
+    return await servers.start(RawUpstream())
+
+
+@pytest.fixture
+async def http(request: pytest.FixtureRequest) -> AsyncIterator[aiohttp.ClientSession]:
+    """The test's client: no cap on its connections (a test may hold hundreds of requests
+    open); ``@pytest.mark.http_timeout(seconds)`` bounds each of its requests."""
+    marker = request.node.get_closest_marker("http_timeout")
+    timeout = aiohttp.ClientTimeout(total=marker.args[0]) if marker else aiohttp.ClientTimeout()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         yield session
 
 
-# llama.cpp's own server (via xllamacpp) on a tiny self-built model, one per test session. The
-# heavy imports stay inside the fixtures so tests that never ask for them do not pay for them.
-from pathlib import Path  # noqa: E402
+@pytest.fixture
+def request_log() -> Iterator[LogCapture]:
+    """The proxy's log lines; a test waits on the per-request line to know a handler is done."""
+    with capture_logs() as capture:
+        yield capture
+
+
+@pytest.fixture
+async def make_rig(
+    monkeypatch: pytest.MonkeyPatch, servers: Servers, request_log: LogCapture
+) -> AsyncIterator[MakeRig]:
+    """Rigs with leak accounting (``tests/support/rig.py``); the proxy's health probe is stubbed
+    so that every upstream connection is the test's."""
+
+    async def always_healthy(self: UpstreamPool, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    monkeypatch.setattr(UpstreamPool, "healthy", always_healthy)
+    clients: list[aiohttp.ClientSession] = []
+
+    async def make(**options: Any) -> Rig:
+        rig = await Rig.start(servers, request_log, **options)
+        clients.append(rig.client)
+        return rig
+
+    yield make
+    for client in clients:
+        await client.close()
+
+
+# --- llama.cpp's own server (via xllamacpp) on a tiny self-built model, one per test session ---
+# The heavy imports stay inside the fixtures so tests that never ask for them do not pay for them.
 
 
 @pytest.fixture(scope="session")
@@ -130,7 +166,7 @@ def llama_url_np4(llama_model: Path) -> Iterator[str]:
 @pytest.fixture(autouse=True)
 def no_unhandled_server_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     """A handler that raises is a bug even when the client saw the right bytes; and a request
-    the parser refuses is the client's fault, never an error line (proxy.clienterrors)."""
+    the parser refuses is the client's fault, never an error line (proxy.observe.clienterrors)."""
     yield
     errors = [
         r

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import re
 from typing import Annotated, Any
-from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, Field, PlainValidator, ValidationInfo, WithJsonSchema
 
 from proxy.core.numbers import is_int
+from proxy.core.url import check_url
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -33,15 +33,6 @@ def _url(value: object, info: ValidationInfo) -> str:
     if not isinstance(value, str):
         raise ValueError("not a URL")
     return check_url(_expand(value, info))
-
-
-def check_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("not a URL")
-    if parts.query or parts.fragment:
-        raise ValueError("must not have a query or fragment")
-    return url.rstrip("/")
 
 
 def _header_value(value: object, info: ValidationInfo) -> str:

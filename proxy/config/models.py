@@ -31,10 +31,10 @@ from proxy.config.fields import (
     Seconds,
     Url,
     UrlPath,
-    check_url,
     ranged,
 )
 from proxy.core.plan import endpoint_of
+from proxy.core.url import check_url
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
 DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -45,7 +45,7 @@ class ConfigError(ValueError):
     pass
 
 
-# Schema descriptions of the limits --workers N divides (proxy.workers.worker_config).
+# Schema descriptions of the limits --workers N divides (proxy.server.workers.worker_config).
 _SHARED = " The proxy's total: with --workers N each worker enforces its share (they add up to it)."
 _DIVIDED = _SHARED + " Every worker needs at least 1, so N may not exceed it."
 _CONCURRENCY = "Upstream requests in flight; children are admitted one at a time, FIFO." + _DIVIDED
@@ -296,7 +296,8 @@ class Config(_Section):
         raise KeyError(name)
 
     def choose_upstream(self, path: str, model: str | None) -> Upstream:
-        """The destination comes from configuration alone (SPEC §9: never from Host or the URI)."""
+        """The destination comes from configuration alone, never from Host or the URI
+        (docs/behaviour.md#routing)."""
         for route in self.routes:
             if route.matches(path, model):
                 return self.upstream(route.upstream)

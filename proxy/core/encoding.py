@@ -14,6 +14,8 @@ from proxy.core.errors import BodyTooLarge, InvalidRequest, UnsupportedEncoding
 
 _GZIP = 16 + zlib.MAX_WBITS
 _WBITS = {"gzip": _GZIP, "x-gzip": _GZIP, "deflate": zlib.MAX_WBITS}
+# The codings undone here (``inflate``, ``Inflater``): the only ones children may answer in.
+INFLATED = frozenset(_WBITS)
 
 
 def content_codings(header: str | None) -> list[str]:
@@ -31,7 +33,7 @@ def inflate(raw: bytes, codings: list[str], limit: int) -> bytes:
     that is not what its coding says is 400.
     """
     for coding in codings:
-        if coding not in _WBITS:
+        if coding not in INFLATED:
             raise UnsupportedEncoding(
                 f"Content-Encoding {coding!r} is not supported here; send gzip, deflate or identity"
             )

@@ -82,7 +82,7 @@ class UpstreamTimeout(ProxyError):
 
 
 class ChildFailed(Exception):
-    """A child answered with a non-2xx status before streaming (SPEC §5, §7)."""
+    """A child answered with a non-2xx status before streaming (docs/behaviour.md#errors)."""
 
     def __init__(self, status: int, body: bytes, content_type: str | None) -> None:
         super().__init__(f"upstream answered {status}")

@@ -1,4 +1,4 @@
-"""Which headers cross the proxy (SPEC §9). Pure.
+"""Which headers cross the proxy (docs/behaviour.md#headers). Pure.
 
 Hop-by-hop headers (``Proxy-*`` among them), and any named in ``Connection``, never cross;
 ``Host`` is the upstream's and ``Content-Length`` is recomputed, so neither is copied either.
@@ -10,6 +10,8 @@ import re
 from collections.abc import Mapping
 
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.core.encoding import INFLATED
 
 HOP_BY_HOP = frozenset(
     {
@@ -27,7 +29,6 @@ HOP_BY_HOP = frozenset(
 # The proxy holds the whole body before it sends anything, so `Expect` is answered here.
 _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
-_INFLATED = frozenset({"gzip", "x-gzip", "deflate"})  # what proxy.encoding.Inflater undoes
 
 
 Headers = CIMultiDictProxy[str] | CIMultiDict[str]
@@ -71,7 +72,7 @@ def child_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDict
         token.strip()
         for value in out.popall("Accept-Encoding", ())
         for token in value.split(",")
-        if token.split(";", 1)[0].strip().lower() in _INFLATED
+        if token.split(";", 1)[0].strip().lower() in INFLATED
     ]
     if accepted:
         out["Accept-Encoding"] = ", ".join(accepted)

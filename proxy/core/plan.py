@@ -1,4 +1,5 @@
-"""Validating a fan-out request and planning its children (SPEC §2, §3, §8). Pure: no I/O.
+"""Validating a fan-out request and planning its children (docs/behaviour.md#validation,
+#children, #best-of). Pure: no I/O.
 
 ``plan_request`` returns ``None`` when the request passes through untouched (n missing, null or 1),
 otherwise a ``Plan`` with one ``Child`` per (prompt, choice).
@@ -25,8 +26,9 @@ Endpoint = Literal["chat", "completions"]
 
 
 def endpoint_of(path: str) -> Endpoint | None:
-    """The kind of a fan-out path, decided once from its last segments (SPEC §1): a prefix such
-    as ``/openai/v1`` may stand in front; any other path has no kind the proxy can stitch."""
+    """The kind of a fan-out path, decided once from its last segments (docs/behaviour.md#fan-out):
+    a prefix such as ``/openai/v1`` may stand in front; any other path has no kind the proxy can
+    stitch."""
     if path.endswith("/chat/completions"):
         return "chat"
     if path.endswith("/completions"):
@@ -51,7 +53,7 @@ class Plan:
     include_usage: bool
     continuous_usage: bool
     children: tuple[Child, ...]
-    best_of: int | None = None  # children per prompt when ranking (SPEC §8)
+    best_of: int | None = None  # children per prompt when ranking (docs/behaviour.md#best-of)
     keep_logprobs: bool = True  # False: strip the logprobs that best_of asked for on our behalf
 
     @property
@@ -63,7 +65,8 @@ _HUGE_INT = re.compile(rb"\d{19}")  # may not fit in 64 bits
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The one JSON policy for request bodies (SPEC §2): a JSON object, strictly RFC 8259.
+    """The one JSON policy for request bodies (docs/behaviour.md#validation): a JSON object,
+    strictly RFC 8259.
 
     ``orjson`` judges every body, so ``NaN``, ``Infinity``, ``1e400``, a leading BOM, lone
     surrogates and invalid UTF-8 are 400 whatever else the body holds. It reads integers past
@@ -156,7 +159,8 @@ def _requested_n(body: dict[str, Any], max_n: int) -> int:
 
 
 def _requested_best_of(body: dict[str, Any], n: int, max_n: int) -> int | None:
-    """``best_of > n`` is ranked by the proxy; ``best_of == n`` is plain n (SPEC §8)."""
+    """``best_of > n`` is ranked by the proxy; ``best_of == n`` is plain n
+    (docs/behaviour.md#best-of)."""
     best_of = body.get("best_of")
     if best_of is None:
         return None

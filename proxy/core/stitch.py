@@ -1,4 +1,5 @@
-"""Stitching children's answers into the one a native-n server sends (SPEC §4, §5, §8). Pure.
+"""Stitching children's answers into the one a native-n server sends (docs/behaviour.md#json,
+#streaming, #best-of). Pure.
 
 ``stitch_json`` merges whole bodies; ``StreamStitcher`` opens the stream by announcing every
 choice in index order, rewrites SSE chunks one at a time, holds back each child's usage chunk and
@@ -24,7 +25,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 class StreamError(Exception):
-    """A child's stream failed after the 200 was sent (SPEC §7)."""
+    """A child's stream failed after the 200 was sent (docs/behaviour.md#errors)."""
 
     def __init__(self, choice: int | None, reason: str) -> None:
         super().__init__(reason if choice is None else f"choice {choice} failed: {reason}")
@@ -69,7 +70,8 @@ def _choices(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _best(plan: Plan, choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Keep each prompt's ``n`` choices with the highest mean token logprob (SPEC §8)."""
+    """Keep each prompt's ``n`` choices with the highest mean token logprob
+    (docs/behaviour.md#best-of)."""
     best_of = plan.best_of or plan.n
     kept = []
     for p in range(plan.prompts):
@@ -166,7 +168,8 @@ class StreamStitcher:
         return opening + b"data: " + orjson.dumps(payload) + b"\n\n"
 
     def _hold_usage_chunk(self, child: Child, payload: dict[str, Any]) -> None:
-        """A chunk without choices: the first one with usage shapes the merged tail (SPEC §5)."""
+        """A chunk without choices: the first one with usage shapes the merged tail
+        (docs/behaviour.md#chunks-as-they-arrive)."""
         if self._usage_chunk is None and isinstance(payload.get("usage"), dict):
             payload["id"] = parent_response_id(payload.get("id"), child, self.plan.parent_id)
             self._usage_chunk = payload
@@ -193,7 +196,7 @@ class StreamStitcher:
     @staticmethod
     def _restate_choices(stream: _Stream, choices: list[Any]) -> bool:
         """Each choice gets the child's index; a finish is noted; a role is dropped, since the
-        opening announced it (SPEC §5). True when a role was dropped."""
+        opening announced it (docs/behaviour.md#opening). True when a role was dropped."""
         announced = False
         for choice in choices:
             if isinstance(choice, dict):
@@ -207,7 +210,8 @@ class StreamStitcher:
         return announced
 
     def _opening(self, first: dict[str, Any]) -> bytes:
-        """One empty chunk per choice in index order 0..n-1, before any other (SPEC §5).
+        """One empty chunk per choice in index order 0..n-1, before any other
+        (docs/behaviour.md#opening).
 
         The openai SDK's stream helper finds a choice by its list position, so choice i must
         first appear after choices 0..i-1; vLLM's native n opens chat streams this way. For
@@ -248,7 +252,7 @@ class StreamStitcher:
         return self._streams[pos].finished
 
     def usage(self) -> dict[str, Any] | None:
-        """The children's usage merged (SPEC §6), None when none sent any."""
+        """The children's usage merged (docs/behaviour.md#usage), None when none sent any."""
         return merge_usage([s.usage for s in self._streams], prompt_heads(self.plan))
 
     def tail(self) -> bytes:
@@ -280,7 +284,7 @@ _ANNOUNCING = frozenset({*_ENVELOPE, "choices", "usage"})  # what a role chunk i
 
 
 def _payload(child: Child, data: bytes, event: str) -> dict[str, Any]:
-    """A child's event as a JSON object, or the StreamError it is (SPEC §7)."""
+    """A child's event as a JSON object, or the StreamError it is (docs/behaviour.md#errors)."""
     payload = _loads(data)
     if payload is None:
         raise StreamError(child.index, "upstream sent a data line that is not JSON")
@@ -332,7 +336,8 @@ def _only_announces(payload: dict[str, Any]) -> bool:
 
 
 def error_event(error: StreamError) -> bytes:
-    """One error event, then the one ``[DONE]`` (SPEC §7; vLLM's mid-stream error shape)."""
+    """One error event, then the one ``[DONE]`` (docs/behaviour.md#errors; vLLM's mid-stream
+    error shape)."""
     return b"data: " + orjson.dumps(error_body(str(error), "server_error")) + b"\n\n" + DONE
 
 

@@ -1,4 +1,5 @@
-"""Merging the children's usage into the one a native-n server reports (SPEC §6). Pure."""
+"""Merging the children's usage into the one a native-n server reports (docs/behaviour.md#usage).
+Pure."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def token_ids(value: object) -> str | None:
 def _completion_prompt(prompt: object) -> str:
     if isinstance(prompt, list) and token_ids(prompt) is None:
         if len(prompt) > 1:
-            # Splitting a list of prompts is the proxy's job (SPEC section 3).
+            # Splitting a list of prompts is the proxy's job (docs/behaviour.md#children).
             raise RequestError("only one prompt per request", "prompt")
         prompt = prompt[0] if prompt else None
     if isinstance(prompt, str):
@@ -144,7 +144,7 @@ def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
         chat=chat,
         model=model if isinstance(model, str) and not config.model_override else config.model,
         prompt=prompt,
-        # -1 is the "random" sentinel, sent unchanged to every child (SPEC section 3).
+        # -1 is the "random" sentinel, sent unchanged to every child (docs/behaviour.md#children).
         seeds=tuple(seed if seed in (None, -1) else seed + i for i in range(n)),
         max_tokens=max_tokens,
         may_stop=max_tokens >= STOP_MIN_MAX_TOKENS and body.get("ignore_eos") is not True,

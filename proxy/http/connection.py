@@ -6,8 +6,16 @@ is never delivered nor parsed as the next answer; it spoils the connection, whic
 never pooled. The head is capped on raw bytes as they arrive, partial lines included.
 A request body goes out as the transport takes it (``pause_writing``), and a connection whose
 request was not all written when its answer ended is never pooled either: the server may read
-the rest as a request of its own. Failures are the exceptions aiohttp's client raises (see
-``proxy.http.pool``).
+the rest as a request of its own. Failures are ``proxy.http.errors``'.
+
+A connection is in one ``ConnectionState`` at a time::
+
+    IDLE ──begin──▶ HEAD ──final head──▶ BODY ──end, keep-alive──▶ REUSABLE ──park──▶ IDLE
+                     │                     └────end, otherwise──▶ SPENT
+                     └──a HEAD request's head──────────────────▶ SPENT
+    any ──the server's EOF, connection lost, abort, spoil, discard──▶ CLOSED (never left)
+
+Reading and writing pauses are flow control, not states: they mirror the transport's.
 """
 
 from __future__ import annotations
@@ -15,12 +23,13 @@ from __future__ import annotations
 import asyncio
 import select
 from collections.abc import Mapping
+from enum import IntEnum
 from typing import cast
 
-import aiohttp
 import httptools
 from multidict import CIMultiDict
 
+from proxy.http.errors import BadResponse
 from proxy.http.response import UpstreamResponse
 
 MAX_HEAD = 256 * 1024  # status line and headers together, interim (1xx) heads included
@@ -30,6 +39,23 @@ _CHUNKED_END = 4  # a chunked body and a head both end in CRLF CRLF after a visi
 # Request body bytes handed to the transport at a time: past its high-water mark the rest waits
 # for ``resume_writing``, so an upload to a slow reader holds about this much in the transport.
 WRITE_PIECE = 64 * 1024
+
+
+class ConnectionState(IntEnum):
+    """Where a connection is (the module docstring draws the transitions). The order matters:
+    bytes from the server are welcome only up to ``BODY``; past it, the message is over."""
+
+    HEAD = 0  # a request went out; its final head is not all in: reads are head bytes, capped
+    BODY = 1  # the final head is in: reads go straight to the parser
+    IDLE = 2  # no exchange: just connected, or pooled between requests
+    REUSABLE = 3  # the message ended and the connection may carry the next request
+    SPENT = 4  # the message ended; the connection must not carry another (released: closed)
+    CLOSED = 5  # the server sent its EOF, the transport is gone, or this side aborted
+
+
+# ``UpstreamConnection.state`` holds these plain ints, compared on every read: an enum member's
+# lookup and an IntEnum's comparison each cost more than the int comparison itself.
+HEAD, BODY, IDLE, REUSABLE, SPENT, CLOSED = (int(s) for s in ConnectionState)
 
 
 class _HeadDone(Exception):
@@ -49,29 +75,52 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
-        self.paused = False
-        self.lost = False
-        self.closing = False  # the server sent its EOF, or this side aborted
-        self.reusable = False
+        self.state = IDLE  # a ConnectionState, as its int
+        self.paused = False  # reading paused (``pause``)
         self.idle_since = 0.0
         self._head_room = MAX_HEAD
-        self._ended = False  # the final message ended: any byte after it spoils the connection
         self._last_body = b""  # the last body piece parsed: how the message ends
         self._recent = b""  # the last bytes received: at least 8, unless fewer came
-        self._chunked = False
-        self._in_body = False  # the final head is in: reads go straight to the parser
+        self._chunked = False  # the final head's framing: the message ends in CRLF CRLF
         self._unsent: memoryview | None = None  # request body bytes not handed to the transport
         self._writing_paused = False  # the transport's buffer is past its high-water mark
 
+    def __repr__(self) -> str:
+        return f"<UpstreamConnection {self.key} {ConnectionState(self.state).name}>"
+
+    # ---- the exchange's transitions
+
     def begin(self, response: UpstreamResponse) -> None:
-        """A new exchange on this connection; its request is about to be written."""
+        """A new exchange on this connection; its request is about to be written. One that
+        closed as it connected stays closed: its response waits for the first-byte bound."""
         self.response = response
-        self.reusable = False
+        if self.state != CLOSED:
+            self.state = HEAD
         self._head_room = MAX_HEAD
-        self._ended = False
         self._last_body = b""
         self._recent = b""
-        self._in_body = False
+        self._unsent = None
+
+    def _head_in(self) -> None:
+        """The final (not interim) head arrived."""
+        if self.state == HEAD:
+            self.state = BODY
+
+    def _message_ended(self, reusable: bool) -> None:
+        if self.state != CLOSED:
+            self.state = REUSABLE if reusable else SPENT
+
+    def park(self, now: float) -> None:
+        """Between requests, in the pool: the response let go, reading on for the server's EOF."""
+        assert self.state == REUSABLE
+        self.state = IDLE
+        self.response = None
+        self.resume()
+        self.idle_since = now
+
+    def _enter_closed(self) -> None:
+        """Never reused from here on, and nothing more of the request is written."""
+        self.state = CLOSED
         self._unsent = None
 
     def send(self, head: bytes, body: bytes | None) -> None:
@@ -91,7 +140,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _write_more(self) -> None:
         transport = self.transport
         unsent = self._unsent
-        while unsent is not None and not self._writing_paused and not self.closing:
+        while unsent is not None and not self._writing_paused and self.state != CLOSED:
             assert transport is not None
             piece = unsent[:WRITE_PIECE]
             unsent = self._unsent = unsent[WRITE_PIECE:] or None
@@ -99,14 +148,15 @@ class UpstreamConnection(asyncio.Protocol):
 
     @property
     def answered(self) -> bool:
-        """Whether any byte of an answer to the current request arrived."""
-        return self._in_body or self._head_room < MAX_HEAD
+        """Whether any byte of an answer to the current request arrived (every one is counted
+        against the head's cap first)."""
+        return self._head_room < MAX_HEAD
 
     def stale(self) -> bool:
         """Whether this idle connection is unfit to reuse: closed, or readable, with an EOF or
         bytes nobody asked for already in its socket that the loop has not read yet (the
         check urllib3 makes; TLS polls its raw socket). One ``poll`` with no wait."""
-        if self.closing or self.transport is None:
+        if self.state == CLOSED or self.transport is None:
             return True
         raw = self.transport.get_extra_info("socket")
         if raw is None:
@@ -121,46 +171,34 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = self.closing = True
-        self.reusable = False
-        self._unsent = None
-        response = self.response
-        if response is None or response.ended or response.error is not None:
-            return
-        if response.until_close and exc is None and response.head.done():
-            response.on_end()  # a body delimited by the connection closing ended cleanly
-            response.after_read()
-        elif response.head.done():
-            response.fail(aiohttp.ClientPayloadError("upstream closed the connection mid-body"))
-        else:
-            response.fail(aiohttp.ServerDisconnectedError("upstream closed before a response"))
+        self._enter_closed()
+        if self.response is not None:
+            self.response.on_close(clean=exc is None)
 
     def eof_received(self) -> bool | None:
         # The server is done with this connection: never hand it out again, whatever the
         # response in flight still delivers. Narrows the keep-alive race to the wire's delay.
-        self.reusable = False
-        self.closing = True
+        self._enter_closed()
         return None  # close our side too
 
     def data_received(self, data: bytes) -> None:
         response = self.response
-        if response is None or self._ended:
+        state = self.state
+        if response is None or state > BODY:
             self.spoil()  # bytes nobody asked for: this connection is not safe to reuse
             return
-        if response.sink is not None:
-            response.last_data = self.loop.time()
         # A message's end split over tiny reads is still told from CR/LF after it (below).
         self._recent = data if len(data) >= 8 else self._recent[-8:] + data
         error: BaseException | None = None
         try:
-            if self._in_body:
+            if state == BODY:
                 self.parser.feed_data(data)
             else:
                 error = self._feed_head(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             error = self._parse_failed(exc)
         else:
-            if self._ended and self.reusable and _crlf_after_end(self._recent, self._own_crlf()):
+            if self.state == REUSABLE and _crlf_after_end(self._recent, self._own_crlf()):
                 self.spoil()
         response.after_read()  # every valid byte of this read leaves first
         if error is not None:
@@ -172,15 +210,15 @@ class UpstreamConnection(asyncio.Protocol):
         cause = exc.__context__
         response = self.response
         if isinstance(cause, _HeadDone) and response is not None:
-            self._ended = True  # bytes after a HEAD's head are not ours to reparse
+            self._message_ended(reusable=False)  # bytes after a HEAD's head are not ours
             response.on_end()
             return None
-        if isinstance(cause, _Beyond) or self._ended:
+        if isinstance(cause, _Beyond) or self.state > BODY:
             self.spoil()  # what follows the message is not a message of ours
             return None
         if isinstance(exc, httptools.HttpParserUpgrade):
-            return aiohttp.ClientPayloadError("upstream switched protocols")
-        return aiohttp.ClientPayloadError(f"malformed upstream response: {exc}")
+            return BadResponse("upstream switched protocols")
+        return BadResponse(f"malformed upstream response: {exc}")
 
     def _feed_head(self, data: bytes) -> BaseException | None:
         """Feed no more than the head may still take; a head past the cap fails the response."""
@@ -191,9 +229,8 @@ class UpstreamConnection(asyncio.Protocol):
             return None
         self._head_room = 0
         self.parser.feed_data(data[:room])
-        response = self.response
-        if response is None or not response.head.done():
-            return aiohttp.ClientPayloadError(f"upstream response head is over {MAX_HEAD} bytes")
+        if self.state == HEAD:  # the final head is not all in yet
+            return BadResponse(f"upstream response head is over {MAX_HEAD} bytes")
         self.parser.feed_data(data[room:])
         return None
 
@@ -216,7 +253,7 @@ class UpstreamConnection(asyncio.Protocol):
     # ---- httptools callbacks
 
     def on_message_begin(self) -> None:
-        if self._ended:
+        if self.state > BODY:
             raise _Beyond
         response = self.response
         if response is not None:
@@ -252,7 +289,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
         no_body = response.method == "HEAD" or status in _NO_BODY_STATUS
         until_close = not no_body and not self._chunked and "Content-Length" not in headers
-        self._in_body = True
+        self._head_in()
         response.on_head(status, until_close)
         if response.method == "HEAD":
             raise _HeadDone
@@ -264,9 +301,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         response = self.response
-        if response is None or not response.head.done():
+        if response is None or self.state == HEAD:
             return  # the end of an interim (1xx) response
-        self._ended = True
         # The whole request left this process before the answer ended, or the connection is
         # never reused (as nginx): a server that answered early (a 413 to an upload) may read
         # what follows as the next request, and its answers would go to other clients. The
@@ -276,37 +312,39 @@ class UpstreamConnection(asyncio.Protocol):
             self._unsent is None and transport is not None and not transport.get_write_buffer_size()
         )
         self._unsent = None
-        self.reusable = (
-            self.parser.should_keep_alive()
-            and not response.until_close
-            and not self.closing
-            and written
+        self._message_ended(
+            self.parser.should_keep_alive() and not response.until_close and written
         )
         response.on_end()
 
     # ---- flow control and teardown
 
     def pause(self) -> None:
-        if not self.paused and self.transport is not None and not self.closing:
+        if not self.paused and self.transport is not None and self.state != CLOSED:
             self.paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self.paused and self.transport is not None and not self.closing:
+        if self.paused and self.transport is not None and self.state != CLOSED:
             self.paused = False
             self.transport.resume_reading()
 
     def spoil(self) -> None:
         """Never reuse this connection: close it now. The response in flight keeps what it
         has already received."""
-        self.reusable = False
         self.abort()
 
     def abort(self) -> None:
-        self.reusable = False
-        if self.transport is not None and not self.closing:
-            self.closing = True
-            self.transport.abort()
+        if self.state != CLOSED:
+            self._enter_closed()
+            if self.transport is not None:
+                self.transport.abort()
+
+    def discard(self) -> None:
+        """Never reuse this connection, and let its response go first: the response keeps
+        what it has and fails no further when the transport goes."""
+        self.response = None
+        self.abort()
 
 
 def _crlf_after_end(data: bytes, own: int | None) -> bool:

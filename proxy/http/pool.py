@@ -7,14 +7,7 @@ TRACE) on a reused connection that fails before any byte of an answer is sent on
 fresh connection, as nginx and Go do (RFC 9110 §9.2.2): the server had closed that connection
 as the request went out. Connections to one origin are opened at most ``max_connecting`` at a
 time; the rest wait in line for a freed turn or a connection released meanwhile. Failures are
-the exceptions aiohttp's client raises, so callers catch one set::
-
-    aiohttp.ClientError
-    ├── ClientConnectorError     connect refused, unreachable, TLS failure (also an OSError)
-    ├── ConnectionTimeoutError   connect timeout (also a TimeoutError)
-    ├── ServerDisconnectedError  closed before a complete head
-    ├── ClientPayloadError       body cut short, malformed response, undecodable encoding
-    └── ServerTimeoutError       first byte or idle timeout (also a TimeoutError)
+``proxy.http.errors``' tree, under ``HTTPClientError``.
 """
 
 from __future__ import annotations
@@ -24,15 +17,12 @@ import contextlib
 import ssl
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any, cast
-from urllib.parse import urlsplit
 
-import aiohttp
 from multidict import CIMultiDict
 
-from proxy.http.connection import UpstreamConnection, request_head
+from proxy.core.url import Origin, parse_origin
+from proxy.http.connection import ConnectionState, UpstreamConnection, request_head
+from proxy.http.errors import ClientClosed, ConnectFailed, ConnectTimeout, Disconnected
 from proxy.http.response import UpstreamResponse
 from proxy.observe.log import log_event
 
@@ -48,29 +38,6 @@ MAX_CONNECTING_PER_ORIGIN = 64
 # byte of an answer; others (POST above all) stay sent once: the server may have acted on them.
 RESENDABLE = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 Key = tuple[str, int, str | None]  # host, port, TLS server name (None: plain http)
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where an upstream URL points: its socket address, Host header, path and TLS."""
-
-    host: str
-    port: int
-    host_header: str
-    base_path: str  # "" or "/base": every request path is appended to it
-    tls: bool
-
-
-def parse_origin(url: str) -> Origin:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not an http or https URL: {url}")
-    tls = parts.scheme == "https"
-    default = 443 if tls else 80
-    port = parts.port or default
-    name = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6 literal
-    host_header = name if port == default else f"{name}:{port}"
-    return Origin(parts.hostname, port, host_header, parts.path.rstrip("/"), tls)
 
 
 class ConnectionPool:
@@ -95,7 +62,9 @@ class ConnectionPool:
         self._tls: ssl.SSLContext | None = None
         self._closed = False
 
-    def idle_count(self) -> int:
+    def idle_connections(self) -> int:
+        """How many idle connections are kept alive for reuse, every origin's together (the
+        census counts them apart from those ``in_use``)."""
         return sum(len(v) for v in self._idle.values())
 
     async def request(
@@ -132,7 +101,7 @@ class ConnectionPool:
             try:
                 connection.send(head, body)
                 await response.wait_head(first_byte if first_byte is not None else 86400.0)
-            except aiohttp.ServerDisconnectedError:
+            except Disconnected:
                 self._drop(connection)
                 if not reused or connection.answered or method not in RESENDABLE:
                     raise
@@ -153,7 +122,7 @@ class ConnectionPool:
         ``fresh``, else a new one once fewer than ``max_connecting`` are being opened to it.
         ``timeout`` covers the wait in line and the connect."""
         if self._closed:
-            raise aiohttp.ClientOSError(0, "the upstream client is closed")
+            raise ClientClosed("the upstream client is closed")
         host, port = origin.host, origin.port
         name = (tls_name or host) if origin.tls else None
         key: Key = (host, port, name)
@@ -165,7 +134,7 @@ class ConnectionPool:
             async with asyncio.timeout(timeout):
                 return await self._open(key, origin, fresh)
         except TimeoutError:
-            raise aiohttp.ConnectionTimeoutError(
+            raise ConnectTimeout(
                 f"connecting to {host}:{port} timed out after {timeout} s"
             ) from None
 
@@ -189,7 +158,7 @@ class ConnectionPool:
         queued = False
         while True:
             if self._closed:
-                raise aiohttp.ClientOSError(0, "the upstream client is closed")
+                raise ClientClosed("the upstream client is closed")
             if not fresh:
                 connection = self._take_idle(key)
                 if connection is not None:
@@ -260,12 +229,9 @@ class ConnectionPool:
                 server_hostname=name,
             )
         except TimeoutError:
-            raise  # the OS's connect timeout: a ConnectionTimeoutError, as our own
-        except ssl.SSLCertVerificationError as exc:
-            raise aiohttp.ClientConnectorCertificateError(_key(host, port, context), exc) from None
-        except OSError as exc:
-            # aiohttp's own connect failure, so callers tell "never reached a server" apart.
-            raise aiohttp.ClientConnectorError(_key(host, port, context), exc) from None
+            raise  # the OS's connect timeout: a ConnectTimeout, as our own (``_connect``)
+        except OSError as exc:  # refused, unreachable, a TLS handshake or certificate failure
+            raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}") from None
         return protocol
 
     def _context(self) -> ssl.SSLContext:
@@ -277,31 +243,28 @@ class ConnectionPool:
 
     def release(self, response: UpstreamResponse) -> None:
         """Back to the pool when its body was read to the end; closed (never reused) otherwise."""
-        connection = cast(UpstreamConnection, response._connection)  # the one request() made
-        response._stop_idle()
+        connection = response.connection
+        assert isinstance(connection, UpstreamConnection)  # the one request() made
+        complete = response.finish()
         self.in_use.discard(connection)
         if (
-            response.complete
-            and connection.reusable
+            complete
+            and connection.state == ConnectionState.REUSABLE
             and not self._closed
             and connection.response is response
         ):
-            connection.response = None
-            connection.resume()
-            connection.idle_since = asyncio.get_running_loop().time()
             pool = self._idle.setdefault(connection.key, [])
             if len(pool) < self.max_idle_per_origin:
+                connection.park(asyncio.get_running_loop().time())
                 pool.append(connection)
                 if connection.key in self._turns:
                     self._pass_turn(connection.key)  # the first in line takes it
                 return
-        connection.response = None
-        connection.abort()
+        connection.discard()
 
     def _drop(self, connection: UpstreamConnection) -> None:
         self.in_use.discard(connection)
-        connection.response = None
-        connection.abort()
+        connection.discard()
 
     async def close(self) -> None:
         self._closed = True
@@ -318,8 +281,3 @@ class ConnectionPool:
             connection.abort()
         self.in_use.clear()
         await asyncio.sleep(0)  # let the transports run connection_lost
-
-
-def _key(host: str, port: int, context: ssl.SSLContext | None) -> Any:
-    """What aiohttp's connector errors read of a connection key."""
-    return cast(Any, SimpleNamespace(host=host, port=port, ssl=context))

@@ -5,6 +5,12 @@ as an async iterator (fan-out JSON) or through a sink called from ``data_receive
 task, queue or iterator per chunk). Nothing is held further than ``limit`` bytes ahead of the
 consumer, compressed input included: reading pauses instead. The idle clock runs only while the
 proxy waits on the upstream, never while it waits on its own client.
+
+A response is in one ``ResponseState`` at a time, and read in one ``Mode``::
+
+    HEAD ──head──▶ BODY ──last byte in──▶ ENDED ──last byte handed on──▶ COMPLETE
+    any but COMPLETE ──fail──▶ FAILED           (without inflation, ENDED is COMPLETE at once)
+    ITERATE ──relay()──▶ RELAY
 """
 
 from __future__ import annotations
@@ -13,20 +19,35 @@ import asyncio
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from enum import IntEnum
 from typing import Protocol
 
-import aiohttp
 from multidict import CIMultiDict
 
-from proxy.core.encoding import Inflater
-from proxy.core.futures import settle, wake
+from proxy.core.encoding import INFLATED, Inflater
+from proxy.core.futures import wake
+from proxy.http.errors import BadResponse, BodyTooLong, Disconnected, ResponseTimeout
 
 BodySink = Callable[[bytes], None]
-_INFLATED = ("gzip", "x-gzip", "deflate")
 
 
-class BodyTooLong(Exception):
-    """A body grew past the bytes the caller holds for one response."""
+class ResponseState(IntEnum):
+    HEAD = 0  # waiting for the head
+    BODY = 1  # the head is in; the body arrives
+    ENDED = 2  # every byte of the message arrived; inflated bytes are still to be handed on
+    COMPLETE = 3  # every body byte was handed on (buffered for the iterator, or to the sink)
+    FAILED = 4  # ``error`` says why
+
+
+class Mode(IntEnum):
+    ITERATE = 0  # body bytes are buffered (up to ``limit``) for ``__anext__``
+    RELAY = 1  # body bytes go to the sink from ``data_received`` (``relay``)
+
+
+# ``UpstreamResponse.state`` and ``.mode`` hold these plain ints, compared on every read: an enum
+# member's lookup and an IntEnum's comparison each cost more than the int comparison itself.
+HEAD, BODY, ENDED, COMPLETE, FAILED = (int(s) for s in ResponseState)
+ITERATE, RELAY = (int(m) for m in Mode)
 
 
 class Reading(Protocol):
@@ -40,35 +61,48 @@ class Reading(Protocol):
     def abort(self) -> None: ...
 
 
+def _never() -> bool:
+    return False
+
+
+def _nowhere(data: bytes) -> None:
+    raise AssertionError("a body relayed before relay() began")
+
+
 class UpstreamResponse:
     def __init__(self, connection: Reading, method: str, limit: int, inflate: bool) -> None:
-        self._connection = connection
+        self.connection = connection  # the one it arrives on, for ``ConnectionPool.release``
         self._loop = connection.loop
         self.method = method
         self.status = 0
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
-        # A header value or the reason held bytes that are not UTF-8: see proxy.sink.ExactHead.
+        # A header value or the reason held bytes that are not UTF-8: see
+        # proxy.request.sink.ExactHead.
         self.escaped = False
+        self.state = HEAD  # a ResponseState, as its int
+        self.error: BaseException | None = None  # why it FAILED
+        self.mode = ITERATE  # a Mode, as its int
+        self.until_close = False  # a body delimited by the connection closing
         self._limit = limit
         self._inflate = inflate
         self._inflater: Inflater | None = None
         self.head: asyncio.Future[None] = self._loop.create_future()
-        self._chunks: deque[bytes] = deque()
+        self._chunks: deque[bytes] = deque()  # ITERATE: bytes the consumer has not taken
         self._buffered = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self._waiting_since: float | None = None
-        self.ended = False  # every byte of the message arrived
-        self.complete = False  # ... and every body byte was handed on
-        self.error: BaseException | None = None
-        self.sink: BodySink | None = None  # set by ``relay``: bytes go there as they arrive
-        self._sink_paused: Callable[[], bool] | None = None
-        self._relay_done: asyncio.Future[None] | None = None
-        self._out: list[bytes] = []
-        self.last_data = 0.0
+        self._parked: asyncio.Future[None] | None = None  # the consumer's task, waiting for more
+        self._waiting_since: float | None = None  # ITERATE: when the consumer began to wait
+        self._sink: BodySink = _nowhere  # RELAY: where bytes go as they arrive
+        self._sink_full: Callable[[], bool] = _never
+        self._out: list[bytes] = []  # RELAY: this read's pieces, written in one go after it
+        self.last_data = 0.0  # RELAY: when bytes last came
         self._idle = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
-        self.until_close = False  # a body delimited by the connection closing
+        self.on_body: BodySink = self._buffer  # a body piece parsed (``_bind_body``)
+
+    def __repr__(self) -> str:
+        state, mode = ResponseState(self.state).name, Mode(self.mode).name
+        return f"<UpstreamResponse {self.method} {self.status} {state} {mode}>"
 
     @property
     def content_type(self) -> str:
@@ -95,65 +129,86 @@ class UpstreamResponse:
         self.until_close = until_close
         if self._inflate:
             coding = self.headers.get("Content-Encoding", "").strip().lower()
-            if coding in _INFLATED:
+            if coding in INFLATED:
                 self._inflater = Inflater(coding)
+                self._bind_body()
             elif coding not in ("", "identity"):
-                self.fail(aiohttp.ClientPayloadError(f"cannot decode Content-Encoding {coding}"))
+                self.fail(BadResponse(f"cannot decode Content-Encoding {coding}"))
                 return
-        if not self.head.done():
+        if self.state == HEAD:
+            self.state = BODY
             self.head.set_result(None)
 
-    def on_body(self, data: bytes) -> None:
+    def _bind_body(self) -> None:
+        """Where body pieces go, chosen when the inflation or the mode is decided, so the
+        per-piece path makes no test: compressed input waits in the inflater (inflated after
+        each read, as far as there is room), a relay's pieces in ``_out``, else the buffer."""
         if self._inflater is not None:
-            self._inflater.feed(data)  # inflated after this read, as far as there is room
-        elif self.sink is not None:
-            self._out.append(data)
+            self.on_body = self._inflater.feed
+        elif self.mode == RELAY:
+            self.on_body = self._out.append
         else:
-            self._chunks.append(data)
-            self._buffered += len(data)
-            if self._buffered > self._limit:
-                self._connection.pause()
-            wake(self._waiter)
+            self.on_body = self._buffer
+
+    def _buffer(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > self._limit:
+            self.connection.pause()
+        wake(self._parked)
 
     def on_end(self) -> None:
         """The message's last byte arrived (the connection's end, for a close-delimited body)."""
-        self.ended = True
+        if self.state != BODY:
+            return  # it failed already
+        self.state = ENDED
         if self._inflater is None:
             self._completed()
         # else: complete once the last input is inflated (``_pump``)
 
+    def on_close(self, clean: bool) -> None:
+        """The connection is gone (``clean``: without an error): the end of a body delimited
+        by it, or a failure when the message was not over."""
+        state = self.state
+        if state == BODY and self.until_close and clean:
+            self.on_end()
+            self.after_read()
+        elif state == BODY:
+            self.fail(BadResponse("upstream closed the connection mid-body"))
+        elif state == HEAD:
+            self.fail(Disconnected("upstream closed before a response"))
+
     def after_read(self) -> None:
         """After one ``data_received``: relayed pieces leave in one write, input is inflated."""
-        out = self._out
-        if out:  # only a relay fills it
-            data = out[0] if len(out) == 1 else b"".join(out)
-            out.clear()
-            self._to_sink(data)
+        if self.mode == RELAY:
+            self.last_data = self._loop.time()
+            out = self._out
+            if out:
+                data = out[0] if len(out) == 1 else b"".join(out)
+                out.clear()
+                self._to_sink(data)
         if self._inflater is not None:
             self._pump()
 
     def _to_sink(self, data: bytes) -> None:
-        assert self.sink is not None
         try:
-            self.sink(data)
+            self._sink(data)
         except Exception as exc:  # e.g. a malformed stream: the relay raises it
             self.fail(exc)
             return
-        paused = self._sink_paused
-        if paused is not None and paused():
-            self._connection.pause()
-            if self._relay_done is not None:
-                settle(self._relay_done)  # wakes the relay's task to wait for the drain
+        if self._sink_full():
+            self.connection.pause()
+            wake(self._parked)  # the relay's task waits for the drain
 
     def _pump(self) -> None:
         """Inflate what the consumer has room for; reading waits while input is left over."""
         inflater = self._inflater
         assert inflater is not None
         try:
-            if self.sink is not None:
-                paused = self._sink_paused
-                while inflater.pending and self.error is None:
-                    if paused is not None and paused():
+            if self.mode == RELAY:
+                full = self._sink_full
+                while inflater.pending and self.state != FAILED:
+                    if full():
                         break
                     data = inflater.read(self._limit)
                     if data:
@@ -164,42 +219,45 @@ class UpstreamResponse:
                     if data:
                         self._chunks.append(data)
                         self._buffered += len(data)
-                        wake(self._waiter)
+                        wake(self._parked)
             if inflater.pending:
-                self._connection.pause()
-            elif self.ended and not self.complete and self.error is None:
+                self.connection.pause()
+            elif self.state == ENDED:
                 tail = inflater.close()
                 if tail:
-                    if self.sink is not None:
+                    if self.mode == RELAY:
                         self._to_sink(tail)
                     else:
                         self._chunks.append(tail)
                         self._buffered += len(tail)
                 self._completed()
         except zlib.error as exc:
-            self.fail(aiohttp.ClientPayloadError(f"bad compressed body: {exc}"))
+            self.fail(BadResponse(f"bad compressed body: {exc}"))
 
     def _completed(self) -> None:
-        if self.error is not None:
+        if self.state == FAILED:
             return
-        self.complete = True
+        self.state = COMPLETE
         self._stop_idle()
-        if self._relay_done is not None:
-            settle(self._relay_done)
-        wake(self._waiter)
+        wake(self._parked)
 
     def fail(self, exc: BaseException) -> None:
-        if self.complete or self.error is not None:
-            return
+        if self.state >= COMPLETE:
+            return  # complete, or failed already
+        self.state = FAILED
         self.error = exc
         self._stop_idle()
         if not self.head.done():
             self.head.set_exception(exc)
             self.head.exception()  # retrieved here: the caller may have stopped waiting
-        if self._relay_done is not None:
-            settle(self._relay_done, exc)
-        wake(self._waiter)
-        self._connection.abort()
+        wake(self._parked)
+        self.connection.abort()
+
+    def finish(self) -> bool:
+        """The caller is done with this response: its idle clock stops. Whether every body
+        byte was handed on, so that its connection may carry another request."""
+        self._stop_idle()
+        return self.state == COMPLETE
 
     # ---- head and timeouts
 
@@ -207,7 +265,7 @@ class UpstreamResponse:
         timer = self._loop.call_later(
             first_byte,
             self.fail,
-            aiohttp.ServerTimeoutError(f"no response head from upstream within {first_byte} s"),
+            ResponseTimeout(f"no response head from upstream within {first_byte} s"),
         )
         try:
             await self.head
@@ -217,7 +275,7 @@ class UpstreamResponse:
     def start_idle(self, idle: float) -> None:
         self._idle = idle
         self.last_data = self._loop.time()
-        if not self.complete and self.error is None:
+        if self.state < COMPLETE:
             self._idle_timer = self._loop.call_later(idle, self._check_idle)
 
     def _stop_idle(self) -> None:
@@ -227,22 +285,22 @@ class UpstreamResponse:
 
     def _idle_since(self) -> float | None:
         """When the idle clock started, or None while it is stopped."""
-        if self.ended:
+        if self.state == ENDED:
             return None  # the upstream said all it had: what is left is the consumer's
-        if self.sink is not None:
-            return None if self._connection.paused else self.last_data
-        if self._chunks or self._waiter is None:
+        if self.mode == RELAY:
+            return None if self.connection.paused else self.last_data
+        if self._chunks or self._parked is None:
             return None  # the consumer is busy elsewhere: not the upstream's silence
         return self._waiting_since
 
     def _check_idle(self) -> None:
         self._idle_timer = None
-        if self.complete or self.error is not None:
+        if self.state >= COMPLETE:
             return
         since = self._idle_since()
         now = self._loop.time()
         if since is not None and now - since >= self._idle:
-            self.fail(aiohttp.ServerTimeoutError(f"no data from upstream for {self._idle} s"))
+            self.fail(ResponseTimeout(f"no data from upstream for {self._idle} s"))
             return
         start = since if since is not None else now
         self._idle_timer = self._loop.call_at(start + self._idle, self._check_idle)
@@ -255,27 +313,27 @@ class UpstreamResponse:
     async def __anext__(self) -> bytes:
         inflater = self._inflater
         while not self._chunks:
-            if self.error is not None:
+            state = self.state
+            if state == FAILED:
+                assert self.error is not None
                 raise self.error
             if inflater is not None and inflater.pending:
                 self._pump()
                 continue
-            if self.complete:
+            if state == COMPLETE:
                 raise StopAsyncIteration
-            self._connection.resume()
-            self._waiter = self._loop.create_future()
+            self.connection.resume()
             self._waiting_since = self._loop.time()
             try:
-                await self._waiter
+                await self._park()
             finally:
-                self._waiter = None
                 self._waiting_since = None
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         self._buffered = 0
         if inflater is None or not inflater.pending:
-            self._connection.resume()
+            self.connection.resume()
         return data
 
     async def read(self, limit: int) -> bytes:
@@ -294,8 +352,10 @@ class UpstreamResponse:
         sink stays full would spin this loop and freeze the event loop. Raises the body's
         failure; cancelling it aborts the connection.
         """
-        self.sink = sink
-        self._sink_paused = paused
+        self.mode = RELAY
+        self._bind_body()
+        self._sink = sink
+        self._sink_full = paused
         if self._chunks:  # anything read before the relay began
             data = b"".join(self._chunks)
             self._chunks.clear()
@@ -303,24 +363,30 @@ class UpstreamResponse:
             self._to_sink(data)
         inflater = self._inflater
         while True:
-            if self.error is not None:
+            state = self.state
+            if state == FAILED:
+                assert self.error is not None
                 raise self.error
-            if self.complete:
+            if state == COMPLETE:
                 return
             if paused():
-                self._connection.pause()
+                self.connection.pause()
                 await drain()
                 self.last_data = self._loop.time()  # the idle clock stood still meanwhile
                 continue
             if inflater is not None and inflater.pending:
                 self._pump()
                 continue
-            self._connection.resume()
-            self._relay_done = self._loop.create_future()
-            try:
-                await self._relay_done
-            finally:
-                self._relay_done = None
+            self.connection.resume()
+            await self._park()
+
+    async def _park(self) -> None:
+        """Until the parser side has more for the consumer, the body ends, or it fails."""
+        self._parked = self._loop.create_future()
+        try:
+            await self._parked
+        finally:
+            self._parked = None
 
 
 async def read_capped(body: AsyncIterator[bytes], limit: int) -> bytes:

@@ -148,7 +148,7 @@ def log_enabled() -> bool:
 
 
 def log_request(**fields: Any) -> None:
-    """The per-request line (fields listed in the README's Operating section)."""
+    """The per-request line (its fields are listed in docs/operating.md#logs)."""
     if not logger.isEnabledFor(logging.INFO):
         return
     direct = _direct

@@ -61,9 +61,11 @@ _LATENCY = (
     300,
 )
 
-# How an upstream answered a request or child, after any retries (SPEC §7, §10).
+# How an upstream answered a request or child, after any retries (docs/behaviour.md#errors,
+# #failover).
 UPSTREAM_OUTCOMES = ("2xx", "3xx", "4xx", "5xx", "timeout", "unreachable")
-# The part of a request the HTTP parser refused (proxy.clienterrors): never the client's words.
+# The part of a request the HTTP parser refused (proxy.observe.clienterrors): never the
+# client's words.
 PROTOCOL_ERROR_KINDS = ("request_line", "header", "too_long", "body", "other")
 _STATUS_CLASSES = ("other", "other", "2xx", "3xx", "4xx", "5xx", "other", "other", "other", "other")
 
@@ -91,7 +93,7 @@ class Metrics:
     def __init__(self) -> None:
         self.plain: list[PlainCounter | PlainHistogram] = []
         self._answered: dict[tuple[str, int, bool], tuple[Count, Observe, Observe]] = {}
-        # What the proxy holds now (proxy.census), read at scrape time.
+        # What the proxy holds now (proxy.observe.census), read at scrape time.
         self.census: Callable[[], Census] | None = None
         self._replicas_sampled: set[tuple[str, str]] = set()  # multiprocess: labels written
         self.registry = CollectorRegistry()

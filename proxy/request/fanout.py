@@ -15,7 +15,6 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -25,6 +24,7 @@ from proxy.core.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamU
 from proxy.core.plan import Plan
 from proxy.core.sse import MAX_EVENT_BYTES, SSEDecoder
 from proxy.core.stitch import StreamError, StreamStitcher, error_event, stitch_json
+from proxy.http import HTTPClientError
 from proxy.observe.metrics import failure_outcome, status_outcome
 from proxy.request.mailbox import PING, Mailbox, PingTimer
 from proxy.request.runtime import Runtime
@@ -38,8 +38,10 @@ if TYPE_CHECKING:
     from proxy.observe.tracing import Tracing
 
 T = TypeVar("T")
-# The upstream client stops reading a child's socket past twice this (inflated bytes included):
-# with one read waiting in the mailbox, a child behind a slow client holds about 64 KiB.
+# The upstream client stops reading a child's socket once it buffers twice this (inflated bytes
+# included), and the mailbox holds at most one more read per child: what a child behind a slow
+# client holds stays a few times this, however long its stream. The bench measures it, the
+# client's write buffer included ("bytes held per child", bench/memory.py).
 CHILD_READ_BUFFER = 16 * 1024
 
 
@@ -133,7 +135,8 @@ class Fanout:
 
 
 async def respond_json(fanout: Fanout) -> web.Response:
-    """Non-streaming (SPEC §4): wait for every child, fail fast on the first failure."""
+    """Non-streaming (docs/behaviour.md#json): wait for every child, fail fast on the first
+    failure."""
     plan = fanout.plan
     # One slot per child, FIFO: a batch larger than max_concurrency runs in turns.
     tickets = fanout.admit(len(plan.children))
@@ -180,7 +183,8 @@ async def respond_json(fanout: Fanout) -> web.Response:
 
 
 class Start:
-    """When a stream commits (SPEC §5): at the first child's answer, or at every child's ("all").
+    """When a stream commits (docs/behaviour.md#stream-start): at the first child's answer, or at
+    every child's ("all").
 
     Answers are recorded synchronously by the children, so a failure is either the response's
     (before the commit) or a mid-stream error for the mailbox (after it), never lost between.
@@ -208,13 +212,15 @@ class Start:
 
 
 async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResponse:
-    """Streaming (SPEC §5): 200 at the first child's answer, then chunks as they arrive."""
+    """Streaming (docs/behaviour.md#streaming): 200 at the first child's answer, then chunks as
+    they arrive."""
     plan = fanout.plan
     count = len(plan.children)
     config = fanout.runtime.config
     wait_all = config.stream_start == "all"
     if wait_all and count > fanout.upstream.max_concurrency:
-        # Rev 1: every child's headers come before any chunk, so every child must run at once.
+        # stream_start: all: every child's status line comes before the 200, so every child must
+        # run at once (docs/behaviour.md#stream-start).
         raise InvalidRequest(
             f"this stream needs {count} concurrent upstream requests; the upstream takes "
             f"{fanout.upstream.max_concurrency}: send fewer prompts or a smaller n",
@@ -251,7 +257,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 fanout.answered(exc)  # no status line came
             if answered or not start.answer(exc):
                 await mailbox.put((pos, exc))
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        except (TimeoutError, HTTPClientError, ValueError) as exc:
             if answered or not start.answer(upstream_error(exc, fanout.upstream)):
                 await mailbox.put((pos, exc))
 
@@ -306,7 +312,7 @@ async def _merge(
     past its high-water mark the writer waits for the drain, and the children's reads stall
     behind the full mailbox. With nothing written for ``seconds`` (0: never), an SSE
     comment keeps load balancers from cutting a stream whose next child is still queued
-    (SPEC §5).
+    (docs/behaviour.md#keep-alive).
     """
     plan = stitcher.plan
     running = len(plan.children)
@@ -370,7 +376,8 @@ def _reason(exc: BaseException) -> str:
 
 
 async def _all_or_first_failure(awaitables: Sequence[Awaitable[T]]) -> list[T]:
-    """Await all concurrently; raise the first failure as soon as it happens (SPEC §7).
+    """Await all concurrently; raise the first failure as soon as it happens
+    (docs/behaviour.md#errors).
 
     The caller cancels what is left, so that it can count the children it cut short.
     """

@@ -142,8 +142,8 @@ def _decide(
     """Where the request goes, its children when it fans out (``None``: pass it through), and
     its model where the body was read (for the log line).
 
-    Raises ``ProxyError`` for a body the proxy refuses (SPEC §2); reads nothing but the body and
-    headers it is given.
+    Raises ``ProxyError`` for a body the proxy refuses (docs/behaviour.md#validation); reads
+    nothing but the body and headers it is given.
     """
     codings = content_codings(request.headers.get("Content-Encoding"))
     if endpoint is not None:

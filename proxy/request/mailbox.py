@@ -1,6 +1,6 @@
 """The hand-off between a fan-out's child tasks and its one stream writer: a bounded mailbox
 (backpressure reaches the upstream) and the keep-alive ping that wakes the writer when nothing
-was written for a while (SPEC §5)."""
+was written for a while (docs/behaviour.md#keep-alive)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What one request came to: the record its handler fills in as it goes, and at its end the
-metrics, the server span's end and the request log line (fields in the README, Operating)."""
+metrics, the server span's end and the request log line (its fields: docs/operating.md#logs)."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def _log(
     seconds: float,
     first_chunk: float | None,
 ) -> None:
-    """The request line (proxy.log): ids, where it went, sizes, times, tokens."""
+    """The request line (proxy.observe.log): ids, where it went, sizes, times, tokens."""
     fanout = outcome.fanout
     usage = fanout.usage if fanout else None
     if fanout:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from contextlib import AbstractAsyncContextManager
 
-import aiohttp
 from aiohttp import web
 
 from proxy.config.models import Upstream
@@ -16,6 +15,7 @@ from proxy.core.errors import (
     UpstreamUnavailable,
 )
 from proxy.core.headers import request_headers, response_headers
+from proxy.http import HTTPClientError
 from proxy.observe.metrics import Metrics, failure_outcome, status_outcome
 from proxy.request.outcome import Outcome
 from proxy.request.runtime import POOL, RUNTIME
@@ -102,7 +102,7 @@ async def _relay(
 
         await answer.relay(counted, full, drain)
         await response.write_eof()
-    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+    except (TimeoutError, HTTPClientError, ConnectionError):
         # The status is sent already (or the client is gone): cut the client's connection so
         # it sees a truncated body.
         if request.transport is not None:

@@ -18,7 +18,8 @@ SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohtt
 
 
 def child_failed_response(exc: ChildFailed) -> web.Response:
-    """The failing child's own status and body (SPEC §5, §7); an empty body gets an OpenAI one."""
+    """The failing child's own status and body (docs/behaviour.md#errors); an empty body gets an
+    OpenAI one."""
     if exc.body.strip():
         return web.Response(
             status=exc.status, body=exc.body, content_type=exc.content_type or "application/json"

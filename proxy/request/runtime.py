@@ -35,7 +35,7 @@ class Runtime:
     replicas: dict[str, dict[str, bool]] = field(default_factory=dict)  # name -> url -> takes work
     streams: set[Cuttable] = field(default_factory=set)  # fan-out streams a drain can cut
     health_checked: asyncio.Event = field(default_factory=asyncio.Event)  # after the first round
-    tracing: Tracing | None = None  # None unless OTEL_* asks for traces (proxy.tracing)
+    tracing: Tracing | None = None  # None unless OTEL_* asks for traces (proxy.observe.tracing)
     client_errors: ClientErrors = field(init=False)  # requests the HTTP parser refused
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -45,7 +45,7 @@ class Runtime:
         self.client_errors = ClientErrors(self.metrics)
 
     def health_reported(self, upstream: str, healthy: bool, replicas: dict[str, bool]) -> None:
-        """An upstream's health round: ``/readyz`` and ``/status`` read it."""
+        """An upstream's health round: ``/readyz`` reports it."""
         self.healthy[upstream] = healthy
         self.replicas[upstream] = replicas
         if len(self.healthy) == len(self.config.upstreams):

@@ -39,7 +39,8 @@ def build_app(
     app = web.Application(
         client_max_size=config.max_body_bytes,
         # auto_decompress off: a pass-through forwards the client's bytes as they came; the
-        # fan-out paths inflate gzip/deflate themselves, within max_body_bytes (proxy.encoding).
+        # fan-out paths inflate gzip/deflate themselves, within max_body_bytes
+        # (proxy.core.encoding).
         handler_args={"max_field_size": 65536, "auto_decompress": False},
     )
     app[RUNTIME] = runtime or Runtime(config)
@@ -100,7 +101,7 @@ def take_census(runtime: Runtime, pool: UpstreamPool | None) -> Census:
         children=runtime.children,
         streams=len(runtime.streams),
         connections=len(pool.connections.in_use) if pool is not None else 0,
-        idle=pool.connections.idle_count() if pool is not None else 0,
+        idle=pool.connections.idle_connections() if pool is not None else 0,
         upstreams=tuple(upstreams),
     )
 

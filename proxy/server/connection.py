@@ -165,7 +165,7 @@ class ClientConnection(ErrorPages):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self._messages or self._request_in_progress:
-            self._disarm()  # headers complete: the body has its own deadline (proxy.app)
+            self._disarm()  # headers complete: the body's deadline is proxy.request.handler's
             if self._request_in_progress and self._messages:
                 self._fail_body()
         elif self._header_timer is None and not self._force_close:

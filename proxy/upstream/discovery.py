@@ -1,5 +1,5 @@
 """DNS discovery (``discovery.dns``): every address behind a configured host name becomes a
-replica; a failed lookup keeps the last known ones (SPEC §10)."""
+replica; a failed lookup keeps the last known ones (docs/behaviour.md#failover)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Awaitable, Callable
-from urllib.parse import urlsplit
 
+from proxy.core.url import parse_origin
 from proxy.observe.log import log_event
 from proxy.observe.metrics import Metrics
 from proxy.upstream.replicas import resolved_addresses
@@ -22,9 +22,8 @@ async def discover(state: UpstreamState, resolve: Resolver, metrics: Metrics) ->
     """Resolve each of the upstream's URLs; its addresses replace that URL's replicas."""
     upstream = state.upstream
     for source in upstream.urls:
-        parts = urlsplit(source)
-        host = parts.hostname or ""
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        origin = parse_origin(source)
+        host, port = origin.host, origin.port
         try:
             async with asyncio.timeout(upstream.discovery.interval):
                 ips = await resolve(host, port)

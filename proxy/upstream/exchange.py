@@ -2,7 +2,7 @@
 
 ``Exchange`` (opened by ``UpstreamPool.send``) times the request and lets its connection go at
 the end; ``Answer`` is the response with the reads callers need; upstream client failures are
-mapped here to the proxy's own errors (SPEC §7: 502 unreachable, 504 timeout).
+mapped here to the proxy's own errors (docs/behaviour.md#errors: 502 unreachable, 504 timeout).
 """
 
 from __future__ import annotations
@@ -12,13 +12,19 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-import aiohttp
 from multidict import CIMultiDict
 from prometheus_client import Gauge, Histogram
 
 from proxy.config.models import Upstream
 from proxy.core.errors import UpstreamTimeout, UpstreamUnavailable
-from proxy.http.response import BodyTooLong, UpstreamResponse
+from proxy.http import (
+    BodyTooLong,
+    ClientClosed,
+    ConnectFailed,
+    Disconnected,
+    HTTPClientError,
+    UpstreamResponse,
+)
 from proxy.upstream.replicas import Replica
 from proxy.upstream.slots import Place
 
@@ -142,11 +148,11 @@ class Answer:
         drain: Callable[[], Awaitable[None]],
     ) -> None:
         """The body into ``sink`` as it arrives, from the upstream protocol itself (no task or
-        iterator per chunk); failures stay aiohttp's client errors."""
+        iterator per chunk); failures stay the upstream client's (``proxy.http.errors``)."""
         await self.response.relay(sink, paused, drain)
 
     async def read(self) -> bytes:
-        """The whole body; a read that fails is the proxy's 502 or 504 (SPEC §7).
+        """The whole body; a read that fails is the proxy's 502 or 504 (docs/behaviour.md#errors).
 
         Past ``max_bytes`` the read stops at once and the request fails with 502; leaving the
         body unread makes ``UpstreamPool.send`` drop the connection, so the upstream stops too.
@@ -160,24 +166,25 @@ class Answer:
             raise UpstreamUnavailable(
                 f"upstream {self.upstream.name} sent a body larger than {self.max_bytes} bytes"
             ) from None
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, HTTPClientError) as exc:
             raise upstream_error(exc, self.upstream) from None
 
 
 def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:
-    """Map an upstream client failure to the proxy's own error (SPEC §7: 502 or 504)."""
+    """Map an upstream client failure to the proxy's own error (docs/behaviour.md#errors: 502
+    or 504)."""
     if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"upstream {upstream.name} timed out")
     return UpstreamUnavailable(f"upstream {upstream.name} failed: {type(exc).__name__}")
 
 
 def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
-    """``connect``: the request never reached a server. ``reset``: the connection closed before
-    a status line came back. Anything else (a timeout waiting for the answer) is neither."""
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return "connect"
-    if isinstance(exc, TimeoutError):
-        return None
-    if isinstance(exc, aiohttp.ClientConnectionError):  # disconnected, reset, broken pipe
-        return "reset"
+    """``connect``: the request never reached a server (its connect timing out included).
+    ``reset``: the connection closed before a status line came back, or the client was closed
+    under it. Anything else (a timeout waiting for the answer, a malformed answer) is neither."""
+    match exc:
+        case ConnectFailed():
+            return "connect"
+        case Disconnected() | ClientClosed():
+            return "reset"
     return None

@@ -1,5 +1,6 @@
 """The replica set of one upstream: which replicas exist, which may take children, and where
-each child and each retry goes (SPEC §10). Pure: the caller passes the time in; no I/O.
+each child and each retry goes (docs/behaviour.md#failover). Pure: the caller passes the time
+in; no I/O.
 
 A replica is usable when its last health check passed and it is not ejected. Placement and
 retries use usable replicas only; when none is usable, every replica is tried (fail open).
@@ -8,14 +9,14 @@ Load is the proxy's own count of requests in flight on each replica (``outstandi
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import urlsplit, urlunsplit
+
+from proxy.core.url import at_address, authority
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,8 @@ class ReplicaSet:
         return True
 
     def checked(self, url: str, ok: bool) -> None:
-        """A health check's result; a passing one ends an ejection at once (SPEC §10)."""
+        """A health check's result; a passing one ends an ejection at once
+        (docs/behaviour.md#failover)."""
         replica = self._replicas.get(url)
         if replica is None:
             return
@@ -203,12 +205,5 @@ def resolved_addresses(url: str, ips: Iterable[str]) -> tuple[Address, ...]:
 
     The original host name (with its port, when the URL has one) becomes the Host header.
     """
-    parts = urlsplit(url)
-    port = f":{parts.port}" if parts.port is not None else ""
-    userinfo, at, host_header = parts.netloc.rpartition("@")
-    out = []
-    for ip in dict.fromkeys(ips):
-        literal = f"[{ip}]" if ipaddress.ip_address(ip).version == 6 else ip
-        netloc = userinfo + at + literal + port
-        out.append(Address(urlunsplit((parts.scheme, netloc, parts.path, "", "")), host_header))
-    return tuple(out)
+    host = authority(url)
+    return tuple(Address(at_address(url, ip), host) for ip in dict.fromkeys(ips))

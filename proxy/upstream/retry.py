@@ -1,5 +1,6 @@
 """When a failed upstream try is tried again, and after how long: backoff, ``Retry-After`` and
-the retry budget (SPEC §10). Pure: the caller passes the time and the random draw in; no I/O.
+the retry budget (docs/behaviour.md#failover). Pure: the caller passes the time and the random
+draw in; no I/O.
 """
 
 from __future__ import annotations

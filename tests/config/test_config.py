@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from proxy.config import models
 from proxy.config.models import (
     Backoff,
     Config,
@@ -21,6 +23,10 @@ from proxy.config.models import (
     parse_config,
     single_upstream_config,
 )
+from proxy.request.runtime import RUNTIME
+from tests.support.servers import Backend, Servers
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FULL = """\
 listen: {host: 0.0.0.0, port: 9000}
@@ -107,10 +113,51 @@ def test_minimal_config_takes_the_defaults() -> None:
     assert config.routes == ()
 
 
-def test_config_is_frozen() -> None:
-    config = parse_config(MINIMAL, {})
-    with pytest.raises(ValidationError):
-        config.max_n = 20
+def _sections(value: object, path: str) -> Iterator[tuple[str, BaseModel]]:
+    """Every model reachable from ``value``, with where it sits (``upstreams[0].timeouts``)."""
+    if isinstance(value, BaseModel):
+        yield path, value
+        for name in type(value).model_fields:
+            yield from _sections(getattr(value, name), f"{path}.{name}")
+    elif isinstance(value, tuple):
+        for at, item in enumerate(value):
+            yield from _sections(item, f"{path}[{at}]")
+
+
+# The one container a section holds that can change in place: the headers dict, which the proxy
+# reads per request. A new mutable field fails the test below; so does making this one immutable.
+MUTABLE_IN_PLACE = {"Upstream.headers"}
+
+
+async def test_no_section_of_a_running_proxys_config_can_be_changed(
+    servers: Servers, backend: Backend
+) -> None:
+    """Every section of the config a proxy runs on (the full example: every section there is)
+    refuses to have any field reassigned, and holds its sequences as tuples."""
+    full = load_config(ROOT / "config" / "full.yaml", {"CHAT_API_KEY": "k"})
+    at_backend = tuple(u.model_copy(update={"urls": (backend.url,)}) for u in full.upstreams)
+    proxy = await servers.proxy(full.model_copy(update={"upstreams": at_backend}))
+    config = proxy.app[RUNTIME].config
+    sections = list(_sections(config, "config"))
+    every_kind = {
+        kind
+        for kind in vars(models).values()
+        if isinstance(kind, type)
+        and issubclass(kind, BaseModel)
+        and kind.__module__ == models.__name__
+        and kind.model_fields  # the sections' shared base has none
+    }
+    assert {type(section) for _, section in sections} == every_kind
+    mutable = set()
+    for where, section in sections:
+        for name in type(section).model_fields:
+            with pytest.raises(ValidationError, match="frozen"):
+                setattr(section, name, getattr(section, name))
+            value = getattr(section, name)
+            assert not isinstance(value, list | set | bytearray), f"{where}.{name}"
+            if isinstance(value, dict):
+                mutable.add(f"{type(section).__name__}.{name}")
+    assert mutable == MUTABLE_IN_PLACE
 
 
 @pytest.mark.parametrize("max_n", [1, 10, 128])
@@ -381,7 +428,7 @@ def test_single_upstream_config_rejects_a_bad_url(url: str) -> None:
         single_upstream_config(url)
 
 
-# --- choose_upstream (SPEC §9: configuration alone picks the destination) ---
+# --- choose_upstream: configuration alone picks the destination (docs/behaviour.md#routing) ---
 
 ROUTED = """\
 default_upstream: fallback
@@ -424,7 +471,7 @@ def test_default_upstream_defaults_to_the_first() -> None:
     assert config.choose_upstream("/v1/chat/completions", "m").name == "one"
 
 
-# --- replicas and failover (SPEC §10) -------------------------------------------------------------
+# --- replicas and failover (docs/behaviour.md#failover) -----------------------------------------
 
 FAILOVER = "upstreams: [{{name: a, urls: [http://x:1, http://y:1], {}}}]"
 

@@ -1,4 +1,5 @@
-"""Tests for proxy.headers: literal header lists in, the headers that cross out (SPEC §9)."""
+"""Tests for proxy.core.headers: literal header lists in, the headers that cross out
+(docs/behaviour.md#headers)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ HOP_BY_HOP = [
     ("Transfer-Encoding", "chunked"),
     ("Upgrade", "websocket"),
 ]
-# SPEC §9 names the whole ``Proxy-*`` family hop-by-hop, not only the registered three.
+# docs/behaviour.md#headers names the whole ``Proxy-*`` family hop-by-hop, not only the
+# registered three.
 DROPPED = [*HOP_BY_HOP, ("Proxy-Anything", "x"), ("proxy-client-ip", "10.0.0.9")]
 
 END_TO_END_REQUEST = [

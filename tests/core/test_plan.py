@@ -1,4 +1,5 @@
-"""Tests for proxy.plan: literal request bodies in, literal children out (SPEC §2, §3, §8)."""
+"""Tests for proxy.core.plan: literal request bodies in, literal children out
+(docs/behaviour.md#validation, #children, #best-of)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def rejected(body: dict[str, Any], *, is_completions: bool = False, max_n: int =
     return info.value.param
 
 
-# --- parse_body (SPEC §2) ---
+# --- parse_body (docs/behaviour.md#validation) ---
 
 
 def test_parse_body_returns_the_json_object() -> None:
@@ -110,7 +111,7 @@ def test_parse_body_keeps_integers_past_64_bits_exact() -> None:
     assert body == {"a": int(BIG), "b": -int(BIG), "c": [1.5, 2**64]}
 
 
-# --- max_children (issue 10) ---
+# --- max_children (docs/behaviour.md#validation) ---
 
 
 @pytest.mark.parametrize(
@@ -140,7 +141,7 @@ def test_exactly_max_children_is_planned() -> None:
     assert len(plan.children) == 2048
 
 
-# --- pass-through and n validation (SPEC §1, §2) ---
+# --- pass-through and n validation (docs/behaviour.md#fan-out, #validation) ---
 
 
 @pytest.mark.parametrize(
@@ -185,7 +186,7 @@ def test_n_equal_to_max_n_is_accepted(n: int, max_n: int) -> None:
     assert len(planned(chat({"n": n}, max_n=max_n)).children) == n
 
 
-# --- seed (SPEC §2, §3) ---
+# --- seed (docs/behaviour.md#validation, #children) ---
 
 
 @pytest.mark.parametrize(
@@ -252,7 +253,7 @@ def test_random_seed_minus_one_is_sent_unchanged_to_every_child() -> None:
     assert [b["seed"] for b in child_bodies(chat({"n": 3, "seed": -1}))] == [-1, -1, -1]
 
 
-# --- children (SPEC §3) ---
+# --- children (docs/behaviour.md#children) ---
 
 
 def test_chat_children_are_the_body_without_n_and_with_their_own_seed() -> None:
@@ -388,7 +389,7 @@ def test_stream_options_go_unchanged_to_every_child() -> None:
     assert [(b["stream"], b["stream_options"]) for b in bodies] == [(True, options)] * 2
 
 
-# --- completions with a list of prompts (SPEC §3) ---
+# --- completions with a list of prompts (docs/behaviour.md#children) ---
 
 
 @pytest.mark.parametrize(
@@ -452,7 +453,7 @@ def test_list_prompts_split_request_id_and_kv_transfer_params_per_choice() -> No
     ]
 
 
-# --- best_of (SPEC §8) ---
+# --- best_of (docs/behaviour.md#best-of) ---
 
 
 def test_best_of_above_n_sends_best_of_children_asking_for_logprobs() -> None:

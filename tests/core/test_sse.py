@@ -1,4 +1,4 @@
-"""Tests for proxy.sse: literal bytes in, literal events out, split at every awkward place."""
+"""Tests for proxy.core.sse: literal bytes in, literal events out, split at every awkward place."""
 
 from __future__ import annotations
 
@@ -315,8 +315,19 @@ def test_unterminated_comment_past_limit_raises() -> None:
         decoder.feed(b": " + b"p" * 200)
 
 
-def test_sse_error_is_a_value_error() -> None:
-    assert issubclass(SSEError, ValueError)
+@pytest.mark.parametrize("raw", [False, True], ids=["feed", "feed_raw"])
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_a_line_at_the_limit_passes_and_one_byte_more_raises_however_it_is_split(
+    raw: bool, eol: bytes
+) -> None:
+    limit = 16
+    at_limit = b"data: " + b"x" * (limit - len(b"data: "))  # its end not counted
+    for line, fits in ((at_limit, True), (at_limit + b"x", False)):
+        stream = line + eol + eol
+        for cut in range(len(stream) + 1):
+            events, failed = _decode([stream[:cut], stream[cut:]], limit, raw)
+            assert failed is not fits, (line, cut)
+            assert events == ([("x" * 10, "message")] if fits else []), (line, cut)
 
 
 class _LineByLine(SSEDecoder):

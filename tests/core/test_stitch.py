@@ -1,6 +1,6 @@
-"""Tests for proxy.stitch: children's literal bodies and chunks in, one native-n answer out.
+"""Tests for proxy.core.stitch: children's literal bodies and chunks in, one native-n answer out.
 
-SPEC §4 (JSON), §5 (SSE), §6 (usage), §7 (mid-stream errors), §8 (best_of).
+docs/behaviour.md#json, #streaming, #usage, #errors (mid-stream) and #best-of.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def one_event(raw: bytes | None) -> dict[str, Any]:
 
 
 def after_opening(raw: bytes | None, count: int) -> dict[str, Any]:
-    """The first chunk's own event, after the ``count`` choices it opened with (SPEC §5)."""
+    """The first chunk's own event, after the ``count`` choices it opened with
+    (docs/behaviour.md#opening)."""
     assert raw is not None
     *opening, event = sse(raw)
     assert len(opening) == count
@@ -73,7 +74,7 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
     }
 
 
-# --- parent_response_id (SPEC §4) ---
+# --- parent_response_id (docs/behaviour.md#json) ---
 
 
 @pytest.mark.parametrize(
@@ -97,7 +98,7 @@ def test_parent_response_id_for_a_list_of_prompts() -> None:
     assert parent_response_id("cmpl-0_abc-0", p.children[0], "abc") == "cmpl-abc"
 
 
-# --- stitch_json (SPEC §4) ---
+# --- stitch_json (docs/behaviour.md#json) ---
 
 
 def chat_body(i: int, content: str, **extra: Any) -> dict[str, Any]:
@@ -215,7 +216,7 @@ def test_stitch_json_does_not_mutate_the_children() -> None:
     assert bodies == snapshot
 
 
-# --- best_of (SPEC §8) ---
+# --- best_of (docs/behaviour.md#best-of) ---
 
 
 def completion_body(
@@ -301,7 +302,7 @@ def test_mean_logprob(choice: dict[str, Any], expected: float) -> None:
     assert mean_logprob(choice) == pytest.approx(expected)
 
 
-# --- StreamStitcher (SPEC §5, §6) ---
+# --- StreamStitcher (docs/behaviour.md#streaming, #usage) ---
 
 
 def chunk(
@@ -634,7 +635,7 @@ def test_error_event_is_one_server_error_event_then_done() -> None:
     assert "upstream closed the connection" in event["error"]["message"]
 
 
-# --- the opening: every choice announced in index order (SPEC §5) ---
+# --- the opening: every choice announced in index order (docs/behaviour.md#opening) ---
 
 
 def role_chunk(cid: str, content: str | None = "", **extra: Any) -> bytes:

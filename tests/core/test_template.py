@@ -1,7 +1,7 @@
-"""Tests for proxy.template: the byte templates send what the full path sends, byte for byte.
+"""Tests for proxy.core.template: the byte templates send what the full path sends, byte for byte.
 
-Literal streams first (vLLM's, the pacer's, crafted bytes around the value, issue 17 item 8's
-multi-line event), then a differential fuzzer: child streams as a server might send them (token
+Literal streams first (vLLM's, the pacer's, crafted bytes around the value, a multi-line
+event), then a differential fuzzer: child streams as a server might send them (token
 chunks of any text, multi-line ``data:`` events, JSON whitespace, escapes, number spellings and
 key orders orjson would not write, LF, CRLF and CR line ends, comments, ``id``/``event``/
 ``retry`` fields, a BOM, role, finishing, usage and error chunks), split into any network reads

@@ -1,4 +1,5 @@
-"""Tests for proxy.usage: per-child usage dicts in, the native-n usage out (SPEC §6, §8)."""
+"""Tests for proxy.core.usage: per-child usage dicts in, the native-n usage out
+(docs/behaviour.md#usage, #best-of)."""
 
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ def test_no_usage_at_all_merges_to_none(
 
 
 def test_best_of_usage_counts_every_ranked_completion() -> None:
-    # SPEC §8: usage covers all best_of completions, as OpenAI bills them.
+    # Usage covers all best_of completions, as OpenAI bills them (docs/behaviour.md#best-of).
     merged = merge_usage([usage(4, 3), usage(4, 5), usage(4, 2), usage(4, 6)], [0])
     assert merged == {"prompt_tokens": 4, "completion_tokens": 16, "total_tokens": 20}
 

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from proxy.devserver.faults import HUGE_WORD
-from tests.conftest import Backend
 from tests.devserver.test_devserver import CHAT, COMPLETIONS, chat_body, post_json, post_stream
+from tests.support.servers import Backend
 
 
 @pytest.fixture

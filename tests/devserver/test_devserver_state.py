@@ -1,16 +1,57 @@
-"""Tests of the demo backend's request bookkeeping."""
+"""Tests of the demo backend's request bookkeeping, as /debug/state shows it."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import aiohttp
 import pytest
 
 from proxy.devserver.state import HISTORY, DevState
+from tests.support.servers import Backend
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
 
 
-async def test_wait_for_raises_timeout_error() -> None:
-    state = DevState()
-    with pytest.raises(TimeoutError):
-        await state.wait_for(lambda s: bool(s.finished), timeout=0.01)
+async def _state(http: aiohttp.ClientSession, backend: Backend) -> Any:
+    async with http.get(backend.url + "/debug/state") as response:
+        assert response.status == 200
+        return await response.json()
+
+
+async def test_debug_state_shows_a_request_active_then_under_exactly_one_outcome(
+    http: aiohttp.ClientSession, backend: Backend
+) -> None:
+    """A request is active while it runs, then filed once under how it ended: a stream broken on
+    purpose is "faulted", not also "finished" as its handler returns, nor "aborted" as its
+    connection goes."""
+    url = backend.url + CHAT
+    endless = {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 10_000}
+    endless.update(ignore_eos=True, x_demo={"token_delay": 0.01})
+    async with http.post(url, json=endless, headers={"X-Request-Id": "left"}) as response:
+        assert response.status == 200
+        await response.content.readline()  # generating now
+        assert await _state(http, backend) == {
+            "active": ["left"], "finished": [], "aborted": [], "faulted": [],
+        }  # fmt: skip
+    await backend.state.wait_for(lambda s: "left" in s.aborted)  # the client left
+
+    done = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+    async with http.post(url, json=done, headers={"X-Request-Id": "done"}) as response:
+        assert response.status == 200
+        await response.read()
+
+    broken = {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 8}
+    broken["x_demo"] = {"fault": "reset_mid_stream", "after_tokens": 2}
+    async with http.post(url, json=broken, headers={"X-Request-Id": "broken"}) as response:
+        assert response.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+    await backend.state.wait_for(lambda s: "broken" in s.faulted)
+    assert await _state(http, backend) == {
+        "active": [], "finished": ["done"], "aborted": ["left"], "faulted": ["broken"],
+    }  # fmt: skip
 
 
 async def test_history_lists_stay_bounded_for_long_demos() -> None:

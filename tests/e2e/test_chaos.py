@@ -342,7 +342,8 @@ async def resources(rig: Rig) -> tuple[int, int]:
     """Resident memory in bytes, once trimmed, and open file descriptors, from /proc.
 
     glibc keeps freed pages until ``malloc_trim``, which the proxy calls shortly after a large
-    request (proxy.memory): one is sent, and the lowest RSS of the next two seconds is kept."""
+    request (proxy.server.memory): one is sent, and the lowest RSS of the next two seconds is
+    kept."""
     head, data = request(COMPLETIONS, {"model": "m", "prompt": "word " * 250_000, "max_tokens": 1})
     visit = Visit("upload", "complete", False, head + data, len(head), False, 1, 0, 0.0)
     async with asyncio.timeout(VISIT_SECONDS):

@@ -1,4 +1,5 @@
-"""Every injected upstream fault, for n=1 and n>1, JSON and SSE, gets the SPEC §7 answer.
+"""Every injected upstream fault, for n=1 and n>1, JSON and SSE, gets the answer
+docs/behaviour.md#errors gives it.
 
 Each test also proves that nothing leaks: no upstream connection left acquired, no task left
 running, no file descriptor left open, and no child still generating at the backend.
@@ -7,26 +8,20 @@ running, no file descriptor left open, and no child still generating at the back
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
-import psutil
 import pytest
-from aiohttp import web
-from multidict import CIMultiDict
 
-from proxy.config.models import Config, Timeouts
-from proxy.core.sse import SSEDecoder
-from proxy.devserver import DevConfig, DevState, generate, start_devserver
-from proxy.request.runtime import POOL, RUNTIME
-from proxy.upstream.service import UpstreamPool
-from tests.conftest import Backend, proxy_config, start_proxy
+from proxy.config.models import Timeouts
+from proxy.devserver import generate
+from tests.support.client import sse_payloads
+from tests.support.rig import ANSWER_WITHIN, RELAXED, RID, MakeRig, Rig
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "tell me a story"}]
@@ -38,134 +33,6 @@ K = 3  # children of every fan-out here
 FAULTY = 1  # the choice that gets the fault
 SEED = 100
 SHORT_WAIT = 0.3  # seconds: the one timeout a test is about
-LONG_WAIT = 30.0  # seconds: timeouts that must not fire
-RELAXED = Timeouts(connect=LONG_WAIT, first_byte=LONG_WAIT, idle=LONG_WAIT)
-ANSWER_WITHIN = 5.0  # seconds a client waits; a hang becomes a failure, not a stuck suite
-
-
-# --- the rig: backend, proxy and client, with leak accounting --------------------------------
-
-
-class RequestLog(logging.Handler):
-    """The proxy's log lines; a test waits on the per-request line to know a handler is done."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: list[dict[str, Any]] = []
-        self._changed = asyncio.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.name == "n_proxy" and record.getMessage() == "request":
-            self.lines.append(dict(getattr(record, "fields", {})))
-            self._changed.set()
-
-    async def wait_for(self, count: int, timeout: float = ANSWER_WITHIN) -> None:
-        async with asyncio.timeout(timeout):
-            while len(self.lines) < count:
-                self._changed.clear()
-                await self._changed.wait()
-
-
-@dataclass
-class Rig:
-    """A backend, a proxy in front of it, a client, and what the process held before the test."""
-
-    backend: Backend
-    proxy_url: str
-    app: web.Application
-    client: aiohttp.ClientSession
-    log: RequestLog
-    tasks: set[asyncio.Task[Any]]
-    fds: int
-
-    @property
-    def state(self) -> DevState:
-        return self.backend.state
-
-    async def assert_no_leaks(self, requests: int) -> None:
-        """After ``requests`` proxied requests: nothing held, running or open past the baseline."""
-        await self.log.wait_for(requests)
-        assert self.app[RUNTIME].in_flight == 0
-        pool = self.app[POOL]
-        assert not pool.connections.in_use  # one here is a leaked child
-        # Idle keep-alive connections are not leaks: close them, then everything they ran must end.
-        await self.client.close()
-        await pool.connections.close()
-        lingering = asyncio.all_tasks() - self.tasks - {asyncio.current_task()}
-        if lingering:
-            _, pending = await asyncio.wait(lingering, timeout=ANSWER_WITHIN)
-            assert not pending, f"tasks still running: {pending}"
-        assert not self.state.active
-        assert open_fds() == self.fds
-
-
-def open_fds() -> int:
-    return int(psutil.Process().num_fds())
-
-
-MakeRig = Callable[..., Awaitable[Rig]]
-
-
-@pytest.fixture
-async def make_rig(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MakeRig]:
-    """Build a rig; the proxy's health probe is stubbed so that every connection is the test's."""
-
-    async def always_healthy(self: UpstreamPool, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    monkeypatch.setattr(UpstreamPool, "healthy", always_healthy)
-    runners: list[web.AppRunner] = []
-    clients: list[aiohttp.ClientSession] = []
-    logger = logging.getLogger("n_proxy")
-    level = logger.level
-    handler = RequestLog()
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-
-    async def make(
-        timeouts: Timeouts = RELAXED,
-        upstream_url: str | None = None,
-        max_concurrency: int = 64,
-        max_queue: int = 256,
-        stream_start: str = "first",
-        **backend_options: Any,
-    ) -> Rig:
-        runner, port, state = await start_devserver(DevConfig(**backend_options))
-        runners.append(runner)
-        backend = Backend(f"http://127.0.0.1:{port}", state)
-        config = with_upstream(
-            proxy_config(backend, stream_start=stream_start),
-            timeouts=timeouts,
-            max_concurrency=max_concurrency,
-            max_queue=max_queue,
-            **({"urls": (upstream_url,)} if upstream_url else {}),
-        )
-        proxy_runner, proxy_url = await start_proxy(config)
-        runners.append(proxy_runner)
-        client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        clients.append(client)
-        return Rig(
-            backend=backend,
-            proxy_url=proxy_url,
-            app=proxy_runner.app,
-            client=client,
-            log=handler,
-            tasks=asyncio.all_tasks(),
-            fds=open_fds(),
-        )
-
-    yield make
-    for client in clients:
-        await client.close()
-    for runner in reversed(runners):
-        await runner.cleanup()
-    logger.removeHandler(handler)
-    logger.setLevel(level)
-
-
-def with_upstream(config: Config, **changes: Any) -> Config:
-    upstream = config.upstreams[0].model_copy(update=changes)
-    return config.model_copy(update={"upstreams": (upstream,)})
 
 
 @pytest.fixture
@@ -212,24 +79,9 @@ def expected_text(seed: int, max_tokens: int) -> str:
     return "".join(t.text for t in generate(PROMPT, seed, max_tokens, may_stop=False).tokens)
 
 
-def sse_payloads(raw: bytes) -> list[Any]:
-    """Every data payload, decoded; ``[DONE]`` stays a string."""
-    decoder = SSEDecoder()
-    events = decoder.feed(raw) + decoder.close()
-    return [e.data if e.data == "[DONE]" else orjson.loads(e.data) for e in events]
-
-
 def without_created(raw: bytes) -> bytes:
     """Two answers a second apart differ only in ``created``."""
     return re.sub(rb'"created":\s*\d+', b'"created":0', raw)
-
-
-async def post(rig: Rig, url: str, body: dict[str, Any]) -> tuple[int, bytes, CIMultiDict[str]]:
-    async with (
-        asyncio.timeout(ANSWER_WITHIN),
-        rig.client.post(url, json=body, headers={"X-Request-Id": "t"}) as response,
-    ):
-        return response.status, await response.read(), response.headers.copy()
 
 
 async def post_until_cut(rig: Rig, url: str, body: dict[str, Any]) -> tuple[int, bytes, bool]:
@@ -237,7 +89,7 @@ async def post_until_cut(rig: Rig, url: str, body: dict[str, Any]) -> tuple[int,
     got = bytearray()
     async with (
         asyncio.timeout(ANSWER_WITHIN),
-        rig.client.post(url, json=body, headers={"X-Request-Id": "t"}) as response,
+        rig.client.post(url, json=body, headers={"X-Request-Id": RID}) as response,
     ):
         try:
             async for chunk in response.content.iter_any():
@@ -248,7 +100,7 @@ async def post_until_cut(rig: Rig, url: str, body: dict[str, Any]) -> tuple[int,
 
 
 def proxy_error(raw: bytes) -> dict[str, Any]:
-    """The proxy's own OpenAI error body (SPEC §2, §7)."""
+    """The proxy's own OpenAI error body (docs/behaviour.md#validation, #errors)."""
     body = orjson.loads(raw)
     assert set(body) == {"error"}
     error = body["error"]
@@ -315,15 +167,16 @@ async def test_failure_before_the_stream_answers_a_status_and_an_error_body(
         timeouts=case.timeouts,
         upstream_url=None if case.fault else refused_url,
         token_delay=DELAY,
-        # Rev 1's start: a sibling's 200 arriving first would otherwise commit the stream (the
-        # rev 2 start is tested in test_stream_start.py).
+        # stream_start: all, so that a sibling's 200 arriving first cannot commit the stream (the
+        # default start, at the first answer, is tested in test_stream_start.py;
+        # docs/behaviour.md#stream-start).
         stream_start="all" if stream and n > 1 else "first",
     )
     # Siblings that finish fast could not show that they were aborted; slow ones would trip a
     # short first-byte timeout themselves before their JSON headers.
     siblings_long = stream or case.timeouts.first_byte > SHORT_WAIT
     body = chat_body(n, stream, case.fault, LONG if siblings_long else SHORT)
-    status, raw, headers = await post(rig, rig.proxy_url + CHAT, body)
+    status, raw, headers = await rig.post(rig.proxy_url + CHAT, body)
 
     assert status == case.status, raw
     assert headers["Content-Type"].startswith("application/json")
@@ -349,7 +202,7 @@ async def test_failure_before_the_stream_answers_a_status_and_an_error_body(
 
 async def test_fanout_child_answering_non_json_is_502(make_rig: MakeRig) -> None:
     rig = await make_rig(token_delay=DELAY)
-    status, raw, _ = await post(rig, rig.proxy_url + CHAT, chat_body(K, False, "bad_json", LONG))
+    status, raw, _ = await rig.post(rig.proxy_url + CHAT, chat_body(K, False, "bad_json", LONG))
     assert status == 502
     assert "not a JSON object" in proxy_error(raw)["message"]
     await rig.state.wait_for(lambda s: not s.active and "1_t" in s.finished, timeout=1.0)
@@ -378,7 +231,7 @@ async def test_fanout_failure_after_the_200_sends_one_error_event_then_done(
 ) -> None:
     rig = await make_rig(timeouts=timeouts, token_delay=DELAY)
     body = chat_body(K, True, fault, LONG, after_tokens)
-    status, raw, headers = await post(rig, rig.proxy_url + CHAT, body)
+    status, raw, headers = await rig.post(rig.proxy_url + CHAT, body)
 
     assert status == 200
     assert headers["Content-Type"] == "text/event-stream"
@@ -420,8 +273,8 @@ async def test_single_choice_stream_with_a_broken_event_passes_through_byte_for_
 ) -> None:
     rig = await make_rig(token_delay=DELAY)
     body = chat_body(1, True, fault, SHORT)
-    direct = await post(rig, rig.backend.url + CHAT, body)
-    proxied = await post(rig, rig.proxy_url + CHAT, body)
+    direct = await rig.post(rig.backend.url + CHAT, body)
+    proxied = await rig.post(rig.proxy_url + CHAT, body)
     assert proxied[0] == direct[0] == 200
     assert without_created(proxied[1]) == without_created(direct[1])
     outcome = rig.state.faulted if fault == "error_event" else rig.state.finished
@@ -434,7 +287,7 @@ async def test_single_choice_json_that_is_not_json_passes_through_byte_for_byte(
 ) -> None:
     rig = await make_rig(token_delay=DELAY)
     body = chat_body(1, False, "bad_json", SHORT)
-    status, raw, _ = await post(rig, rig.proxy_url + CHAT, body)
+    status, raw, _ = await rig.post(rig.proxy_url + CHAT, body)
     assert (status, raw) == (200, b"not json")
     await rig.assert_no_leaks(requests=1)
 
@@ -481,11 +334,11 @@ async def test_fanout_with_benign_fault_is_stitched_like_a_clean_answer(
     for i in range(K):
         child = {**body, "seed": SEED + i, "stream": False}
         del child["n"]
-        status, raw, _ = await post(rig, rig.backend.url + CHAT, child)
+        status, raw, _ = await rig.post(rig.backend.url + CHAT, child)
         assert status == 200
         (choice,) = orjson.loads(raw)["choices"]
         expected.append((choice["message"]["content"], choice["finish_reason"]))
-    status, raw, headers = await post(rig, rig.proxy_url + CHAT, body)
+    status, raw, headers = await rig.post(rig.proxy_url + CHAT, body)
 
     assert status == 200, raw
     assert headers["X-Request-Id"] == "t"
@@ -532,8 +385,8 @@ async def test_single_choice_with_benign_fault_passes_through_byte_for_byte(
 ) -> None:
     rig = await make_rig(token_delay=DELAY)
     body = chat_body(1, stream, fault, SHORT)
-    direct = await post(rig, rig.backend.url + CHAT, body)
-    proxied = await post(rig, rig.proxy_url + CHAT, body)
+    direct = await rig.post(rig.backend.url + CHAT, body)
+    proxied = await rig.post(rig.proxy_url + CHAT, body)
     assert proxied[0] == direct[0] == 200
     assert without_created(proxied[1]) == without_created(direct[1])
     assert proxied[2].get("Content-Encoding") == direct[2].get("Content-Encoding")
@@ -552,7 +405,7 @@ async def test_client_leaving_aborts_every_child_and_leaks_nothing(
     rig = await make_rig(token_delay=DELAY)
     body = chat_body(n, stream, None, LONG)
     rids = child_rids(n)
-    request = asyncio.ensure_future(post(rig, rig.proxy_url + CHAT, body))
+    request = asyncio.ensure_future(rig.post(rig.proxy_url + CHAT, body))
     await rig.state.wait_for(lambda s: set(rids) <= set(s.active))
     request.cancel()
     await rig.state.wait_for(lambda s: set(rids) <= set(s.aborted), timeout=1.0)

@@ -1,7 +1,7 @@
-"""Hostile load (issue 10): every limit and fault over real loopback servers.
+"""Hostile load: every limit and fault over real loopback servers (docs/behaviour.md#limits).
 
 The proxy runs as the whole ``proxy.server.process.Server`` (its connection guard included) in
-front of a small fake upstream that records what it got and can answer without end.
+front of a recording fake upstream that can also answer without end.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 import sys
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -24,6 +24,8 @@ from multidict import CIMultiDict
 from proxy.config.models import ClientTimeouts, Config, Listen, Route, single_upstream_config
 from proxy.server.process import Server
 from tests.support.rawhttp import parse_raw
+from tests.support.servers import Servers
+from tests.support.upstreams import RecordingUpstream, Seen
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -31,28 +33,16 @@ UPSTREAM_SERVER = "fake-upstream/1.0"
 CHUNK = b"x" * 65536
 
 
-@dataclass
-class Seen:
-    method: str
-    path: str
-    headers: CIMultiDict[str]
-    body: bytes
-
-
-@dataclass
-class Fake:
+class Fake(RecordingUpstream):
     """Answers like a one-choice server; ``X-Fake`` picks an endless JSON or SSE body instead."""
 
-    seen: list[Seen] = field(default_factory=list)
-    endless_sent: int = 0
-    endless_gone: asyncio.Event = field(default_factory=asyncio.Event)
-    url: str = ""
+    def __init__(self) -> None:
+        super().__init__()
+        self.endless_sent = 0
+        self.endless_gone = asyncio.Event()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()  # auto_decompress is off: the bytes as they came
-        if request.path == "/health":
-            return web.Response(text="ok")
-        self.seen.append(Seen(request.method, request.path_qs, CIMultiDict(request.headers), body))
+    async def respond(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()  # the bytes as they came: never inflated
         headers = {"Server": UPSTREAM_SERVER}
         fake = request.headers.get("X-Fake")
         if fake == "long-content-length":
@@ -87,24 +77,18 @@ class Fake:
         return web.json_response(answer, headers=headers)
 
     def parents(self, marker: str) -> list[Seen]:
-        return [s for s in self.seen if marker.encode() in s.body or marker in s.path]
+        return [s for s in self.seen if marker.encode() in s.body or marker in s.target]
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[Fake]:
-    fake = Fake()
-    app = web.Application(client_max_size=1 << 30, handler_args={"auto_decompress": False})
-    app.router.add_route("*", "/{tail:.*}", fake.handle)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    yield fake
-    await runner.cleanup()
+async def fake(servers: Servers) -> Fake:
+    return await servers.start(Fake())
 
 
 @contextlib.asynccontextmanager
 async def running(fake: Fake, **overrides: Any) -> AsyncIterator[Server]:
+    """The whole server of one process in front of ``fake``, closed at the block's end: what it
+    answered is over before the test looks at what the fake got."""
     config: Config = single_upstream_config(fake.url).model_copy(
         update={"listen": Listen(host="127.0.0.1", port=0), **overrides}
     )

@@ -17,9 +17,8 @@ from aiohttp import web
 
 from proxy.config.models import Timeouts
 from proxy.devserver import generate
-from tests.e2e.test_faults import MakeRig, Rig, make_rig, sse_payloads
-
-__all__ = ["make_rig"]  # the fixture, shared with test_faults
+from tests.support.client import sse_payloads
+from tests.support.rig import MakeRig, Rig
 
 CHAT = "/v1/chat/completions"
 REQUESTS = 500
@@ -106,7 +105,7 @@ async def test_200_clients_leaving_mid_stream_abort_every_child_and_leak_nothing
     await rig.state.wait_for(lambda s: children <= set(s.active), timeout=10)
     for response in responses:
         response.close()
-    # SPEC §7: every child aborted within a second of its client leaving.
+    # Every child aborted within a second of its client leaving (docs/behaviour.md#cancellation).
     await rig.state.wait_for(lambda s: children <= set(s.aborted), timeout=1.0)
     assert not rig.state.finished
     await rig.assert_no_leaks(requests=LEAVERS)
@@ -224,7 +223,7 @@ async def test_slow_reader_holds_the_upstream_back_and_then_gets_every_chunk(
             finished += 1
             continue
         if choice["delta"] == {"role": "assistant", "content": ""}:
-            continue  # the stitched stream's opening announcement (SPEC §5)
+            continue  # the stitched stream's opening announcement (docs/behaviour.md#opening)
         rid, seq = choice["delta"]["content"].split("|")[0].split(":")
         assert rid == (f"{choice['index']}_slow" if n > 1 else "slow")
         seqs.setdefault(rid, []).append(int(seq))

@@ -8,7 +8,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.conftest import Backend, Proxy
+from tests.support.servers import Backend, Proxy
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "write a haiku"}]
 

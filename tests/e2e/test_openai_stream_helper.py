@@ -1,7 +1,8 @@
 """The openai SDK's ``.stream()`` helper (sync and async) over n-proxy, whatever child starts first.
 
 The helper finds a choice by its list position, so it crashed (IndexError) whenever child 0 was
-not the first to answer; the stitched stream now opens with every choice in index order (SPEC §5).
+not the first to answer; the stitched stream opens with every choice in index order
+(docs/behaviour.md#opening).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from proxy.config.models import Config, single_upstream_config
-from tests.conftest import Backend, Proxy
 from tests.support.gate import Gate, gate_in_front
+from tests.support.servers import Backend, Proxy
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "three haiku"}]
 SEED = 70

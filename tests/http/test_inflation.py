@@ -1,4 +1,4 @@
-"""Child bodies in gzip or deflate are inflated in bounded steps (issue 17): a bomb never expands.
+"""Child bodies in gzip or deflate are inflated in bounded steps: a bomb never expands.
 
 The pure ``Inflater`` with literal bytes, then a real bomb (3 MB of gzip, 3 GiB inflated) through
 a streamed and a JSON fan-out, with the proxy's resident memory sampled all along.
@@ -18,9 +18,9 @@ import pytest
 
 from proxy.config.models import single_upstream_config
 from proxy.core.encoding import Inflater
-from tests.conftest import start_proxy
 from tests.support.rawhttp import parse_raw
 from tests.support.rawupstream import RawUpstream, exchange
+from tests.support.servers import start_proxy
 
 CHAT = "/v1/chat/completions"
 MiB = 1 << 20

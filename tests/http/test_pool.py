@@ -7,12 +7,21 @@ import gzip
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import pytest
 
-from proxy.http.connection import WRITE_PIECE, _crlf_after_end
-from proxy.http.pool import ConnectionPool
-from proxy.http.response import BodyTooLong, UpstreamResponse
+from proxy.http import (
+    BadResponse,
+    BodyTooLong,
+    ClientClosed,
+    ConnectFailed,
+    ConnectionPool,
+    ConnectTimeout,
+    Disconnected,
+    ResponseTimeout,
+    UpstreamResponse,
+)
+from proxy.http.connection import WRITE_PIECE, ConnectionState, UpstreamConnection, _crlf_after_end
+from proxy.http.response import Mode, ResponseState
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 Serve = Callable[[Handler], Awaitable[tuple["Raw", str]]]
@@ -98,7 +107,7 @@ async def get(
     pool: ConnectionPool, url: str, method: str = "GET", *, idle: float = WAIT, **kw: float
 ) -> UpstreamResponse:
     return await pool.request(
-        url, method, "/x", {"Accept": "*/*"}, None, connect=WAIT,
+        url, method, "/x", {"Accept": "*/*"}, None, connect=kw.get("connect", WAIT),
         first_byte=kw.get("first_byte", WAIT), idle=idle,
     )  # fmt: skip
 
@@ -125,7 +134,7 @@ async def test_content_length_body_and_keep_alive_reuse(pool: ConnectionPool, se
         assert response.content_type == "text/plain"
         assert response.content_length == 5
     assert raw.connections == 1
-    assert pool.idle_count() == 1
+    assert pool.idle_connections() == 1
 
 
 async def test_read_stops_at_its_limit_and_the_connection_is_not_reused(
@@ -137,7 +146,7 @@ async def test_read_stops_at_its_limit_and_the_connection_is_not_reused(
     with pytest.raises(BodyTooLong):
         await response.read(1500)
     pool.release(response)  # the body was left unread: its connection must go, not idle
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
 async def test_request_carries_host_length_and_headers(pool: ConnectionPool, serve: Serve) -> None:
@@ -187,7 +196,7 @@ async def test_heads_and_bodies_split_anywhere(
     response, body = await fetch(pool, url)
     assert response.headers["X-Long"] == "v" * 40
     assert body == b"abc0123456789abcdef"
-    assert pool.idle_count() == 1
+    assert pool.idle_connections() == 1
 
 
 async def test_chunked_with_extensions_and_trailers(pool: ConnectionPool, serve: Serve) -> None:
@@ -199,7 +208,7 @@ async def test_chunked_with_extensions_and_trailers(pool: ConnectionPool, serve:
     for _ in range(2):
         _, body = await fetch(pool, url)
         assert body == b"hello!"
-    assert pool.idle_count() == 1
+    assert pool.idle_connections() == 1
 
 
 async def test_close_delimited_body_ends_at_close_and_is_not_reused(
@@ -210,43 +219,41 @@ async def test_close_delimited_body_ends_at_close_and_is_not_reused(
     response, body = await fetch(pool, url)
     assert response.content_length is None
     assert body == b"all of it until the end"
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
-async def test_server_closing_mid_body_is_a_payload_error(
+async def test_server_closing_mid_body_is_a_bad_response(
     pool: ConnectionPool, serve: Serve
 ) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this"
     _, url = await serve(answering(answer, close=True))
     response = await get(pool, url)
-    with pytest.raises(aiohttp.ClientPayloadError):
+    with pytest.raises(BadResponse):
         await response.read(LIMIT)
     pool.release(response)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
-async def test_chunked_cut_mid_body_is_a_payload_error(pool: ConnectionPool, serve: Serve) -> None:
+async def test_chunked_cut_mid_body_is_a_bad_response(pool: ConnectionPool, serve: Serve) -> None:
     answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
     _, url = await serve(answering(answer, close=True))
     response = await get(pool, url)
     assert await response.__anext__() == b"hello"
-    with pytest.raises(aiohttp.ClientPayloadError):
+    with pytest.raises(BadResponse):
         await response.__anext__()
     pool.release(response)
 
 
-async def test_closed_before_any_head_is_server_disconnected(
-    pool: ConnectionPool, serve: Serve
-) -> None:
+async def test_closed_before_any_head_is_disconnected(pool: ConnectionPool, serve: Serve) -> None:
     _, url = await serve(answering(b"", close=True))
-    with pytest.raises(aiohttp.ServerDisconnectedError):
+    with pytest.raises(Disconnected):
         await get(pool, url)
     assert not pool.in_use
 
 
-async def test_garbage_is_a_payload_error(pool: ConnectionPool, serve: Serve) -> None:
+async def test_garbage_is_a_bad_response(pool: ConnectionPool, serve: Serve) -> None:
     _, url = await serve(answering(b"NOT HTTP AT ALL\r\n\r\n"))
-    with pytest.raises(aiohttp.ClientPayloadError):
+    with pytest.raises(BadResponse):
         await get(pool, url)
     assert not pool.in_use
 
@@ -281,7 +288,7 @@ async def test_reset_on_a_reused_connection_fails_a_post_without_a_hidden_retry(
     raw, url = await serve(dropping_the_second_request(seen))
     _, body = await fetch(pool, url)
     assert body == b"ok"
-    with pytest.raises(aiohttp.ServerDisconnectedError):
+    with pytest.raises(Disconnected):
         await pool.request(url, "POST", "/x", {}, b"{}", connect=WAIT, first_byte=WAIT, idle=WAIT)
     assert (raw.connections, seen, pool.resent) == (1, [b"POST"], 0)
     assert not pool.in_use
@@ -311,7 +318,9 @@ async def test_pooled_connection_closed_while_idle_is_not_reused(
     await asyncio.wait_for(raw.closed.wait(), WAIT)
     raw.closed.clear()
     for _ in range(100):  # bounded: until the client has seen the close
-        if not pool.idle_count() or all(c.lost for c in pool._idle[next(iter(pool._idle))]):
+        if not pool.idle_connections() or all(
+            c.state == ConnectionState.CLOSED for c in pool._idle[next(iter(pool._idle))]
+        ):
             break
         await asyncio.sleep(0.01)
     _, body = await fetch(pool, url)
@@ -364,11 +373,22 @@ async def test_gzip_body_is_decoded_when_asked(pool: ConnectionPool, serve: Serv
     pool.release(response)
 
 
-async def test_refused_connection_is_a_connector_error(pool: ConnectionPool, serve: Serve) -> None:
+async def test_refused_connection_is_a_connect_failure(pool: ConnectionPool, serve: Serve) -> None:
     raw, url = await serve(answering())
     await raw.stop()
-    with pytest.raises(aiohttp.ClientConnectorError):
+    with pytest.raises(ConnectFailed) as failure:
         await get(pool, url)
+    assert type(failure.value) is ConnectFailed  # not a timeout: refused at once
+    assert_nothing_held(pool)
+
+
+async def test_a_closed_pool_sends_nothing_more(serve: Serve) -> None:
+    raw, url = await serve(answering(OK))
+    pool = ConnectionPool()
+    await pool.close()
+    with pytest.raises(ClientClosed):
+        await get(pool, url)
+    assert raw.connections == 0
 
 
 async def test_silent_upstream_hits_the_first_byte_timeout(
@@ -378,7 +398,7 @@ async def test_silent_upstream_hits_the_first_byte_timeout(
         await reader.read()
 
     raw, url = await serve(handler)
-    with pytest.raises(aiohttp.ServerTimeoutError):
+    with pytest.raises(ResponseTimeout):
         await get(pool, url, first_byte=0.2)
     await asyncio.wait_for(raw.closed.wait(), WAIT)  # the connection was dropped
     assert not pool.in_use
@@ -389,7 +409,7 @@ async def test_body_going_silent_hits_the_idle_timeout(pool: ConnectionPool, ser
     raw, url = await serve(answering(answer))
     response = await get(pool, url, idle=0.2)
     assert await response.__anext__() == b"half"
-    with pytest.raises(aiohttp.ServerTimeoutError):
+    with pytest.raises(ResponseTimeout):
         await response.__anext__()
     pool.release(response)
     await asyncio.wait_for(raw.closed.wait(), WAIT)
@@ -410,7 +430,7 @@ async def test_abandoned_body_closes_the_connection(pool: ConnectionPool, serve:
         await task
     pool.release(response)
     await asyncio.wait_for(raw.closed.wait(), WAIT)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
     assert not pool.in_use
 
 
@@ -432,7 +452,7 @@ async def test_iterator_pauses_reading_past_its_buffer(pool: ConnectionPool, ser
     )
     for _ in range(50):  # let the client read what it will
         await asyncio.sleep(0.01)
-    assert response._connection.paused
+    assert response.connection.paused
     assert response._buffered < 1024 * 1024  # bounded: not the 4 MiB the server wants to send
     assert len(await response.read(LIMIT)) == size
     pool.release(response)
@@ -470,7 +490,7 @@ async def test_relay_writes_from_data_received_and_waits_for_drain(
     await asyncio.wait_for(relay, WAIT)
     assert b"".join(got) == b"".join(pieces)
     pool.release(response)
-    assert pool.idle_count() == 1
+    assert pool.idle_connections() == 1
 
 
 async def test_relay_cancelled_closes_the_connection(pool: ConnectionPool, serve: Serve) -> None:
@@ -529,7 +549,7 @@ async def test_bytes_after_the_end_in_a_later_read_are_nobodys_and_spoil_the_con
     await asyncio.wait_for(raw.closed.wait(), WAIT)  # the client closed it at the extra bytes
     assert await response.read(LIMIT) == b"hello"
     pool.release(response)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
 @pytest.mark.parametrize(
@@ -549,7 +569,7 @@ def test_crlf_after_a_message_end_is_counted(data: bytes, own: int | None, after
     assert _crlf_after_end(data, own) is after
 
 
-# --- cancellation, connect turns, request writing and stale connections (issue 23) ----------
+# --- cancellation, connect turns, request writing and stale connections ---------------------
 
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -588,7 +608,7 @@ async def test_a_connect_that_completes_as_its_caller_is_cancelled_leaves_nothin
         await victim
     await asyncio.wait_for(raw.closed.wait(), WAIT)  # the connection made was closed
     assert_nothing_held(pool)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
 
 
 class Connects:
@@ -631,6 +651,33 @@ async def test_a_burst_to_one_origin_opens_at_most_max_connecting_at_once(
         assert [body for _, body in bodies] == [b"ok"] * 200
         assert connects.peak == 8  # the bound, reached
         assert raw.connections == connects.started  # later ones took pooled connections too
+        assert_nothing_held(pool)
+    finally:
+        await pool.close()
+
+
+async def test_a_connect_or_its_wait_in_line_past_the_connect_bound_is_a_connect_timeout(
+    serve: Serve, connects: Connects
+) -> None:
+    pool = ConnectionPool(max_connecting=1)
+    try:
+        _, url = await serve(answering(*EVERY))
+        connects.go.clear()  # every connect hangs until told
+        with pytest.raises(ConnectTimeout, match=r"timed out after 0\.2 s") as failure:
+            await get(pool, url, connect=0.2)  # in the connect itself
+        assert isinstance(failure.value, TimeoutError)
+        assert_nothing_held(pool)
+        first = asyncio.ensure_future(get(pool, url))  # takes the one connect turn
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert connects.now == 1
+        with pytest.raises(ConnectTimeout, match=r"timed out after 0\.2 s"):
+            await get(pool, url, connect=0.2)  # in line behind ``first``
+        assert connects.started == 2  # the one that waited in line never connected
+        connects.go.set()
+        response = await asyncio.wait_for(first, WAIT)
+        assert await response.read(LIMIT) == b"ok"
+        pool.release(response)
         assert_nothing_held(pool)
     finally:
         await pool.close()
@@ -726,7 +773,7 @@ async def test_an_upload_to_a_slow_reader_is_written_as_the_transport_takes_it(
     assert got == [BIG]
     assert await response.read(LIMIT) == b"ok"
     pool.release(response)
-    assert pool.idle_count() == 1  # written whole before the answer: reusable
+    assert pool.idle_connections() == 1  # written whole before the answer: reusable
 
 
 async def test_an_answer_before_the_upload_was_written_never_pools_its_connection(
@@ -746,7 +793,7 @@ async def test_an_answer_before_the_upload_was_written_never_pools_its_connectio
     assert response.status == 413
     assert await response.read(LIMIT) == b""
     pool.release(response)
-    assert pool.idle_count() == 0
+    assert pool.idle_connections() == 0
     _, body = await fetch(pool, url)
     assert (body, raw.connections) == (b"ok", 2)
 
@@ -784,4 +831,62 @@ async def test_a_pooled_connection_whose_fin_is_already_queued_is_not_reused(
             _, body = await fetch(pool, url)
         assert body == b"ok", i
     assert (raw.connections, pool.resent) == (20, 0)  # never reused, never resent
+    assert_nothing_held(pool)
+
+
+# --- the connection's and the response's states ----------------------------------------------
+
+
+async def test_a_kept_alive_exchange_walks_head_body_reusable_idle(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    body_now = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+        await writer.drain()
+        await asyncio.wait_for(body_now.wait(), WAIT)
+        writer.write(b"hello")
+        await reader.read()
+
+    _, url = await serve(handler)
+    response = await get(pool, url)
+    connection = response.connection
+    assert isinstance(connection, UpstreamConnection)
+    assert (connection.state, response.state) == (ConnectionState.BODY, ResponseState.BODY)
+    body_now.set()
+    assert await response.read(LIMIT) == b"hello"
+    assert (connection.state, response.state) == (ConnectionState.REUSABLE, ResponseState.COMPLETE)
+    pool.release(response)
+    assert connection.state == ConnectionState.IDLE
+    assert connection.response is None
+    assert pool.idle_connections() == 1
+
+
+async def test_a_head_request_spends_its_connection(pool: ConnectionPool, serve: Serve) -> None:
+    _, url = await serve(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n"))
+    response = await get(pool, url, "HEAD")
+    connection = response.connection
+    assert isinstance(connection, UpstreamConnection)
+    assert (connection.state, response.state) == (ConnectionState.SPENT, ResponseState.COMPLETE)
+    pool.release(response)
+    assert connection.state == ConnectionState.CLOSED
+    assert pool.idle_connections() == 0
+
+
+async def test_a_body_cut_short_fails_the_response_and_closes_the_connection(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    _, url = await serve(answering(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nhalf", close=True))
+    response = await get(pool, url)
+    got: list[bytes] = []
+    with pytest.raises(BadResponse, match="mid-body"):
+        await response.relay(got.append, lambda: False, lambda: asyncio.sleep(0))
+    connection = response.connection
+    assert isinstance(connection, UpstreamConnection)
+    assert (response.state, response.mode) == (ResponseState.FAILED, Mode.RELAY)
+    assert connection.state == ConnectionState.CLOSED
+    assert b"".join(got) == b"half"
+    pool.release(response)
     assert_nothing_held(pool)

@@ -1,4 +1,4 @@
-"""https upstreams on the proxy's own client (issue 17): a real TLS server on loopback.
+"""https upstreams on the proxy's own client: a real TLS server on loopback.
 
 ``trustme`` makes a CA and the server's certificate; the proxy trusts that CA through
 ``SSL_CERT_FILE``, as a deployment with a private CA would.
@@ -104,7 +104,7 @@ async def test_https_upstream_is_served_by_the_proxys_own_pool(start_tls: Start)
             assert status == 200, body
             assert len(body["choices"]) == n  # type: ignore[arg-type]
         connections = runner.app[POOL].connections
-        assert connections.idle_count() >= 1  # the TLS connections are the pool's own
+        assert connections.idle_connections() >= 1  # the TLS connections are the pool's own
         await asyncio.wait_for(upstream.health.wait(), 10)
         assert ("/health", f"{host}:{port}") in upstream.seen
     finally:

@@ -1,4 +1,4 @@
-"""The wire never mixes two answers (issue 17): hostile upstream bytes, end to end.
+"""The wire never mixes two answers: hostile upstream bytes, end to end.
 
 Each hostile answer goes to one client through the proxy; that client gets what the table says,
 and the next two requests, sent on the same upstream pool, each get their own answer.
@@ -16,7 +16,6 @@ import pytest
 
 from proxy.config.models import Timeouts, single_upstream_config
 from proxy.request.runtime import POOL
-from tests.conftest import start_proxy, with_upstream
 from tests.support.rawhttp import parse_raw
 from tests.support.rawupstream import (
     WAIT,
@@ -26,6 +25,7 @@ from tests.support.rawupstream import (
     get_request,
     post_request,
 )
+from tests.support.servers import start_proxy, with_upstream
 
 OK5 = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
 SMUGGLED = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nsmuggled"
@@ -240,7 +240,7 @@ async def test_a_reset_listed_in_retry_on_is_retried_counted_and_logged(
         await runner.cleanup()
 
 
-# --- an answer before the request was written (issue 23) -----------------------------------
+# --- an answer before the request was written ----------------------------------------------
 
 
 # Past what loopback socket buffers hold at most (tcp_wmem's and tcp_rmem's defaults, 4 MiB

@@ -1,5 +1,10 @@
 """The benchmark's smoke run, so the harness cannot rot unnoticed. It asserts that every
-scenario ran and produced its numbers; it asserts no timing (that is bench/'s job)."""
+scenario ran and produced its numbers; it asserts no timing (that is bench/'s job).
+
+bench/run can install nginx and wrk with apt-get (--install-tools or BENCH_APT=1): a test run
+must never, even as root. Every bench command here runs with BENCH_APT=0 and an apt-get first on
+its PATH that records the call and fails, and each test asserts that none came.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +13,47 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = {"passthrough", "fanout", "stitching", "ttft", "memory"}
 
 
-def test_bench_smoke_runs_every_scenario(tmp_path: Path) -> None:
+@dataclass
+class BenchEnv:
+    env: dict[str, str]
+    calls: Path  # one line per package-manager call
+
+    def apt_calls(self) -> list[str]:
+        return self.calls.read_text().splitlines() if self.calls.exists() else []
+
+
+@pytest.fixture
+def bench_env(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> BenchEnv:
+    """The environment of every bench command (the in-process ones' children included)."""
+    fake_bin = tmp_path_factory.mktemp("fake-bin")
+    calls = fake_bin / "calls"
+    for name in ("apt-get", "apt", "dpkg"):
+        tool = fake_bin / name
+        tool.write_text(f'#!/bin/sh\necho "{name} $*" >> "{calls}"\nexit 1\n')
+        tool.chmod(0o755)
+    path = f"{fake_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+    monkeypatch.setenv("BENCH_APT", "0")
+    monkeypatch.setenv("PATH", path)
+    env = {**os.environ, "BENCH_APT": "0", "PATH": path, "PYTHONPATH": str(ROOT)}
+    return BenchEnv(env, calls)
+
+
+def test_bench_smoke_runs_every_scenario(tmp_path: Path, bench_env: BenchEnv) -> None:
     completed = subprocess.run(
         ["bash", str(ROOT / "bench" / "run"), "--smoke", "--out", str(tmp_path)],
         cwd=ROOT,
+        env=bench_env.env,
         capture_output=True,
         text=True,
         timeout=180,
@@ -28,14 +64,15 @@ def test_bench_smoke_runs_every_scenario(tmp_path: Path) -> None:
     for name in SCENARIOS:
         assert data[name], f"{name} produced no measurements"
     assert data["targets"], "no target rows"
+    assert bench_env.apt_calls() == []
 
 
-def test_many_stream_scenario_measures_every_contender(tmp_path: Path) -> None:
+def test_many_stream_scenario_measures_every_contender(tmp_path: Path, bench_env: BenchEnv) -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "bench", "manystream", "--smoke", "--streams", "8", "--steps-ms",
          "50", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=bench_env.env,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     data = json.loads((tmp_path / "manystream.json").read_text())["manystream"]
@@ -45,14 +82,14 @@ def test_many_stream_scenario_measures_every_contender(tmp_path: Path) -> None:
     for name, row in contenders.items():
         assert row["chunks"] > 0, name
         assert row["not_started"] == 0, name
+    assert bench_env.apt_calls() == []
 
 
-def test_wire_scenario_measures_every_contender(tmp_path: Path) -> None:
-    """The wire scenario, tiny: nginx when installed, else the Python canned upstream."""
+def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: BenchEnv) -> None:
+    """The wire scenario, tiny: nginx and wrk when installed, else the canned server, Python load."""
     completed = subprocess.run(
         [sys.executable, "-m", "bench", "wire", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, env=bench_env.env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     results = json.loads((tmp_path / "wire.json").read_text())
@@ -66,9 +103,10 @@ def test_wire_scenario_measures_every_contender(tmp_path: Path) -> None:
     assert data["checked"]["n-proxy n=4"] == 4
     assert data["checked"]["n-proxy"] == 1
     assert [t["verdict"] for t in results["targets"]] != ["n/a"] * 3
+    assert bench_env.apt_calls() == []
 
 
-def test_canned_fallback_server_answers_like_nginx(tmp_path: Path) -> None:
+def test_canned_fallback_server_answers_like_nginx(tmp_path: Path, bench_env: BenchEnv) -> None:
     """The Python canned upstream (used without nginx): keep-alive, pipelined, the same body."""
     from bench.pacer import BODY
     from bench.procs import Fleet, wait_ready
@@ -97,3 +135,4 @@ def test_canned_fallback_server_answers_like_nginx(tmp_path: Path) -> None:
     parsed = json.loads(BODY)
     assert parsed["choices"][0]["index"] == 0
     assert parsed["usage"]["total_tokens"] > 0
+    assert bench_env.apt_calls() == []

@@ -724,7 +724,7 @@ def test_base_image_is_pinned_by_digest_or_the_dockerfile_says_how() -> None:
         assert "imagetools inspect " + reference in text
 
 
-# --- The gateway overlay: n-proxy as its own Deployment in front of a fleet (SPEC §10) ----------
+# --- The gateway overlay: n-proxy as its own Deployment in front of a fleet (failover) --------
 
 GATEWAY = DEPLOY / "kubernetes" / "overlays" / "gateway"
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CONFTEST = """
 pytest_plugins = ("tests.support.lifecycle",)
-from tests.conftest import backend, http, make_backend, make_proxy, proxy  # noqa: F401
+from tests.conftest import backend, http, make_backend, make_proxy, proxy, servers  # noqa: F401
 """
 
 TESTS = """
@@ -26,7 +26,7 @@ from proxy.devserver import DevConfig, start_devserver
 from proxy.config.models import Listen
 from proxy.request.mailbox import Mailbox
 from proxy.server.process import Server
-from tests.conftest import Backend, proxy_config, start_proxy
+from tests.support.servers import Backend, proxy_config, start_proxy
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import re
+import subprocess
+import sysconfig
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,8 @@ from urllib.parse import urlsplit
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+
+import proxy
 
 ROOT = Path(__file__).resolve().parents[2]
 # sha256 of https://www.apache.org/licenses/LICENSE-2.0.txt, the text the SPDX id names.
@@ -61,7 +65,28 @@ def test_project_urls_are_absolute_https_urls() -> None:
         assert parts.hostname
 
 
-def test_readme_warns_that_the_import_name_is_shared_with_proxy_py() -> None:
-    readme = (ROOT / "README.md").read_text("utf-8")
-    assert "[`proxy.py`](https://pypi.org/project/proxy.py/)" in readme
-    assert "never install them into one environment" in readme
+def test_the_import_name_proxy_is_this_distributions_alone_and_its_scripts_run() -> None:
+    """The package keeps the import name ``proxy``, which another distribution (``proxy.py``)
+    also takes: in this environment only n-proxy provides it, the ``proxy`` imported is this
+    checkout's, and each console script resolves into it and runs."""
+    providers = importlib.metadata.packages_distributions()
+    assert set(providers["proxy"]) == {"n-proxy"}
+    assert Path(proxy.__file__).resolve().parent == ROOT / "proxy"
+    scripts = {
+        ep.name: ep
+        for ep in importlib.metadata.distribution("n-proxy").entry_points
+        if ep.group == "console_scripts"
+    }
+    assert set(scripts) == set(_project()["scripts"]) == {"n-proxy", "n-proxy-devserver"}
+    for name, entry in scripts.items():
+        assert entry.module.split(".")[0] == "proxy"
+        assert callable(entry.load())
+        done = subprocess.run(
+            [str(Path(sysconfig.get_path("scripts")) / name), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("usage: "), done.stdout

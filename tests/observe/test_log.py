@@ -24,7 +24,7 @@ from proxy.observe import log
 from proxy.observe.clienterrors import LINES_PER_SECOND
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
 from proxy.server.process import Server
-from tests.conftest import Backend
+from tests.support.servers import Backend
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 WITHIN = 30.0  # seconds any one wait may take

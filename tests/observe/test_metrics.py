@@ -25,8 +25,8 @@ from proxy.config.models import parse_config
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
 from proxy.observe.tally import PlainCounter, PlainHistogram
 from proxy.server.process import Server
-from tests.conftest import Backend
 from tests.support.ports import free_port
+from tests.support.servers import Backend
 
 ROOT = Path(__file__).resolve().parents[2]
 OBSERVABILITY = ROOT / "deploy" / "observability"

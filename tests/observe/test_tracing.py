@@ -18,6 +18,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -27,8 +29,7 @@ from proxy.config.models import single_upstream_config
 from proxy.observe import log
 from proxy.observe.tracing import Tracing, tracing_from_env, wanted
 from proxy.request.runtime import Runtime
-from proxy.server.app import build_app
-from tests.conftest import Backend
+from tests.support.servers import Backend, Servers
 
 ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -81,17 +82,15 @@ def lines() -> Iterator[list[dict[str, object]]]:
 
 
 @pytest.fixture
-async def traced_proxy(backend: Backend, exporter: InMemorySpanExporter) -> AsyncIterator[str]:
+async def traced_proxy(
+    servers: Servers, backend: Backend, exporter: InMemorySpanExporter
+) -> AsyncIterator[str]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = single_upstream_config(backend.url)
-    runtime = Runtime(config, tracing=Tracing(provider))
-    runner = web.AppRunner(build_app(config, runtime), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    await runner.cleanup()
+    proxy = await servers.proxy(config, runtime=Runtime(config, tracing=Tracing(provider)))
+    yield proxy.url
+    await servers.stop(proxy)
     provider.shutdown()
 
 
@@ -168,22 +167,16 @@ async def test_pass_through_has_a_client_span_and_a_fresh_trace_without_a_tracep
 
 
 async def test_unreachable_upstream_marks_the_child_span_as_an_error(
-    http: aiohttp.ClientSession, exporter: InMemorySpanExporter
+    http: aiohttp.ClientSession, servers: Servers, exporter: InMemorySpanExporter
 ) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = single_upstream_config("http://127.0.0.1:9")  # discard port: nothing listens
-    runner = web.AppRunner(build_app(config, Runtime(config, tracing=Tracing(provider))))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        body = {"model": "m", "messages": MESSAGES, "n": 2}
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions"
-        async with http.post(url, json=body) as r:
-            assert r.status == 502
-    finally:
-        await runner.cleanup()
+    proxy = await servers.proxy(config, runtime=Runtime(config, tracing=Tracing(provider)))
+    body = {"model": "m", "messages": MESSAGES, "n": 2}
+    async with http.post(proxy.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 502
+    await servers.stop(proxy)  # every span ended: the handler is over
     spans = exporter.get_finished_spans()
     (server,) = by_kind(spans, SpanKind.SERVER)
     assert not server.status.is_ok
@@ -231,10 +224,48 @@ print(loaded)
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-async def test_otlp_endpoint_builds_a_batching_otlp_pipeline() -> None:
-    tracing = tracing_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"})
+async def test_otlp_endpoint_builds_a_batching_otlp_pipeline(
+    http: aiohttp.ClientSession,
+    servers: Servers,
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT alone: a fan-out's spans reach a collector at that endpoint
+    over OTLP/HTTP (protobuf, /v1/traces), all in one batch, sent when the batch is flushed
+    and not as each span ends."""
+
+    async def collect(request: web.Request) -> web.Response:
+        return web.Response(body=b"", content_type="application/x-protobuf")  # accepted
+
+    collector = await servers.upstream(collect)
+    for name in [name for name in os.environ if name.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # no timed export: only the flush
+    tracing = tracing_from_env(os.environ)
     assert tracing is not None
-    assert await tracing.close(WITHIN) is True  # nothing batched: the endpoint is never reached
+    config = single_upstream_config(backend.url)
+    proxy = await servers.proxy(config, runtime=Runtime(config, tracing=tracing))
+    body = {"model": "m", "messages": MESSAGES, "n": 2, "max_tokens": 2}
+    async with http.post(proxy.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        await r.read()
+    await servers.stop(proxy)  # every span ended: the handler is over
+    assert collector.seen == []  # three spans ended, all still in the batch
+    assert await tracing.close(WITHIN) is True
+    (export,) = collector.seen
+    assert (export.method, export.path) == ("POST", "/v1/traces")
+    assert export.headers["Content-Type"] == "application/x-protobuf"
+    sent = ExportTraceServiceRequest.FromString(export.body)
+    (resource,) = sent.resource_spans
+    service = [
+        a.value.string_value for a in resource.resource.attributes if a.key == "service.name"
+    ]
+    assert service == ["n-proxy"]
+    spans = [span for scope in resource.scope_spans for span in scope.spans]
+    kinds = sorted(Span.SpanKind.Name(span.kind) for span in spans)
+    assert kinds == ["SPAN_KIND_CLIENT", "SPAN_KIND_CLIENT", "SPAN_KIND_SERVER"]
+    assert len({span.trace_id for span in spans}) == 1  # one request's trace
 
 
 DRAIN_SECONDS = 3.0

@@ -1,4 +1,5 @@
-"""A client that leaves never freezes the proxy or strands what it held (issue 23).
+"""A client that leaves never freezes the proxy or strands what it held
+(docs/behaviour.md#cancellation).
 
 Clients reset their connection (SO_LINGER 0, then close) at many moments of a pass-through
 stream, or close just after sending a fan-out; the proxy keeps answering, every handler ends,
@@ -27,11 +28,9 @@ from aiohttp import web
 from proxy.config.models import Config, single_upstream_config
 from proxy.request.runtime import POOL, RUNTIME
 from proxy.server.app import build_app
-from tests.conftest import Backend
-from tests.e2e.test_faults import MakeRig, make_rig
 from tests.support.rawupstream import RawUpstream
-
-__all__ = ["make_rig"]  # the fixture, shared with test_faults
+from tests.support.rig import MakeRig
+from tests.support.servers import Backend
 
 WAIT = 10.0  # seconds: a bound on every wait, not a timing assertion
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -345,13 +344,6 @@ async def test_a_stream_whose_client_is_gone_at_its_head_ends_quietly(
     assert await leave(port, "POST", "/v1/chat/completions", body) == b""
     await settled(app)
     await backend.state.wait_for(lambda s: len(s.aborted) == n)  # each stream was cut
-
-
-@pytest.fixture
-async def raw_upstream() -> AsyncIterator[RawUpstream]:
-    upstream = await RawUpstream().start()
-    yield upstream
-    await upstream.stop()
 
 
 async def test_a_relayed_exact_head_whose_client_is_gone_ends_quietly(

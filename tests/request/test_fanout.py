@@ -8,28 +8,15 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from multidict import CIMultiDictProxy
+from aiohttp import web
 
-from proxy.core.sse import SSEDecoder
-from tests.conftest import Backend, Proxy
+from proxy.config.models import parse_config, single_upstream_config
+from tests.support.client import WAIT, post, sse_payloads
+from tests.support.servers import Backend, Proxy, Servers, proxy_config, with_upstream
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "tell me a story"}]
-
-
-def sse_payloads(raw: bytes) -> list[Any]:
-    """Every data payload of a stream, decoded; ``[DONE]`` stays a string."""
-    decoder = SSEDecoder()
-    events = decoder.feed(raw) + decoder.close()
-    return [e.data if e.data == "[DONE]" else orjson.loads(e.data) for e in events]
-
-
-async def post(
-    http: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str
-) -> tuple[int, bytes, CIMultiDictProxy[str]]:
-    async with http.post(url, json=body, headers=headers) as response:
-        return response.status, await response.read(), response.headers
 
 
 async def direct_choice(
@@ -45,7 +32,7 @@ async def test_chat_n3_choices_equal_n1_answers_with_seed_plus_i(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
     body = {"model": "m", "messages": MESSAGES, "n": 3, "seed": 40, "max_tokens": 8}
-    status, raw, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "abc"})
+    status, raw, headers = await post(http, proxy.url + CHAT, body, "abc")
     assert status == 200, raw
     merged = orjson.loads(raw)
     assert merged["id"] == "chatcmpl-abc"
@@ -80,7 +67,7 @@ async def test_children_carry_seed_request_id_and_no_n(
         "vendor_x": {"k": 1},
     }
     status, raw, _ = await post(
-        http, proxy.url + CHAT, body, **{"X-Request-Id": "r1", "Authorization": "Bearer secret"}
+        http, proxy.url + CHAT, body, "r1", headers={"Authorization": "Bearer secret"}
     )
     assert status == 200, raw
     children = {rid: (b, h) for rid, b, h in backend.state.seen}
@@ -112,7 +99,7 @@ async def test_header_request_id_wins_over_the_body_one(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
     body = {"model": "m", "messages": MESSAGES, "n": 2, "request_id": "body"}
-    status, raw, _ = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "head"})
+    status, raw, _ = await post(http, proxy.url + CHAT, body, "head")
     assert status == 200, raw
     assert orjson.loads(raw)["id"] == "chatcmpl-head"
 
@@ -121,7 +108,7 @@ async def test_request_id_with_inner_spaces_is_kept_as_vllm_echoes_it(
     http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
 ) -> None:
     body = {"model": "m", "messages": MESSAGES, "n": 2}
-    status, raw, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "a b"})
+    status, raw, headers = await post(http, proxy.url + CHAT, body, "a b")
     assert status == 200, raw
     assert orjson.loads(raw)["id"] == "chatcmpl-a b"
     assert headers["X-Request-Id"] == "a b"
@@ -138,7 +125,7 @@ async def test_completions_list_prompts_index_p_times_n_plus_i(
         "seed": 1,
         "max_tokens": 4,
     }
-    status, raw, _ = await post(http, proxy.url + COMPLETIONS, body, **{"X-Request-Id": "lp"})
+    status, raw, _ = await post(http, proxy.url + COMPLETIONS, body, "lp")
     assert status == 200, raw
     merged = orjson.loads(raw)
     assert [c["index"] for c in merged["choices"]] == [0, 1, 2, 3]
@@ -171,7 +158,7 @@ async def test_stream_n3_interleaves_rewrites_and_ends_with_one_done(
         "stream": True,
         "stream_options": {"include_usage": include_usage},
     }
-    status, raw, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "s1"})
+    status, raw, headers = await post(http, proxy.url + CHAT, body, "s1")
     assert status == 200, raw
     assert headers["Content-Type"].startswith("text/event-stream")
     payloads = sse_payloads(raw)
@@ -269,8 +256,6 @@ async def test_fanout_path_with_bad_json_is_400(
 async def test_child_500_before_headers_returns_that_status_and_aborts_siblings_when_all(
     http: aiohttp.ClientSession, make_proxy: Any, backend: Backend
 ) -> None:
-    from tests.conftest import proxy_config
-
     proxy = await make_proxy(proxy_config(backend, stream_start="all"))
     body = {
         "model": "m",
@@ -281,7 +266,7 @@ async def test_child_500_before_headers_returns_that_status_and_aborts_siblings_
         "max_tokens": 50,
         "x_demo": {"only_seed": 11, "fault": "status_500"},
     }
-    status, raw, _ = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "f1"})
+    status, raw, _ = await post(http, proxy.url + CHAT, body, "f1")
     assert status == 500
     assert "error" in orjson.loads(raw)
     await backend.state.wait_for(lambda s: not s.active)
@@ -390,15 +375,13 @@ async def test_client_disconnect_non_streaming_aborts_every_child(
         "ignore_eos": True,
         "x_demo": {"token_delay": 0.01},
     }
-    task = asyncio.create_task(post(http, proxy.url + CHAT, body, **{"X-Request-Id": "gone2"}))
+    task = asyncio.create_task(post(http, proxy.url + CHAT, body, "gone2"))
     await backend.state.wait_for(lambda s: len(s.active) == 2)
     task.cancel()
     await backend.state.wait_for(lambda s: {"0_gone2", "1_gone2"} <= set(s.aborted), timeout=3)
 
 
 async def test_upstream_unreachable_is_502(http: aiohttp.ClientSession, make_proxy: Any) -> None:
-    from proxy.config.models import single_upstream_config
-
     proxy = await make_proxy(single_upstream_config("http://127.0.0.1:9"))
     for body in (
         {"model": "m", "messages": MESSAGES, "n": 2},
@@ -429,8 +412,6 @@ async def test_finish_reason_abort_is_a_normal_choice(
 async def test_configured_prefix_path_fans_out(
     http: aiohttp.ClientSession, make_proxy: Any, backend: Backend
 ) -> None:
-    from tests.conftest import proxy_config
-
     # The backend serves /v1/...; a prefix is configured where the backend mounts the same API.
     proxy = await make_proxy(proxy_config(backend, fanout_paths=("/v1/chat/completions",)))
     status, raw, _ = await post(
@@ -448,15 +429,13 @@ async def test_configured_prefix_path_fans_out(
 async def test_native_n_upstream_passes_n_through(
     http: aiohttp.ClientSession, make_proxy: Any, make_backend: Any
 ) -> None:
-    from tests.conftest import proxy_config, with_upstream
-
     native = await make_backend(native_n=True)
     proxy = await make_proxy(with_upstream(proxy_config(native), native_n=True))
     status, raw, _ = await post(
         http,
         proxy.url + CHAT,
         {"model": "m", "messages": MESSAGES, "n": 3},
-        **{"X-Request-Id": "nat"},
+        "nat",
     )
     assert status == 200
     assert len(orjson.loads(raw)["choices"]) == 3
@@ -469,11 +448,9 @@ async def test_child_request_id_mode_for_servers_that_reject_prefixed_ids(
 ) -> None:
     import uuid
 
-    from tests.conftest import proxy_config, with_upstream
-
     proxy = await make_proxy(with_upstream(proxy_config(backend), child_request_id=mode))
     body = {"model": "m", "messages": MESSAGES, "n": 2}
-    status, _, headers = await post(http, proxy.url + CHAT, body, **{"X-Request-Id": "mine"})
+    status, _, headers = await post(http, proxy.url + CHAT, body, "mine")
     assert status == 200
     assert headers["X-Request-Id"] == "mine"
     sent = [h.get("x-request-id") for _, _, h in backend.state.seen]
@@ -484,41 +461,25 @@ async def test_child_request_id_mode_for_servers_that_reject_prefixed_ids(
 
 
 async def test_child_error_with_empty_body_becomes_an_openai_error(
-    http: aiohttp.ClientSession, make_proxy: Any
+    http: aiohttp.ClientSession, servers: Servers
 ) -> None:
-    from aiohttp import web
-
-    from proxy.config.models import single_upstream_config
-
     async def refuse(request: web.Request) -> web.Response:
         return web.Response(status=400)  # llama-cpp-python's answer to a request id it dislikes
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", refuse)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        proxy = await make_proxy(
-            single_upstream_config(f"http://127.0.0.1:{runner.addresses[0][1]}")
-        )
-        status, raw, _ = await post(
-            http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, "n": 2}
-        )
-        assert status == 400
-        error = orjson.loads(raw)["error"]
-        assert error["message"] == "upstream answered 400 with an empty body"
-        assert error["type"] == "invalid_request_error"
-    finally:
-        await runner.cleanup()
+    upstream = await servers.upstream(refuse)
+    proxy = await servers.proxy(single_upstream_config(upstream.url))
+    status, raw, _ = await post(
+        http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, "n": 2}
+    )
+    assert status == 400
+    error = orjson.loads(raw)["error"]
+    assert error["message"] == "upstream answered 400 with an empty body"
+    assert error["type"] == "invalid_request_error"
 
 
 async def test_stream_needing_more_children_than_max_concurrency_is_400_when_all(
     http: aiohttp.ClientSession, make_proxy: Any, backend: Backend
 ) -> None:
-    from proxy.config.models import parse_config
-
     config = parse_config(
         f'stream_start: all\nupstreams: [{{name: u, url: "{backend.url}", max_concurrency: 4}}]',
         env={},
@@ -533,3 +494,83 @@ async def test_stream_needing_more_children_than_max_concurrency_is_400_when_all
     status, raw, _ = await post(http, proxy.url + COMPLETIONS, {**body, "stream": False})
     assert status == 200
     assert [c["index"] for c in orjson.loads(raw)["choices"]] == [0, 1, 2, 3, 4, 5]
+
+
+MAX_EVENT_BYTES = 300  # a child's SSE line or event the proxy holds at most, here
+
+
+def _chunk_line(rid: str, length: int, **choice: Any) -> bytes:
+    """One ``data:`` line of ``length`` bytes (its end not counted), padded in its content."""
+
+    def line(content: str) -> bytes:
+        delta = {"index": 0, "delta": {"content": content}, **choice}
+        chunk = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": 1}
+        return b"data: " + orjson.dumps({**chunk, "model": "m", "choices": [delta]})
+
+    padded = line("x" * (length - len(line(""))))
+    assert len(padded) == length
+    return padded
+
+
+@pytest.mark.parametrize(
+    ("over", "held"),
+    [
+        pytest.param(0, False, id="at-the-bound"),
+        pytest.param(1, True, id="past-it-mid-body"),
+        pytest.param(
+            1,
+            False,
+            id="past-it-in-the-bodys-last-read",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="proxy/http/response.py: the body's end completes the response before "
+                "the sink sees that read, so fail() drops the sink's SSEError and the child "
+                "ends as 'stream ended before finishing'",
+            ),
+        ),
+    ],
+)
+async def test_a_child_line_past_the_decoders_bound_is_the_streams_one_error_event(
+    http: aiohttp.ClientSession, servers: Servers, over: int, held: bool
+) -> None:
+    """Child 1 sends one line of exactly the bound, or one byte more: the fan-out maps the
+    decoder's SSEError to the stream's one error event, for that choice, then ``[DONE]``.
+    ``held``: child 1 sends nothing after that line until the proxy hangs up."""
+
+    async def children(request: web.Request) -> web.StreamResponse:
+        rid = request.headers["X-Request-Id"]
+        length = MAX_EVENT_BYTES + over if rid.startswith("1_") else 200
+        first = _chunk_line(rid, length, finish_reason=None) + b"\n\n"
+        rest = _chunk_line(rid, 200, finish_reason="stop") + b"\n\ndata: [DONE]\n\n"
+        if not (held and rid.startswith("1_")):  # the whole body in one write, one read
+            return web.Response(body=first + rest, content_type="text/event-stream")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(first)
+        async with asyncio.timeout(WAIT):  # cancelled once the proxy drops the connection
+            await asyncio.Event().wait()
+        await response.write(rest)
+        return response
+
+    upstream = await servers.upstream(children)
+    config = single_upstream_config(upstream.url, max_response_bytes=MAX_EVENT_BYTES)
+    proxy = await servers.proxy(config)
+    body = {"model": "m", "messages": MESSAGES, "n": 2, "stream": True}
+    status, raw, _ = await post(http, proxy.url + CHAT, body, "t")
+    assert status == 200
+    payloads = sse_payloads(raw)
+    assert payloads[-1] == "[DONE]"
+    assert payloads.count("[DONE]") == 1
+    errors = [p for p in payloads[:-1] if "error" in p]
+    if over:
+        (error,) = errors
+        assert payloads[-2] is error
+        assert error["error"]["type"] == "server_error"
+        assert error["error"]["message"] == (
+            "choice 1 failed: upstream stream is malformed: "
+            f"SSE line or event exceeds max_event_bytes={MAX_EVENT_BYTES}"
+        )
+    else:
+        assert errors == []
+        finished = [c["index"] for p in payloads[:-1] for c in p["choices"] if c["finish_reason"]]
+        assert sorted(finished) == [0, 1]

@@ -1,4 +1,5 @@
-"""Pass-through (SPEC §1, §9): n=1 and every other path, byte for byte, both ways, streamed."""
+"""Pass-through (docs/behaviour.md#pass-through, #headers): n=1 and every other path, byte for
+byte, both ways, streamed."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from multidict import CIMultiDict
 
 from proxy.config.models import single_upstream_config
 from proxy.request.runtime import RUNTIME
-from tests.conftest import Backend, Proxy
 from tests.support.rawupstream import RawUpstream, exchange
+from tests.support.servers import Backend, Proxy, Servers
+from tests.support.upstreams import RecordingUpstream
 
 # Deliberately odd SSE bytes: CRLF, a comment, no space after "data:", spacing the proxy must keep.
 ODD_STREAM = (
@@ -25,25 +26,22 @@ ODD_STREAM = (
 )
 
 
-class Recorder:
-    """A raw upstream that records what it receives and answers fixed bytes."""
+class Recorder(RecordingUpstream):
+    """Answers fixed bytes per path: an odd SSE stream, a stream held half-way, a binary 418."""
 
     def __init__(self) -> None:
-        self.requests: list[tuple[str, str, CIMultiDict[str], bytes]] = []
+        super().__init__()
         self.release = asyncio.Event()
         self.first_part_sent = asyncio.Event()
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        if request.path == "/health":  # the proxy's own health checks
-            return web.Response(text="ok")
-        self.requests.append((request.method, request.path_qs, CIMultiDict(request.headers), body))
+    async def respond(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/slow-stream":
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
             await response.write(b"data: part1\n\n")
             self.first_part_sent.set()
-            await asyncio.wait_for(self.release.wait(), 10)
+            async with asyncio.timeout(10):
+                await self.release.wait()
             await response.write(b"data: part2\n\n")
             await response.write_eof()
             return response
@@ -71,24 +69,16 @@ class Recorder:
 
 
 @pytest.fixture
-async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
-    rec = Recorder()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", rec.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield rec, f"http://127.0.0.1:{runner.addresses[0][1]}"
-    rec.release.set()
-    await runner.cleanup()
+async def rec(servers: Servers) -> AsyncIterator[Recorder]:
+    recorder = await servers.start(Recorder())
+    yield recorder
+    recorder.release.set()
 
 
 async def test_n1_request_and_response_bytes_pass_unchanged(
-    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]
+    http: aiohttp.ClientSession, make_proxy: Any, rec: Recorder
 ) -> None:
-    rec, url = recorder
-    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    proxy: Proxy = await make_proxy(single_upstream_config(rec.url))
     raw_body = b'{"model":"m",  "n": 1, "seed": 5, "stream": true, "messages":[]}'
     headers = {
         "X-Request-Id": "keep-me",
@@ -102,33 +92,31 @@ async def test_n1_request_and_response_bytes_pass_unchanged(
         assert response.headers["X-Upstream"] == "yes"
         assert "X-Hop" not in response.headers
         assert await response.read() == ODD_STREAM
-    method, path_qs, seen_headers, seen_body = rec.requests[0]
-    assert (method, path_qs, seen_body) == ("POST", "/v1/chat/completions?x=1", raw_body)
-    assert seen_headers["X-Request-Id"] == "keep-me"
-    assert seen_headers["Authorization"] == "Bearer k"
-    assert seen_headers["Host"] == url.removeprefix("http://")
+    seen = rec.seen[0]
+    assert (seen.method, seen.target, seen.body) == ("POST", "/v1/chat/completions?x=1", raw_body)
+    assert seen.headers["X-Request-Id"] == "keep-me"
+    assert seen.headers["Authorization"] == "Bearer k"
+    assert seen.headers["Host"] == rec.url.removeprefix("http://")
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "PATCH"])
 async def test_other_methods_and_paths_keep_status_body_and_query(
-    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str], method: str
+    http: aiohttp.ClientSession, make_proxy: Any, rec: Recorder, method: str
 ) -> None:
-    rec, url = recorder
-    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    proxy: Proxy = await make_proxy(single_upstream_config(rec.url))
     async with http.request(
         method, proxy.url + "/tokenize/a%20b?q=1&q=2", data=b"payload" if method != "GET" else None
     ) as response:
         assert response.status == 418
         assert await response.read() == b"\x00\x01teapot"
         assert response.headers["X-Upstream"] == "yes"
-    assert rec.requests[0][:2] == (method, "/tokenize/a%20b?q=1&q=2")
+    assert (rec.seen[0].method, rec.seen[0].target) == (method, "/tokenize/a%20b?q=1&q=2")
 
 
 async def test_hop_by_hop_request_headers_are_not_forwarded(
-    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]
+    http: aiohttp.ClientSession, make_proxy: Any, rec: Recorder
 ) -> None:
-    rec, url = recorder
-    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    proxy: Proxy = await make_proxy(single_upstream_config(rec.url))
     headers = {
         "Connection": "keep-alive, X-Private",
         "X-Private": "1",
@@ -139,17 +127,16 @@ async def test_hop_by_hop_request_headers_are_not_forwarded(
     }
     async with http.get(proxy.url + "/v1/models", headers=headers) as response:
         await response.read()
-    seen = rec.requests[0][2]
+    seen = rec.seen[0].headers
     assert seen["x-end"] == "ok"
     for name in ("x-private", "keep-alive", "proxy-authorization", "te"):
         assert name not in seen
 
 
 async def test_pass_through_streams_without_buffering(
-    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]
+    http: aiohttp.ClientSession, make_proxy: Any, rec: Recorder
 ) -> None:
-    rec, url = recorder
-    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    proxy: Proxy = await make_proxy(single_upstream_config(rec.url))
     async with http.get(proxy.url + "/slow-stream") as response:
         # part1 arrives while the upstream is still holding part2 back
         assert await response.content.readline() == b"data: part1\n"
@@ -181,10 +168,9 @@ async def test_n1_through_demo_backend_equals_direct_call(
 
 
 async def test_absolute_uri_and_host_never_choose_the_destination(
-    make_proxy: Any, recorder: tuple[Recorder, str]
+    make_proxy: Any, rec: Recorder
 ) -> None:
-    rec, url = recorder
-    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    proxy: Proxy = await make_proxy(single_upstream_config(rec.url))
     host, port = proxy.url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(
@@ -195,27 +181,18 @@ async def test_absolute_uri_and_host_never_choose_the_destination(
     reply = await asyncio.wait_for(reader.read(), 5)
     writer.close()
     assert reply.startswith(b"HTTP/1.1 418")
-    _, path_qs, headers, _ = rec.requests[0]
-    assert path_qs == "/steal?x=1"
-    assert headers["Host"] == url.removeprefix("http://")
+    assert rec.seen[0].target == "/steal?x=1"
+    assert rec.seen[0].headers["Host"] == rec.url.removeprefix("http://")
 
 
 async def test_body_over_limit_is_413(
-    http: aiohttp.ClientSession, make_proxy: Any, recorder: tuple[Recorder, str]
+    http: aiohttp.ClientSession, make_proxy: Any, rec: Recorder
 ) -> None:
-    rec, url = recorder
-    proxy: Proxy = await make_proxy(single_upstream_config(url, max_body_bytes=1000))
+    proxy: Proxy = await make_proxy(single_upstream_config(rec.url, max_body_bytes=1000))
     async with http.post(proxy.url + "/v1/chat/completions", data=b"x" * 2000) as response:
         assert response.status == 413
         assert (await response.json())["error"]["type"] == "invalid_request_error"
-    assert rec.requests == []
-
-
-@pytest.fixture
-async def raw_upstream() -> AsyncIterator[RawUpstream]:
-    raw = await RawUpstream().start()
-    yield raw
-    await raw.stop()
+    assert rec.seen == []
 
 
 @pytest.mark.parametrize(
@@ -239,15 +216,14 @@ async def test_a_path_with_an_encoded_line_break_is_forwarded_as_the_client_wrot
 async def test_the_request_line_counts_a_passed_through_body_whole_or_streamed(
     http: aiohttp.ClientSession,
     make_proxy: Any,
-    recorder: tuple[Recorder, str],
+    rec: Recorder,
     caplog: pytest.LogCaptureFixture,
     path: str,
 ) -> None:
     """A small body of known length leaves whole with its head, a stream chunk by chunk:
     ``bytes_out`` is the body's size either way."""
-    rec, url = recorder
     rec.release.set()
-    proxy: Proxy = await make_proxy(single_upstream_config(url))
+    proxy: Proxy = await make_proxy(single_upstream_config(rec.url))
     with caplog.at_level(logging.INFO, logger="n_proxy"):
         async with http.get(proxy.url + path) as response:
             body = await response.read()

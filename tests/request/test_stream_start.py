@@ -1,4 +1,5 @@
-"""SPEC §5 rev 2 over real loopback servers: the stream starts at the first child's answer.
+"""The stream starts at the first child's answer (docs/behaviour.md#stream-start), over real
+loopback servers.
 
 The demo backend sits behind ``tests.support.gate``, which holds chosen children's status lines
 until the test opens them, so "one child is slow to start" is an event, not a sleep.
@@ -16,9 +17,10 @@ import pytest
 
 from proxy.config.models import Config, single_upstream_config
 from proxy.request.runtime import POOL
-from tests.conftest import Backend, Proxy, proxy_config, with_upstream
-from tests.request.test_fanout import CHAT, MESSAGES, direct_choice, sse_payloads
+from tests.request.test_fanout import CHAT, MESSAGES, direct_choice
+from tests.support.client import sse_payloads
 from tests.support.gate import Gate, gate_in_front
+from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
 MakeProxy = Callable[[Config], Awaitable[Proxy]]
 ROLE = {"role": "assistant", "content": ""}
@@ -43,7 +45,8 @@ def stream_body(n: int, seed: int, **fields: Any) -> dict[str, Any]:
 
 
 def assert_native_opening(chunks: list[Any], n: int) -> None:
-    """Every choice announced, in index order, before any other chunk (SPEC §5)."""
+    """Every choice announced, in index order, before any other chunk
+    (docs/behaviour.md#opening)."""
     for index, chunk in enumerate(chunks[:n]):
         assert chunk["choices"] == [
             {"index": index, "delta": ROLE, "logprobs": None, "finish_reason": None}

@@ -14,8 +14,8 @@ from proxy.config.models import Listen, single_upstream_config
 from proxy.devserver import DevConfig, start_devserver
 from proxy.server.backlog import FLOOR, SOMAXCONN, listen_backlog
 from proxy.server.process import Server
-from tests.conftest import Backend
 from tests.support.ports import free_port
+from tests.support.servers import Backend
 
 WITHIN = 30.0  # seconds any one wait may take
 

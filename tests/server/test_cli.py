@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
 from proxy.server.workers import EXIT_MARGIN, MiB, announce
-from tests.conftest import with_upstream
 from tests.support.ports import free_port
+from tests.support.servers import with_upstream
 
 
 def test_demo_mode_serves_n3_and_drains_on_sigterm() -> None:
@@ -287,7 +287,7 @@ def test_workers_auto_is_capped_by_the_cgroup_memory_limit(
     assert auto_workers(tmp_path) == (cpus if expected is None else min(expected, cpus))
 
 
-# --- Limits are the proxy's, whatever the worker count (issue 17, item 10) -------------------
+# --- Limits are the proxy's, whatever the worker count (docs/operating.md#workers-and-limits) -
 
 
 @pytest.mark.parametrize(
@@ -319,14 +319,56 @@ def test_each_worker_enforces_its_share_of_the_limits_and_the_shares_add_up(
         ) == with_upstream(config, **strip).model_copy(update={"max_connections": 1, "admin": None})
 
 
-def test_schema_says_the_divided_limits_are_the_proxys_totals() -> None:
-    from proxy.config.models import config_schema
+def _integer_limits(config: Any) -> dict[str, list[int]]:
+    """Every integer field of the config and of each upstream, as ``name: [value, ...]``."""
+    sections = [("", [config]), ("upstreams.", list(config.upstreams))]
+    return {
+        prefix + name: [getattr(value, name) for value in values]
+        for prefix, values in sections
+        for name in type(values[0]).model_fields
+        if all(type(getattr(value, name)) is int for value in values)
+    }
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_every_limit_the_schema_calls_a_total_is_divided_and_the_shares_add_up_to_it(
+    count: int,
+) -> None:
+    """The schema tells users which limits are the proxy's totals under --workers N; those are
+    exactly the integers ``worker_config`` divides, and each one's shares sum to the total."""
+    from proxy.config.models import config_schema, parse_config
+    from proxy.server.workers import worker_config
 
     schema = config_schema()
-    upstream = schema["$defs"]["Upstream"]["properties"]
-    for described in (upstream["max_concurrency"], upstream["max_queue"]):
-        assert "with --workers N each worker" in described["description"]
-    assert "with --workers N each worker" in schema["properties"]["max_connections"]["description"]
+    said = "with --workers N each worker enforces its share"
+    sections = [
+        ("", schema["properties"]),
+        ("upstreams.", schema["$defs"]["Upstream"]["properties"]),
+    ]
+    totals = {
+        prefix + name
+        for prefix, properties in sections
+        for name, field in properties.items()
+        if said in field.get("description", "")
+    }
+    config = parse_config(
+        "max_connections: 11\n"
+        "upstreams:\n"
+        "  - {name: a, url: 'http://127.0.0.1:1', max_concurrency: 7, max_queue: 9}\n"
+        "  - {name: b, url: 'http://127.0.0.1:2', max_concurrency: 10, max_queue: 4}\n",
+        {},
+    )
+    configured = _integer_limits(config)
+    shares = [_integer_limits(worker_config(config, index, count)) for index in range(count)]
+    divided = {name for name in configured if any(s[name] != configured[name] for s in shares)}
+    assert (
+        divided == totals == {"max_connections", "upstreams.max_concurrency", "upstreams.max_queue"}
+    )
+    for name in divided:
+        for at, total in enumerate(configured[name]):
+            parts = [s[name][at] for s in shares]
+            assert sum(parts) == total, name
+            assert max(parts) - min(parts) <= 1, name  # as even as integers allow
 
 
 def test_more_workers_than_a_limit_can_be_divided_among_is_refused(

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.config.models import Config, parse_config
 from proxy.request.runtime import POOL
 from proxy.server.process import Server
-from tests.conftest import Backend, Proxy
+from tests.support.servers import Backend, Proxy
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 MakeBackend = Callable[..., Awaitable[Backend]]

@@ -19,7 +19,14 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from openai.types.chat import ChatCompletionMessageParam
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "say something"}]
+PROMPT = "hello world"
 READY_MARKER = "LLAMA_SERVER_LISTENING "
 STARTUP_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -47,6 +54,12 @@ os.dup2(2, 1)
 sys.stdin.read()
 del server
 """
+
+
+def request_body(path: str, **fields: Any) -> dict[str, Any]:
+    """A body for ``path``: ``MESSAGES`` for chat, ``PROMPT`` for completions, then ``fields``."""
+    base: dict[str, Any] = {"messages": MESSAGES} if path == CHAT else {"prompt": PROMPT}
+    return {**base, **fields}
 
 
 @dataclass(frozen=True)

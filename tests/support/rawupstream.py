@@ -3,6 +3,10 @@
 ``/health`` and ``/ok/<marker>`` answer well-formed responses (the body is the marker);
 any other path answers the bytes the test scripted for it, then keeps reading the connection.
 Every request is recorded with the raw bytes of its head.
+
+Kept apart from ``upstreams.RecordingUpstream``: an aiohttp server frames every answer itself,
+and these tests need answers no server library would write (a second response after a body,
+a head that never ends, a 503 whose body never comes, a connection closed before any status).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class RawUpstream:
     scripts: dict[str, bytes] = field(default_factory=dict)
     seen: list[Seen] = field(default_factory=list)
     resets: set[str] = field(default_factory=set)  # paths whose next request gets a reset
+    closes: set[str] = field(default_factory=set)  # paths closed unanswered, every time
     later: dict[str, bytes] = field(default_factory=dict)  # sent once ``release`` is set
     release: asyncio.Event = field(default_factory=asyncio.Event)
     health: asyncio.Event = field(default_factory=asyncio.Event)  # a .../health request came
@@ -69,10 +74,13 @@ class RawUpstream:
                     self.resets.discard(path)
                     writer.transport.abort()
                     return
+                if path in self.closes:
+                    break
                 writer.write(self.answer(path))
                 await writer.drain()
                 if path in self.later:
-                    await asyncio.wait_for(self.release.wait(), WAIT)
+                    async with asyncio.timeout(WAIT):
+                        await self.release.wait()
                     writer.write(self.later[path])
                     await writer.drain()
         writer.close()

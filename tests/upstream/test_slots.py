@@ -1,4 +1,5 @@
-"""Tests for proxy.slots: FIFO per-child admission under every cancellation interleaving (#10).
+"""Tests for proxy.upstream.slots: FIFO per-child admission under every cancellation interleaving
+(docs/behaviour.md#admission).
 
 The unit tests pin each interleaving that once leaked a slot; the property test cancels random
 requests and children at random moments and checks that every slot comes back and that no
@@ -20,7 +21,7 @@ from proxy.config.models import Config
 from proxy.core.errors import Overloaded
 from proxy.request.runtime import POOL
 from proxy.upstream.slots import Place, Slots
-from tests.conftest import Backend, Proxy, proxy_config, with_upstream
+from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
 CLIENTS = 50
 
@@ -229,7 +230,7 @@ def test_random_cancellations_always_give_every_slot_back(seed: int) -> None:
     asyncio.run(run_scenario(seed))
 
 
-# --- over real loopback servers: the disconnect storm that leaked slots (#10) ----------------
+# --- over real loopback servers: a disconnect storm (it once leaked slots) -------------------
 
 
 async def test_queued_n10_clients_leaving_at_once_give_every_slot_back(
