@@ -1,6 +1,6 @@
 """The benchmark's one command: ``python -m bench [SCENARIO ...] [options]`` (bench/README.md).
 Runs each scenario, checks its targets, writes <scenario>.{json,md} (several: latest.{json,md});
-installs nothing: what is missing is left out, and said so."""
+installs nothing (bench/run --install-tools does): what is missing is left out, and said so."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("scenarios", nargs="*", metavar="SCENARIO", help="default: " + " ".join(SUITE))
+    p.add_argument("scenarios", nargs="*", metavar="SCENARIO",
+                   help=f"any of {' '.join(NAMES)}\n(default: {' '.join(SUITE)})")  # fmt: skip
     o = p.add_argument_group("measurement (each scenario has its own defaults)")
     o.add_argument("--smoke", action="store_true", help="tiny, seconds: proves it runs (CI)")
     o.add_argument("--rounds", type=int, help="rounds, each contender once per round")
