@@ -18,8 +18,7 @@ from typing import Any, Literal
 import aiohttp
 
 from bench.stats import percentile
-from bench.streams import run_async
-from bench.workload import HEADERS, Request
+from bench.workload import HEADERS, Request, run_async
 
 Tool = Literal["wrk", "python"]
 WRK_TIMEOUT_SECONDS = 10

@@ -13,8 +13,7 @@ from typing import cast
 import httptools
 import orjson
 
-from bench.streams import run_async
-from bench.workload import CHAT_PATH, MODEL
+from bench.workload import CHAT_PATH, MODEL, run_async
 
 # A real non-streaming answer: one choice with index 0 and usage, so n-proxy can stitch n of them
 # into one n-choice answer. No ' $ or \ in it: nginx's `return` quotes it as text.

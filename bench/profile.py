@@ -8,7 +8,6 @@ import signal
 import subprocess
 from collections import Counter
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 RATE_HZ = 250
@@ -31,9 +30,7 @@ class PySpy:
             self._process = subprocess.Popen(self._argv, stdout=log, stderr=subprocess.STDOUT)
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._process is None:
             return
         self._process.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT

@@ -11,7 +11,7 @@ import orjson
 from bench.report import Row, table
 from bench.scenario import Context, Scenario
 from bench.stats import median
-from bench.streams import StreamTiming, client, read_stream, run_async
+from bench.workload import StreamTiming, client, read_stream, run_async
 from tests.support.llamacpp import start_llama_server
 from tests.support.tinymodel import build_tiny_gguf
 

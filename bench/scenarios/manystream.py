@@ -22,8 +22,7 @@ from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import DIRECT, FORWARDER
 from bench.stack import start_forwarder, start_nginx
 from bench.stats import median, minus, paired, percentile, rotated
-from bench.streams import run_async
-from bench.workload import CHAT_PATH, chat_body
+from bench.workload import CHAT_PATH, chat_body, run_async
 
 _TS = re.compile(rb'"ts":([0-9]+\.[0-9]+)\}')
 RAMP_BATCH = 100  # connections opened at once: a listen backlog is not the thing measured

@@ -16,8 +16,7 @@ from bench.report import Column, Row, Target, pick, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import numbers
-from bench.streams import client, read_stream, run_async
-from bench.workload import CHAT_PATH, chat_body
+from bench.workload import CHAT_PATH, chat_body, client, read_stream, run_async
 
 KIB = 1024
 OPEN_BATCH = 100  # streams opened at once: stays under the listen backlog

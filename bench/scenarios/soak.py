@@ -20,8 +20,7 @@ from bench.report import Row, Target, table, target
 from bench.scenario import Context, Scenario
 from bench.stack import start_backend, start_proxy
 from bench.stats import median
-from bench.streams import client, run_async
-from bench.workload import CHAT_PATH, HEADERS, MODEL, chat_body
+from bench.workload import CHAT_PATH, HEADERS, MODEL, chat_body, client, run_async
 
 MAX_SECONDS = 7200.0
 SAMPLES = 60  # RSS, fds and gauges this many times over the soak (at most once a second)
@@ -125,15 +124,9 @@ async def _raw(port: int, data: bytes, wait: float) -> bytes:
             await writer.wait_closed()
 
 
-_SLOW = [
-    ("slow headers", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"),
-    (
-        "slow body",
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b'Content-Length: 1000\r\n\r\n{"n": 2, ',
-    ),
-    ("idle connection", b""),
-]
+_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+_BODY = b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"n": 2, '
+_SLOW = [("slow headers", _HEAD), ("slow body", _HEAD + _BODY), ("idle connection", b"")]
 
 
 async def _slow_client(port: int, deadline: float, counts: Counter[str], offset: int) -> None:
@@ -180,16 +173,14 @@ async def _end(reader: asyncio.StreamReader) -> str:
     return "408 after the header deadline" if b" 408 " in answer[:16] else "other answer"
 
 
+GAUGES = ("n_proxy_children_in_flight", "n_proxy_client_connections",
+          "n_proxy_connections_refused_total", "n_proxy_client_timeouts_total")  # fmt: skip
+
+
 async def _metrics(session: aiohttp.ClientSession, admin: str) -> dict[str, float]:
     async with session.get(admin + "/metrics") as response:
         text = await response.text()
-    wanted = (
-        "n_proxy_children_in_flight",
-        "n_proxy_client_connections",
-        "n_proxy_connections_refused_total",
-        "n_proxy_client_timeouts_total",
-    )
-    out = dict.fromkeys(wanted, 0.0)
+    out = dict.fromkeys(GAUGES, 0.0)
     for line in text.splitlines():
         match = re.match(r"(\w+)(?:\{[^}]*\})? (\S+)$", line)
         if match and match.group(1) in out:
@@ -218,12 +209,8 @@ async def _large_request_memory(
         await asyncio.sleep(3)
         peaks.append(peak // 1024)
         afters.append(proxy.sample().rss_bytes // 1024)
-    return {
-        "cold_kib": cold // 1024,
-        "peak_kib": peaks,
-        "after_kib": afters,
-        "kept_after_warmup_kib": afters[-1] - afters[0],
-    }
+    return {"cold_kib": cold // 1024, "peak_kib": peaks, "after_kib": afters,
+            "kept_after_warmup_kib": afters[-1] - afters[0]}  # fmt: skip
 
 
 async def _every_slot_free(proxy: Server, session: aiohttp.ClientSession) -> int:
@@ -254,15 +241,9 @@ async def soak(proxy: Server, admin: str, seconds: float, concurrency: int) -> R
         started = time.monotonic()
         deadline = started + seconds
         every = max(1.0, seconds / SAMPLES)
-        clients = [
-            asyncio.create_task(_client(session, proxy.url, deadline, counts, i))
-            for i in range(concurrency)
-        ]
-        clients += [
-            asyncio.create_task(_slow_client(proxy.port, deadline, counts, i))
-            for i in range(SLOW_CLIENTS)
-        ]
-        clients.append(asyncio.create_task(_bursts(proxy.port, deadline, counts)))
+        work = [_client(session, proxy.url, deadline, counts, i) for i in range(concurrency)]
+        work += [_slow_client(proxy.port, deadline, counts, i) for i in range(SLOW_CLIENTS)]
+        clients = [asyncio.create_task(c) for c in [*work, _bursts(proxy.port, deadline, counts)]]
         try:
             while time.monotonic() < deadline:
                 await asyncio.sleep(min(every, max(0.0, deadline - time.monotonic())))
@@ -285,10 +266,7 @@ async def soak(proxy: Server, admin: str, seconds: float, concurrency: int) -> R
     # The first fifth is warm-up (pools, caches, allocator arenas): compare against its end.
     fifth = max(1, len(samples) // 5)
     early, late = samples[fifth : 2 * fifth] or samples[:1], samples[-fifth:]
-    busy_rss = (
-        int(median(s.rss_bytes for s in early)) // 1024,
-        int(median(s.rss_bytes for s in late)) // 1024,
-    )
+    busy_rss = [int(median(s.rss_bytes for s in part)) // 1024 for part in (early, late)]
     # In-flight RSS swings with the batches running at the sample; idle RSS does not: compare
     # the proxy idle after the mix with the proxy idle after the warm-up rounds.
     rss_growth = idle_sample.rss_bytes // 1024 - memory["after_kib"][-1]

@@ -15,8 +15,7 @@ from bench.report import Column, Row, Target, pick, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import grouped, median, medians, ratio
-from bench.streams import client, read_stream, run_async
-from bench.workload import CHAT_PATH, chat_body, stream_events
+from bench.workload import CHAT_PATH, chat_body, client, read_stream, run_async, stream_events
 
 SAMPLE_EVERY = 0.5  # seconds between RSS samples
 REQUEST_BUDGET = 10_000  # per round: a bound far above what the time allows

@@ -15,8 +15,7 @@ from bench.report import Column, Row, Target, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import medians
-from bench.streams import StreamTiming, client, read_stream, run_async
-from bench.workload import CHAT_PATH, SEED, chat_body
+from bench.workload import CHAT_PATH, SEED, StreamTiming, chat_body, client, read_stream, run_async
 
 SLOW_START_S = 0.05  # the slow child's status line this late, as from a server with no free slot
 SLOW_TOKEN_S = 0.01

@@ -14,8 +14,7 @@ from bench.procs import sample
 from bench.report import Row, table
 from bench.scenario import Context, Scenario
 from bench.stats import median, over, paired
-from bench.streams import client, read_stream, run_async
-from bench.workload import HEADERS
+from bench.workload import HEADERS, client, read_stream, run_async
 from tests.support.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
 
 CHAT = "/v1/chat/completions"

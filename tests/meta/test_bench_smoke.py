@@ -86,7 +86,7 @@ def test_many_stream_scenario_measures_every_contender(tmp_path: Path, bench_env
 
 
 def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: BenchEnv) -> None:
-    """The wire scenario, tiny: nginx and wrk when installed, else the canned server, Python load."""
+    """The wire scenario, tiny: nginx and wrk when installed, else the canned server and Python."""
     completed = subprocess.run(
         [sys.executable, "-m", "bench", "wire", "--smoke", "--out", str(tmp_path)],
         cwd=ROOT, env=bench_env.env, capture_output=True, text=True, timeout=120, check=False,
