@@ -5,36 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import orjson
-
-from bench.load import post
-from bench.procs import Server
 from bench.report import Column, Row, Target, pick, table, target
 from bench.scenario import PROXY, Context, Scenario
-from bench.scenarios.passthrough import timed
+from bench.scenarios.passthrough import check, timed
 from bench.stack import start_backend
 from bench.stats import grouped, median, medians, over, paired, ratio, rotated
-from bench.workload import Request, chat_request
+from bench.workload import chat_request
 
 NATIVE = "native"
 GOAL_N = 8
-
-
-def check(server: Server, request: Request, n: int, stream: bool, name: str) -> None:
-    status, raw = post(server.url, request)
-    if status != 200:
-        raise RuntimeError(f"{name}: status {status} for n={n}: {raw[:300]!r}")
-    if stream:
-        indices = {
-            orjson.loads(line[6:])["choices"][0]["index"]
-            for line in raw.split(b"\n")
-            if line.startswith(b"data: {") and b'"choices":[{' in line
-        }
-        ok = indices == set(range(n)) and raw.count(b"data: [DONE]") == 1
-    else:
-        ok = [c["index"] for c in orjson.loads(raw)["choices"]] == list(range(n))
-    if not ok:
-        raise RuntimeError(f"{name}: wrong choices for n={n} stream={stream}: {raw[:300]!r}")
 
 
 def _run(ctx: Context) -> Row:
@@ -47,7 +26,7 @@ def _run(ctx: Context) -> Row:
     cases = [(n, stream) for stream in (False, True) for n in o.n]
     for n, stream in cases:
         for name, server in targets.items():
-            check(server, chat_request(n, stream=stream), n, stream, name)
+            check(name, server, chat_request(n, stream=stream))
     rows: list[Row] = []
     for turn in range(o.rounds):
         for n, stream in cases:

@@ -21,7 +21,7 @@ from bench.report import ROOT, Row, say, table
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import DIRECT, FORWARDER
 from bench.stack import start_forwarder, start_nginx
-from bench.stats import median, minus, paired, percentile, rotated
+from bench.stats import grouped, median, medians, minus, paired, percentile, rotated
 from bench.workload import CHAT_PATH, chat_body, run_async
 
 _TS = re.compile(rb'"ts":([0-9]+\.[0-9]+)\}')
@@ -223,13 +223,11 @@ def _run(ctx: Context) -> Row:
 def summarize(rows: list[Row]) -> list[Row]:
     """Medians per (streams, step, contender); added latency against direct in the same round."""
     out = []
-    for streams, step_ms in dict.fromkeys((r["streams"], r["step_ms"]) for r in rows):
-        case = [r for r in rows if (r["streams"], r["step_ms"]) == (streams, step_ms)]
+    for (streams, step_ms), case in grouped(rows, "streams", "step_ms"):
         timed = [r for r in case if "p50_ms" in r]
-        for name in dict.fromkeys(r["contender"] for r in case):
-            mine = [r for r in case if r["contender"] == name]
+        for (name,), mine in grouped(case, "contender"):
             row = {"streams": streams, "step_ms": step_ms, "contender": name}
-            row |= {k: median(r.get(k) for r in mine) for k in MEDIANS}
+            row |= medians(mine, *MEDIANS)
             if name != DIRECT:
                 row["added_ms"] = [
                     median(paired(timed, "contender", name, DIRECT, minus(f"{q}_ms")))

@@ -4,6 +4,7 @@ the demo backend as the limit. ``measure`` is also the wire scenario's loop."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import orjson
 
@@ -21,20 +22,22 @@ HEADLINE = 16  # the concurrency the goals are stated at
 RPS_RATIO = over("rps")
 
 
-def check(targets: Mapping[str, Server], requests: Mapping[str, Request]) -> dict[str, int]:
-    """Each contender must answer its request correctly before it is timed: as many choices as
-    the body's ``n``, with usage. Returns the choices each answer had."""
-    choices: dict[str, int] = {}
-    for name, server in targets.items():
-        n = orjson.loads(requests[name].body).get("n", 1)
-        status, raw = post(server.url, requests[name])
-        body = orjson.loads(raw) if status == 200 else None
-        got = body.get("choices") if isinstance(body, dict) else None
-        indexes = [c.get("index") for c in got if isinstance(c, dict)] if got else []
-        if indexes != list(range(n)) or not isinstance(body, dict) or "usage" not in body:
-            raise RuntimeError(f"{name}: bad answer to the n={n} request ({status}): {raw[:300]!r}")
-        choices[name] = len(indexes)
-    return choices
+def check(name: str, server: Server, request: Request) -> int:
+    """A contender must answer correctly before it is timed: choices 0 to n-1, with usage (in a
+    stream: every index, and one ``[DONE]``). Returns n."""
+    sent = orjson.loads(request.body)
+    n, (status, raw) = int(sent.get("n", 1)), post(server.url, request)
+    if sent.get("stream"):
+        events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line[:7] == b"data: {"]
+        indexes = sorted({c["index"] for e in events for c in e.get("choices") or ()})
+        ok = raw.count(b"data: [DONE]") == 1
+    else:
+        body: Any = orjson.loads(raw) if status == 200 else None
+        ok = isinstance(body, dict) and "usage" in body
+        indexes = [c.get("index") for c in body.get("choices") or ()] if ok else []
+    if status != 200 or not ok or indexes != list(range(n)):
+        raise RuntimeError(f"{name}: bad answer to the n={n} request ({status}): {raw[:300]!r}")
+    return n
 
 
 def timed(
@@ -62,7 +65,7 @@ def measure(
     contender's own request (default: the n=1 chat request)."""
     o = ctx.options
     chosen = {name: (requests or {}).get(name) or chat_request() for name in targets}
-    checked = check(targets, chosen)
+    checked = {name: check(name, server, chosen[name]) for name, server in targets.items()}
     for name in targets if o.warm_up else ():  # connection pools, lazy imports, caches
         ctx.loader.run(targets[name].url, chosen[name], max(o.concurrency))
     rows: list[Row] = []
