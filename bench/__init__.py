@@ -1,4 +1,2 @@
-"""The n-proxy benchmark: direct, nginx, n-proxy and LiteLLM side by side on loopback.
-
-Run it with ``bench/run`` (see bench/README.md); nothing here is imported by the proxy.
-"""
+"""The n-proxy benchmark: n-proxy beside direct, nginx, aiohttp forwarders and LiteLLM on loopback.
+``python -m bench`` (bench/README.md); nothing here is imported by the proxy."""

@@ -1,15 +1,10 @@
-"""The 20-line aiohttp forwarder: what a plain aiohttp reverse proxy costs, as a contender.
-
-python -m bench.forwarder --port 8200 --upstream http://127.0.0.1:8100 [--lean]
-
-``--lean`` swaps aiohttp's ClientSession for n-proxy's own upstream client
-(``proxy/http/``) and reads each body whole: the floor of an aiohttp server in front of
-that client, with none of the proxy's per-request work (headers, slots, retries, metrics, log).
-"""
+"""The 20-line aiohttp forwarder, a contender: what a plain aiohttp reverse proxy costs. ``--lean``:
+the same on n-proxy's own upstream client, bodies read whole (the floor under n-proxy)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 import aiohttp
@@ -78,17 +73,14 @@ def main() -> None:
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--lean", action="store_true", help="n-proxy's client, whole bodies")
     args = parser.parse_args()
-    try:
+    loop = None
+    with contextlib.suppress(ImportError):
         import uvloop
 
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
+        loop = uvloop.new_event_loop()
     app = (build_lean if args.lean else build)(args.upstream)
-    web.run_app(
-        app, host="127.0.0.1", port=args.port, access_log=None,
-        print=None, loop=loop_factory() if loop_factory else None, backlog=4096,
-    )  # fmt: skip
+    web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop,
+                backlog=4096)  # fmt: skip
 
 
 if __name__ == "__main__":

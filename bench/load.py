@@ -1,28 +1,30 @@
-"""Closed-loop load at fixed concurrency, by wrk (preferred) or by ``bench.loadgen``.
-
-Both return a ``LoadResult``. wrk is C and costs a fraction of a core; the Python generator needs
-about as much CPU as the server it measures, which on a 2-core machine skews the result (see
-bench/README.md), so it is the fallback and the smoke run's tool (it accepts sub-second runs).
-"""
+"""Closed-loop load at fixed concurrency, by wrk (C, a fraction of a core) or by this module run as
+a process of its own (aiohttp, exact percentiles, but about a core itself: the fallback, and the
+smoke run's tool)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import http.client
 import json
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import aiohttp
+
+from bench.stats import percentile
+from bench.workload import HEADERS, Request, run_async
+
 Tool = Literal["wrk", "python"]
 WRK_TIMEOUT_SECONDS = 10
-# Every contender gets the same headers. LiteLLM's proxy refuses to start without a master key,
-# so it has this one; it guards nothing but a server on 127.0.0.1 for the length of a run.
-BENCH_KEY = "sk-bench-loopback-only"
-HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {BENCH_KEY}"}
 _MARK = "BENCHJSON "
+MAX_REQUESTS_PER_SECOND = 200_000  # a bound on the Python generator's loop, far above one core's
+QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,7 @@ class LoadResult:
         return self.requests / self.seconds if self.seconds > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "rps": round(self.rps, 1)}
-
-
-@dataclass(frozen=True)
-class Request:
-    path: str
-    body: bytes  # a JSON body, POSTed
+        return {**asdict(self), "rps": self.rps}
 
 
 def _lua(request: Request) -> str:
@@ -72,82 +68,16 @@ end
 """
 
 
-def run_wrk(
-    wrk: str, base_url: str, request: Request, concurrency: int, seconds: int, work: Path
-) -> LoadResult:
-    work.mkdir(parents=True, exist_ok=True)
-    script = work / f"wrk-{hashlib.sha256(request.body).hexdigest()[:12]}.lua"
-    script.write_text(_lua(request))
-    argv = [
-        wrk,
-        "-t1",  # one thread: it keeps up with these servers and leaves the cores to them
-        f"-c{concurrency}",
-        f"-d{max(1, seconds)}s",
-        f"--timeout={WRK_TIMEOUT_SECONDS}s",
-        "-s",
-        str(script),
-        base_url + request.path,
-    ]
-    out = subprocess.run(
-        argv, capture_output=True, text=True, timeout=seconds + WRK_TIMEOUT_SECONDS + 30
-    )
-    raw = _marked(out.stdout, " ".join(argv), out.stderr)
-    errors = sum(raw[k] for k in ("connect", "read", "write", "status", "timeout"))
-    # wrk counts non-2xx answers in both `requests` and `status`.
-    return LoadResult(
-        tool="wrk",
-        requests=raw["requests"] - raw["status"],
-        errors=errors,
-        seconds=raw["duration_us"] / 1e6,
-        p50_ms=raw["p50"] / 1000,
-        p90_ms=raw["p90"] / 1000,
-        p99_ms=raw["p99"] / 1000,
-        max_ms=raw["max"] / 1000,
-    )
-
-
-def run_python(
-    base_url: str,
-    request: Request,
-    concurrency: int,
-    seconds: float,
-    work: Path,
-    latencies_out: Path | None = None,
-) -> LoadResult:
-    work.mkdir(parents=True, exist_ok=True)
-    body_file = work / f"body-{hashlib.sha256(request.body).hexdigest()[:12]}.json"
-    body_file.write_bytes(request.body)
-    argv = [
-        sys.executable,
-        "-m",
-        "bench.loadgen",
-        "--url",
-        base_url + request.path,
-        "--body-file",
-        str(body_file),
-        "--concurrency",
-        str(concurrency),
-        "--seconds",
-        str(seconds),
-    ]
-    if latencies_out is not None:
-        argv += ["--latencies-out", str(latencies_out)]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
-    raw = _marked(out.stdout, " ".join(argv), out.stderr)
-    return LoadResult(**raw)
-
-
-def _marked(stdout: str, what: str, stderr: str) -> dict[str, Any]:
-    for line in stdout.splitlines():
+def _marked(argv: list[str], timeout: float) -> dict[str, Any]:
+    """Run a load tool; the JSON of its result line."""
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    for line in out.stdout.splitlines():
         if line.startswith(_MARK):
             parsed: dict[str, Any] = json.loads(line[len(_MARK) :])
             return parsed
-    raise RuntimeError(f"{what}: no result line\n{stdout[-1000:]}\n{stderr[-1000:]}")
-
-
-def result_line(result: dict[str, Any]) -> str:
-    """How ``bench.loadgen`` reports, in the same framing as the wrk script."""
-    return _MARK + json.dumps(result)
+    raise RuntimeError(
+        f"{' '.join(argv)}: no result line\n{out.stdout[-1000:]}{out.stderr[-1000:]}"
+    )
 
 
 @dataclass(frozen=True)
@@ -160,19 +90,81 @@ class Loader:
     wrk: str | None = None
 
     def run(self, base_url: str, request: Request, concurrency: int) -> LoadResult:
-        if self.tool == "wrk":
-            assert self.wrk is not None, "the wrk tool needs the wrk binary"
-            return run_wrk(self.wrk, base_url, request, concurrency, round(self.seconds), self.work)
-        return run_python(base_url, request, concurrency, self.seconds, self.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        digest = hashlib.sha256(request.body).hexdigest()[:12]
+        if self.tool == "python":
+            body = self.work / f"body-{digest}.json"
+            body.write_bytes(request.body)
+            argv = [sys.executable, "-m", "bench.load", base_url + request.path, str(body)]
+            return LoadResult(
+                **_marked([*argv, str(concurrency), str(self.seconds)], self.seconds + 60)
+            )
+        assert self.wrk is not None, "the wrk tool needs the wrk binary"
+        script = self.work / f"wrk-{digest}.lua"
+        script.write_text(_lua(request))
+        seconds = max(1, round(self.seconds))  # wrk takes whole seconds
+        # One thread: it keeps up with these servers and leaves the cores to them.
+        argv = [self.wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "-s", str(script)]
+        argv += [f"--timeout={WRK_TIMEOUT_SECONDS}s", base_url + request.path]
+        raw = _marked(argv, seconds + WRK_TIMEOUT_SECONDS + 30)
+        # wrk counts non-2xx answers in both `requests` and `status`.
+        errors = sum(raw[k] for k in ("connect", "read", "write", "status", "timeout"))
+        return LoadResult(
+            "wrk", raw["requests"] - raw["status"], errors, raw["duration_us"] / 1e6,
+            *(raw[p] / 1000 for p in ("p50", "p90", "p99", "max")),
+        )  # fmt: skip
 
 
 def post(base_url: str, request: Request, timeout: float = 30.0) -> tuple[int, bytes]:
     """One blocking POST, for checking a contender's answer before timing it."""
-    host_port = base_url.removeprefix("http://")
-    conn = http.client.HTTPConnection(host_port, timeout=timeout)
+    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout)
     try:
         conn.request("POST", request.path, request.body, HEADERS)
         response = conn.getresponse()
         return response.status, response.read()
     finally:
         conn.close()
+
+
+async def generate(
+    url: str, body: bytes, concurrency: int, seconds: float
+) -> tuple[list[int], int, float]:
+    """Latencies in ns of the 2xx answers, the error count, and the elapsed seconds."""
+    latencies: list[int] = []
+    errors = 0
+    budget = max(1, int(seconds * MAX_REQUESTS_PER_SECOND))
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",)
+    ) as session:
+        start = time.perf_counter()
+        deadline = start + seconds
+
+        async def worker() -> None:
+            nonlocal errors
+            while time.perf_counter() < deadline and len(latencies) + errors < budget:
+                began = time.perf_counter_ns()
+                try:
+                    async with session.post(url, data=body, headers=HEADERS) as response:
+                        await response.read()
+                        ok = 200 <= response.status < 300
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter_ns() - began)
+                else:
+                    errors += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    return latencies, errors, elapsed
+
+
+if __name__ == "__main__":  # the Python generator: URL BODY_FILE CONCURRENCY SECONDS
+    url, body, concurrency, seconds = sys.argv[1], Path(sys.argv[2]).read_bytes(), *sys.argv[3:5]
+    latencies, errors, elapsed = run_async(generate(url, body, int(concurrency), float(seconds)))
+    ms = sorted(ns / 1e6 for ns in latencies)
+    result = {"tool": "python", "requests": len(ms), "errors": errors, "seconds": elapsed}
+    result |= {f"{q}_ms": percentile(ms, p) if ms else 0.0 for q, p in QUANTILES}
+    print(_MARK + json.dumps(result), flush=True)

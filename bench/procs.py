@@ -1,7 +1,5 @@
-"""The servers under test as child processes: start, wait until ready, sample, stop.
-
-Counters come straight from /proc (Linux only), so the bench needs no psutil.
-"""
+"""The servers under test as child processes: start, wait until ready, sample, stop; counters
+straight from /proc (Linux only), so the bench needs no psutil."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ import ctypes
 import http.client
 import os
 import platform
+import re
 import resource
 import signal
 import socket
@@ -18,7 +17,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -50,11 +48,9 @@ def _one(pid: int) -> tuple[float, int, int, int, int]:
     stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
     cpu = (int(stat[11]) + int(stat[12])) / _CLOCK_TICKS
     rss_pages = int((proc / "statm").read_text().split()[1])
-    io = dict(
-        line.split(": ", 1) for line in (proc / "io").read_text().splitlines() if ": " in line
-    )
+    io = dict(line.split(": ", 1) for line in (proc / "io").read_text().splitlines())
     fds = len(os.listdir(proc / "fd"))
-    return cpu, rss_pages * _PAGE_SIZE, fds, int(io.get("rchar", "0")), int(io.get("wchar", "0"))
+    return cpu, rss_pages * _PAGE_SIZE, fds, int(io["rchar"]), int(io["wchar"])
 
 
 def _descendants(pid: int) -> list[int]:
@@ -66,12 +62,9 @@ def _descendants(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(entry))
-    found: list[int] = []
-    todo = [pid]
-    while todo and len(found) < 1000:
-        current = todo.pop()
-        found.append(current)
-        todo += children.get(current, [])
+    found = [pid]
+    for current in found:  # grows as it goes: breadth first
+        found += children.get(current, [])[: max(0, 1000 - len(found))]
     return found
 
 
@@ -83,14 +76,8 @@ def sample(pid: int, tree: bool = False) -> ProcSample:
             parts.append(_one(each))
     if not parts:
         raise ProcessLookupError(pid)
-    return ProcSample(
-        at=time.monotonic(),
-        cpu_seconds=sum(p[0] for p in parts),
-        rss_bytes=sum(p[1] for p in parts),
-        fds=sum(p[2] for p in parts),
-        read_bytes=sum(p[3] for p in parts),
-        written_bytes=sum(p[4] for p in parts),
-    )
+    cpu, rss, fds, read, written = (sum(column) for column in zip(*parts, strict=True))
+    return ProcSample(time.monotonic(), cpu, int(rss), int(fds), int(read), int(written))
 
 
 def free_port() -> int:
@@ -133,14 +120,15 @@ def wait_ready(server: Server, timeout: float = READY_TIMEOUT) -> None:
         if server.process.poll() is not None:
             tail = server.log.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"{server.name} exited with {server.process.returncode}:\n{tail}")
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2)
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2)
             conn.request("GET", server.ready_path)
             conn.getresponse().read()
-            conn.close()
             return
         except OSError:
             time.sleep(0.05)
+        finally:
+            conn.close()
     raise RuntimeError(f"{server.name} not ready on port {server.port} after {timeout:.0f} s")
 
 
@@ -165,26 +153,17 @@ class Fleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         with log.open("wb") as out:
-            process = subprocess.Popen(
-                list(argv),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})},
-                cwd=cwd,
-                preexec_fn=_die_with_parent,
-            )
+            process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
+                                       cwd=cwd, preexec_fn=_die_with_parent)  # fmt: skip
         server = Server(name, port, process, log, ready_path, tree)
         self.servers.append(server)
         return server
 
-    def stop(self, server: Server) -> None:
-        self._stop([server])
-
     def close(self) -> None:
-        self._stop(list(self.servers))
+        self.stop(*self.servers)
 
-    def _stop(self, servers: list[Server]) -> None:
+    def stop(self, *servers: Server) -> None:
         """SIGTERM all at once (each drains for a moment), then wait; SIGKILL stragglers."""
         for server in servers:
             if server.process.poll() is None:
@@ -197,18 +176,13 @@ class Fleet:
                 server.process.kill()
                 server.process.wait(STOP_TIMEOUT)
             _keep_tail(server.log)
-            if server in self.servers:
+            with contextlib.suppress(ValueError):
                 self.servers.remove(server)
 
     def __enter__(self) -> Fleet:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -238,10 +212,9 @@ def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:
 
 
 def _cpu_or_zero(server: Server) -> float:
-    try:
+    with contextlib.suppress(OSError):
         return server.sample().cpu_seconds
-    except OSError:
-        return 0.0
+    return 0.0
 
 
 def _machine_seconds() -> tuple[float, float, float]:
@@ -250,10 +223,8 @@ def _machine_seconds() -> tuple[float, float, float]:
     Interrupt time is mostly the kernel moving our own loopback packets; steal is the hypervisor
     running other machines on our cores.
     """
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    ticks = [int(v) for v in fields]
-    processes = ticks[0] + ticks[1] + ticks[2]
-    return processes / _CLOCK_TICKS, (ticks[5] + ticks[6]) / _CLOCK_TICKS, ticks[7] / _CLOCK_TICKS
+    ticks = [int(v) / _CLOCK_TICKS for v in Path("/proc/stat").read_text().split()[1:9]]
+    return ticks[0] + ticks[1] + ticks[2], ticks[5] + ticks[6], ticks[7]
 
 
 def _own_and_children_seconds() -> float:
@@ -288,47 +259,30 @@ class CpuWatch:
     def _servers_cpu(self) -> dict[str, float]:
         cpu: dict[str, float] = {}
         for server in self._servers:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # a server that died is left out, not counted 0
                 cpu[server.name] = server.sample().cpu_seconds
         return cpu
 
     def stop(self) -> CpuUse:
         wall = max(time.monotonic() - self._start[0], 1e-9)
-        machine_now = _machine_seconds()
         machine, interrupts, steal = (
-            (now - then) / wall for now, then in zip(machine_now, self._start[1], strict=True)
+            (now - then) / wall
+            for now, then in zip(_machine_seconds(), self._start[1], strict=True)
         )
         harness = (_own_and_children_seconds() - self._start[2]) / wall
-        now = self._servers_cpu()
-        by_server = {
-            name: round((now[name] - self._by_server[name]) / wall, 3)
-            for name in now
-            if name in self._by_server
-        }
+        now, then = self._servers_cpu(), self._by_server
+        by_server = {name: (now[name] - then[name]) / wall for name in now if name in then}
         servers = sum(by_server.values())
-        return CpuUse(
-            wall_seconds=round(wall, 3),
-            machine=round(machine, 3),
-            servers=round(servers, 3),
-            harness=round(harness, 3),
-            foreign=round(max(0.0, machine - servers - harness), 3),
-            interrupts=round(interrupts, 3),
-            steal=round(steal, 3),
-            by_server=by_server,
-        )
+        foreign = max(0.0, machine - servers - harness)
+        return CpuUse(wall, machine, servers, harness, foreign, interrupts, steal, by_server)
 
 
 def machine() -> dict[str, Any]:
     """What the results were measured on."""
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    names = re.findall(r"^model name\s*: (.*)$", Path("/proc/cpuinfo").read_text(), re.M)
     return {
         "cpus": os.cpu_count(),
-        "cpu_model": model,
+        "cpu_model": names[0] if names else "unknown",
         "kernel": platform.release(),
         "python": platform.python_version(),
     }

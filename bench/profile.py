@@ -1,8 +1,5 @@
-"""Sampling the proxy with py-spy while a scenario runs, and naming its hot spots.
-
-py-spy writes collapsed stacks (``frame;frame;... count``); the summary ranks functions by the
-samples in which they are on top (self) and anywhere on the stack (total).
-"""
+"""py-spy on n-proxy while a scenario runs (``--profile``), and its hot spots: functions ranked by
+the samples in which they are on top (self) and anywhere on the stack (total)."""
 
 from __future__ import annotations
 
@@ -10,20 +7,13 @@ import re
 import signal
 import subprocess
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from typing import Any
 
 RATE_HZ = 250
+TOP = 25
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]*?)(?::(?P<line>\d+))?\)$")
 _SITE_PACKAGES = re.compile(r".*/site-packages/")
-
-
-@dataclass(frozen=True)
-class HotSpot:
-    function: str  # "name (path)" with the site-packages prefix cut
-    self_share: float  # of all samples
-    total_share: float
 
 
 class PySpy:
@@ -31,34 +21,16 @@ class PySpy:
 
     def __init__(self, py_spy: str, pid: int, out: Path) -> None:
         self.out = out
-        self._argv = [
-            py_spy,
-            "record",
-            "--pid",
-            str(pid),
-            "--rate",
-            str(RATE_HZ),
-            "--format",
-            "raw",
-            "--nonblocking",
-            "--output",
-            str(out),
-        ]
+        self._argv = [py_spy, "record", "--pid", str(pid), "--rate", str(RATE_HZ), "--format",
+                      "raw", "--nonblocking", "--output", str(out)]  # fmt: skip
         self._process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> PySpy:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        log = self.out.with_suffix(".log").open("wb")
-        self._process = subprocess.Popen(self._argv, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
+        with self.out.with_suffix(".log").open("wb") as log:
+            self._process = subprocess.Popen(self._argv, stdout=log, stderr=subprocess.STDOUT)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._process is None:
             return
         self._process.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
@@ -73,12 +45,11 @@ def _function(frame: str) -> str:
     match = _FRAME.match(frame.strip())
     if match is None:
         return frame.strip()
-    where = _SITE_PACKAGES.sub("", match["file"])
-    return f"{match['func']} ({where})"
+    return f"{match['func']} ({_SITE_PACKAGES.sub('', match['file'])})"
 
 
-def hot_spots(raw: Path, top: int = 25) -> tuple[int, list[HotSpot]]:
-    """All samples, and the ``top`` functions by self share."""
+def hot_spots(raw: Path) -> dict[str, Any]:
+    """Samples, and the top functions by self share and by total share (fractions of samples)."""
     own: Counter[str] = Counter()
     total: Counter[str] = Counter()
     samples = 0
@@ -86,31 +57,20 @@ def hot_spots(raw: Path, top: int = 25) -> tuple[int, list[HotSpot]]:
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
-        count = int(count_text)
-        frames = [_function(f) for f in stack.split(";")]
-        if not frames:
-            continue
+        count, frames = int(count_text), [_function(f) for f in stack.split(";")]
         samples += count
         own[frames[-1]] += count
-        for name in set(frames):
-            total[name] += count
-    spots = [
-        HotSpot(name, round(n / samples, 4), round(total[name] / samples, 4))
-        for name, n in own.most_common(top)
-    ]
-    return samples, spots
+        total.update(dict.fromkeys(frames, count))
+    return {
+        "samples": samples,
+        "self": [(f, n / samples, total[f] / samples) for f, n in own.most_common(TOP)],
+        "total": [(f, n / samples) for f, n in total.most_common(TOP)],
+    }
 
 
-def inclusive(raw: Path, top: int = 25) -> list[tuple[str, float]]:
-    """The ``top`` functions by the share of samples they appear in, anywhere on the stack."""
-    total: Counter[str] = Counter()
-    samples = 0
-    for line in raw.read_text(errors="replace").splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        samples += count
-        for name in {_function(f) for f in stack.split(";")}:
-            total[name] += count
-    return [(name, round(n / samples, 4)) for name, n in total.most_common(top)] if samples else []
+def lines(spots: dict[str, Any]) -> list[str]:
+    out = ["", f"py-spy on n-proxy, {spots['samples']} samples:", "",
+           "| self | total | function |", "|---|---|---|"]  # fmt: skip
+    out += [f"| {own:.1%} | {total:.1%} | `{f}` |" for f, own, total in spots["self"]]
+    out += ["", "Inclusive (on the stack):", "", "| total | function |", "|---|---|"]
+    return out + [f"| {total:.1%} | `{f}` |" for f, total in spots["total"]]

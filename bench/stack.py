@@ -3,16 +3,17 @@ and the canned upstream of the wire scenario."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from bench.canned import BODY, HEALTH_PATH
-from bench.load import BENCH_KEY
+from bench.pacer import BODY, HEALTH_PATH
 from bench.procs import Fleet, Server, free_port
-from bench.workload import CHAT_PATH, MODEL
+from bench.workload import BENCH_KEY, CHAT_PATH, MODEL
 
 # Admission control is a deployment choice, not a cost: lift it so only the proxy's work shows.
-_PROXY_CONFIG = """\
+PROXY_CONFIG = """\
 upstreams:
   - name: demo
     url: {url}
@@ -118,25 +119,31 @@ def start_backend(
 def start_proxy(
     fleet: Fleet,
     work: Path,
-    upstream: Server,
+    upstream: str,
     name: str = "n-proxy",
+    *,
     workers: int = 1,
     checkout: Path | None = None,
+    config: str = PROXY_CONFIG,
+    env: Mapping[str, str] | None = None,
 ) -> Server:
     """Launched only, like the backend; ``workers`` > 1 uses the proxy's ``--workers``.
 
-    ``checkout``: another tree of n-proxy (a baseline, with its own ``.venv``), run beside this
-    one so that before and after are measured in the same run.
+    ``config``: YAML in which ``{url}`` stands for ``upstream``. ``checkout``: another tree of
+    n-proxy (a baseline, with its own ``.venv``), run beside this one so that before and after
+    are measured in the same run. ``OTEL_*`` from the bench's environment is cleared (tracing
+    is asked for with ``env``), so both trees run alike unless told otherwise.
     """
     port = free_port()
-    config = work / f"{name}.yaml"
-    config.write_text(_PROXY_CONFIG.format(url=upstream.url))
+    path = work / f"{name}.yaml"
+    path.write_text(config.replace("{url}", upstream))
     python = str(checkout / ".venv" / "bin" / "python") if checkout else sys.executable
-    argv = [python, "-m", "proxy", "--config", str(config)]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
-    if workers > 1:
-        argv += ["--workers", str(workers)]
-    return fleet.launch(name, argv, port, "/health", cwd=checkout, tree=workers > 1)
+    argv = [python, "-m", "proxy", "--config", str(path), "--host", "127.0.0.1"]
+    argv += ["--port", str(port)] + (["--workers", str(workers)] if workers > 1 else [])
+    clean = {k: "" for k in os.environ if k.startswith("OTEL_")}
+    return fleet.launch(
+        name, argv, port, "/health", env={**clean, **(env or {})}, cwd=checkout, tree=workers > 1
+    )
 
 
 def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Server:
@@ -167,13 +174,13 @@ def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server) -> Serve
 
 
 def start_canned(fleet: Fleet, work: Path, nginx: str | None) -> Server:
-    """The canned upstream (``bench/canned.py``'s body): nginx, or the Python fallback without it.
+    """The canned upstream (``bench.pacer.BODY``): nginx, or ``bench.pacer --canned`` without it.
 
     Launched only. Named "canned nginx" or "canned python", so a report says which it was.
     """
     port = free_port()
     if nginx is None:
-        argv = [sys.executable, "-m", "bench.canned", "--port", str(port)]
+        argv = [sys.executable, "-m", "bench.pacer", "--canned", "--port", str(port)]
         return fleet.launch("canned python", argv, port, HEALTH_PATH)
     http = _NGINX_CANNED.format(port=port, health=HEALTH_PATH, path=CHAT_PATH, body=BODY.decode())
     return _launch_nginx(fleet, work / "nginx-canned", nginx, "canned nginx", http, port)

@@ -1,16 +1,33 @@
-"""The request bodies every scenario sends, and what a correct answer to them looks like."""
+"""The request bodies every scenario sends, what a correct answer to them looks like, and reading
+an SSE answer as a client does, with the moments that matter timed (events counted on the raw
+bytes, so the reader stays cheap next to the servers it measures)."""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import aiohttp
 import orjson
-
-from bench.load import Request
 
 CHAT_PATH = "/v1/chat/completions"
 MODEL = "demo-model"
 SEED = 1000
+# Every contender gets the same headers. LiteLLM's proxy refuses to start without a master key,
+# so it has this one; it guards nothing but a server on 127.0.0.1 for the length of a run.
+BENCH_KEY = "sk-bench-loopback-only"
+HEADERS = {"Content-Type": "application/json", "Authorization": f"Bearer {BENCH_KEY}"}
+
+
+@dataclass(frozen=True)
+class Request:
+    path: str
+    body: bytes  # a JSON body, POSTed
 
 
 def chat_body(
@@ -50,3 +67,95 @@ def stream_events(n: int, max_tokens: int) -> int:
     finish_reason; the stitched stream has the same events and one ``[DONE]``.
     """
     return n * (max_tokens + 2) + 1
+
+
+_EVENT = b"data: "
+# A chat chunk that carries generated text (the opening role chunk has "content":"").
+_TOKEN = re.compile(rb'"content":"[^"]')
+T = TypeVar("T")
+_CARRY = 16  # longer than either pattern: a match split across two reads is still found once
+
+
+@dataclass(frozen=True)
+class StreamTiming:
+    """Seconds from the request's start; ``nan`` for a moment that never came."""
+
+    status: int
+    headers_at: float
+    first_byte_at: float
+    first_token_at: float
+    end_at: float
+    events: int
+    size: int
+
+
+class EventCounter:
+    """Counts ``data:`` events and spots the first token across arbitrary read boundaries."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.size = 0
+        self.saw_token = False
+        self._tail = b""
+
+    def feed(self, data: bytes) -> bool:
+        """Add one read; True when this read completed the first token."""
+        self.size += len(data)
+        window = self._tail + data
+        # Matches wholly inside the carried tail were counted with the previous read.
+        self.events += window.count(_EVENT) - self._tail.count(_EVENT)
+        first = False
+        if not self.saw_token and _TOKEN.search(window):
+            self.saw_token = first = True
+        self._tail = window[-_CARRY:]
+        return first
+
+
+async def read_stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    started: float | None = None,
+    on_first_byte: Callable[[], None] | None = None,
+) -> StreamTiming:
+    """POST ``body`` and read the answer to its end; times are relative to ``started``."""
+    t0 = time.perf_counter() if started is None else started
+    nan = float("nan")
+    first_byte = first_token = nan
+    counter = EventCounter()
+    async with session.post(url, data=body, headers=HEADERS) as response:
+        headers_at = time.perf_counter() - t0
+        async for data in response.content.iter_any():
+            now = time.perf_counter() - t0
+            if counter.size == 0:
+                first_byte = now
+                if on_first_byte is not None:
+                    on_first_byte()
+            if counter.feed(data):
+                first_token = now
+        end = time.perf_counter() - t0
+        status = response.status
+    return StreamTiming(
+        status=status,
+        headers_at=headers_at,
+        first_byte_at=first_byte,
+        first_token_at=first_token,
+        end_at=end,
+        events=counter.events,
+        size=counter.size,
+    )
+
+
+def client(seconds: float, limit: int = 0, force_close: bool = False) -> aiohttp.ClientSession:
+    """A client session: ``limit`` connections (0: any number), each request ``seconds`` at most."""
+    connector = aiohttp.TCPConnector(limit=limit, force_close=force_close)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=seconds))
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run an in-process client on uvloop when installed, as the servers under test are."""
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)

@@ -1,14 +1,5 @@
-"""The README's dashboard picture: deploy/observability/dashboard.json's panels, each query run
-by a real Prometheus that scraped a real proxy under a short mixed load, drawn with matplotlib.
-
-    python -m bench.dashboard collect bench/results/dashboard.json           # project venv
-    python -m bench.dashboard render bench/results/dashboard.json deploy/observability/dashboard.png
-
-``collect`` needs the ``prometheus`` binary (Debian: apt-get install prometheus); it runs the
-demo backend, n-proxy (one dead replica of two, a small max_concurrency) and Prometheus as
-processes, and the load from its own;
-``render`` needs matplotlib (the bench venv, as bench/chart.py).
-"""
+"""The README's dashboard picture: deploy/observability/dashboard.json's queries, run by a real
+Prometheus scraping n-proxy under a minute of mixed load (``collect``), drawn (``render``)."""
 
 from __future__ import annotations
 
@@ -18,26 +9,19 @@ import json
 import random
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.procs import Fleet, free_port, wait_ready
+
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "observability" / "dashboard.json"
 _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")  # Grafana's {{label}}
 RATE_WINDOW = "10s"  # $__rate_interval for a 1 s scrape
 MESSAGES = [{"role": "user", "content": "Say something."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _requests(rng: random.Random) -> tuple[str, dict[str, Any]]:
@@ -109,45 +93,24 @@ scrape_configs:
 def _collect(prometheus: str, seconds: float, workers: int) -> dict[str, Any]:
     """The demo backend, n-proxy and Prometheus as processes of their own; the load from here."""
     home = Path(tempfile.mkdtemp(prefix="n-proxy-dashboard-"))
-    backend, port, admin, prom = (_free_port() for _ in range(4))
+    backend, port, admin, prom = (free_port() for _ in range(4))
     (home / "proxy.yaml").write_text(_PROXY_CONFIG.format(port=port, admin=admin, backend=backend))
     (home / "prometheus.yml").write_text(_PROMETHEUS_CONFIG.format(admin=admin))
     python = [sys.executable, "-m"]
-    commands = [
-        [*python, "proxy.devserver", "--port", str(backend), "--token-delay", "0.02"],
-        [*python, "proxy", "--config", str(home / "proxy.yaml")],
-        [prometheus, f"--config.file={home / 'prometheus.yml'}",
-         f"--storage.tsdb.path={home / 'data'}", f"--web.listen-address=127.0.0.1:{prom}"],
-    ]  # fmt: skip
-    processes = [
-        subprocess.Popen(c, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for c in commands
-    ]
+    devserver = [*python, "proxy.devserver", "--port", str(backend), "--token-delay", "0.02"]
+    proxy = [*python, "proxy", "--config", str(home / "proxy.yaml")]
+    prometheus_argv = [prometheus, f"--config.file={home / 'prometheus.yml'}",
+                       f"--storage.tsdb.path={home / 'data'}",
+                       f"--web.listen-address=127.0.0.1:{prom}"]  # fmt: skip
     try:
-        for ready in (f"127.0.0.1:{admin}/readyz", f"127.0.0.1:{prom}/-/ready"):
-            _wait(f"http://{ready}")
-        return asyncio.run(
-            _drive(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prom}/api/v1", seconds, workers)
-        )
+        with Fleet(home / "logs") as fleet:
+            wait_ready(fleet.launch("backend", devserver, backend, "/health"))
+            wait_ready(fleet.launch("n-proxy", proxy, admin, "/readyz"))
+            wait_ready(fleet.launch("prometheus", prometheus_argv, prom, "/-/ready"))
+            api = f"http://127.0.0.1:{prom}/api/v1"
+            return asyncio.run(_drive(f"http://127.0.0.1:{port}", api, seconds, workers))
     finally:
-        for process in processes:
-            process.terminate()
-            process.wait(10)
         shutil.rmtree(home, ignore_errors=True)
-
-
-def _wait(url: str, seconds: float = 20) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"bench.dashboard: {url} not ready in {seconds:g} s")
-        time.sleep(0.1)
 
 
 async def _drive(proxy: str, api: str, seconds: float, workers: int) -> dict[str, Any]:
@@ -233,7 +196,7 @@ def render(data: dict[str, Any], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.dashboard", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.tools.dashboard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     collect = sub.add_parser("collect")
     collect.add_argument("out", type=Path)

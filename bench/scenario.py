@@ -1,0 +1,121 @@
+"""What a scenario is (a plugin of ``python -m bench``) and what the driver hands it: its options,
+the tools found, and a Context that starts n-proxy (and the baseline beside it) and the servers."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.load import Loader, Tool
+from bench.procs import Fleet, Server, wait_ready
+from bench.profile import PySpy
+from bench.report import Row, Target
+from bench.stack import PROXY_CONFIG, start_proxy
+
+PROXY = "n-proxy"
+BASELINE = "baseline"
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options every scenario shares; each reads those it needs, with its own defaults."""
+
+    rounds: int = 1
+    seconds: float = 3.0
+    concurrency: tuple[int, ...] = (16,)
+    n: tuple[int, ...] = (1,)
+    max_tokens: int = 16
+    reps: int = 10
+    streams: tuple[int, ...] = (200,)
+    warm_up: bool = True
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """``run`` measures and returns what goes into the JSON (its ``summary`` included), ``render``
+    turns that into Markdown lines, ``targets`` checks it against the goals. ``full`` and
+    ``smoke`` are its Options defaults: a real run, and a tiny one of seconds for CI."""
+
+    name: str
+    title: str
+    run: Callable[[Context], Row]
+    render: Callable[[Row], list[str]]
+    targets: Callable[[Row], list[Target]] = lambda _: []
+    full: Mapping[str, Any] = field(default_factory=dict)
+    smoke: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What the driver found (None: not installed, or left out with --skip)."""
+
+    nginx: str | None
+    wrk: str | None
+    litellm: str | None
+    tool: Tool  # the load generator: wrk, or bench.load as a process
+    py_spy: str | None  # --profile
+
+
+@dataclass
+class Context:
+    options: Options
+    tools: Tools
+    args: argparse.Namespace  # the scenario-specific flags: --workers, --steps-ms, ...
+    fleet: Fleet
+    work: Path  # this scenario's scratch folder (configs, wrk scripts, py-spy stacks)
+    stack: contextlib.ExitStack
+    skipped: dict[str, str]
+
+    @property
+    def loader(self) -> Loader:
+        return Loader(self.tools.tool, self.options.seconds, self.work, self.tools.wrk)
+
+    def wants(self, contender: str) -> bool:
+        return contender not in self.args.skip
+
+    def trees(self, upstream: str) -> dict[str, tuple[Path | None, dict[str, str]]]:
+        """Which n-proxy runs, keyed "n-proxy" and "baseline": its checkout (None: this one) and
+        environment (--env, for this tree only; ``{upstream}`` in a value is the upstream's URL)."""
+        env = {k: v.replace("{upstream}", upstream) for k, v in self.args.env.items()}
+        found: dict[str, tuple[Path | None, dict[str, str]]] = {PROXY: (None, env)}
+        if self.args.baseline is not None:
+            found[BASELINE] = (self.args.baseline, {})
+        return found
+
+    def proxies(
+        self, upstream: str, suffix: str = "", config: str = PROXY_CONFIG, workers: int = 1
+    ) -> dict[str, Server]:
+        """Each of ``trees`` as a server in front of ``upstream``; launched only (``ready``)."""
+        return {
+            label: start_proxy(self.fleet, self.work, upstream, label + suffix, workers=workers,
+                               checkout=tree, config=config, env=env)
+            for label, (tree, env) in self.trees(upstream).items()
+        }  # fmt: skip
+
+    def ready(
+        self, servers: Mapping[str, Server], optional: Collection[str] = ()
+    ) -> dict[str, Server]:
+        """Wait until each answers; an ``optional`` one that does not is skipped and noted. With
+        --profile, py-spy starts recording n-proxy once it is up."""
+        up: dict[str, Server] = {}
+        for name, server in servers.items():
+            if any(server is seen for seen in up.values()):  # one server, two contenders
+                up[name] = server
+                continue
+            try:
+                wait_ready(server)
+            except RuntimeError as exc:
+                if name not in optional:
+                    raise
+                self.skipped[name] = f"did not start: {exc}"[:300]
+                self.fleet.stop(server)
+                continue
+            up[name] = server
+            if self.tools.py_spy and server.name == PROXY:
+                out = self.work / "profile.txt"
+                self.stack.enter_context(PySpy(self.tools.py_spy, server.pid, out))
+        return up

@@ -1,0 +1,95 @@
+"""llama.cpp's own server (the suite's tiny GGUF, via xllamacpp) behind n-proxy: first token and
+whole stream at -np 1 and -np 4, with ``stream_start: first`` and ``all``."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import aiohttp
+import orjson
+
+from bench.report import Row, table
+from bench.scenario import Context, Scenario
+from bench.stats import median
+from bench.workload import StreamTiming, client, read_stream, run_async
+from tests.support.llamacpp import start_llama_server
+from tests.support.tinymodel import build_tiny_gguf
+
+CHAT = "/v1/chat/completions"
+ATTEMPTS = 3
+REQUEST_SECONDS = 300
+CONFIG = """\
+stream_start: {start}
+upstreams:
+  - name: llama
+    url: {{url}}
+    max_concurrency: 100000
+    max_queue: 0
+    retry_on: [{retry_on}]
+"""
+
+
+async def _stream(
+    session: aiohttp.ClientSession, url: str, body: bytes, failed: list[str]
+) -> StreamTiming:
+    """One stream, timed; a request that failed is noted and sent again."""
+    for _ in range(ATTEMPTS):
+        timing = await read_stream(session, url + CHAT, body)
+        if timing.status == 200:
+            return timing
+        failed.append(f"status {timing.status}")
+    raise RuntimeError(f"{ATTEMPTS} failures in a row: {failed[-ATTEMPTS:]}")
+
+
+async def _measure(ctx: Context) -> Row:
+    o, rows, failed = ctx.options, [], cast(list[str], [])
+    model = build_tiny_gguf(ctx.work / "tiny.gguf", eos_reachable=True)
+    for slots in (1, 4):
+        n_ctx = max(512, slots * (o.max_tokens + 64))
+        async with start_llama_server(model, n_parallel=slots, n_ctx=n_ctx) as server:
+            cases = [("direct", "", server.base_url, 1)]
+            for start in ("first", "all"):
+                config = CONFIG.format(start=start, retry_on=", ".join(ctx.args.retry_on))
+                up = ctx.ready(ctx.proxies(server.base_url, f"-np{slots}-{start}", config))
+                cases += [(label, start, proxy.url, o.n[0]) for label, proxy in up.items()]
+            # A new connection per request: llama-server drops a kept-alive connection after a
+            # stream, and the same rule for every path keeps them comparable.
+            async with client(REQUEST_SECONDS, force_close=True) as session:
+                for path, start, url, n in cases:
+                    body = orjson.dumps({
+                        "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": o.max_tokens, "ignore_eos": True, "seed": 1, "stream": True,
+                        "n": n,
+                    })  # fmt: skip
+                    await _stream(session, url, body, failed)  # warm-up
+                    timings = [await _stream(session, url, body, failed) for _ in range(o.reps)]
+                    rows.append({"np": slots, "path": path, "stream_start": start, "n": n,
+                                 "first_token_ms": median(t.first_token_at * 1e3 for t in timings),
+                                 "total_ms": median(t.end_at * 1e3 for t in timings)})  # fmt: skip
+                    first, whole = rows[-1]["first_token_ms"], rows[-1]["total_ms"]
+                    print(f"  llamacpp -np {slots} {path} {start}: {first:.1f} / {whole:.0f} ms")
+            for server_ in list(ctx.fleet.servers):
+                ctx.fleet.stop(server_)
+    return {"failed": failed, "summary": rows}
+
+
+def _run(ctx: Context) -> Row:
+    return run_async(_measure(ctx))
+
+
+def _render(data: Row) -> list[str]:
+    return [
+        f"`stream: true`, `max_tokens: {data['options']['max_tokens']}`, `ignore_eos`, medians of"
+        f" {data['options']['reps']}. Requests sent again after a failure: {len(data['failed'])}"
+        + (f" ({', '.join(sorted(set(data['failed'])))})" if data["failed"] else "") + ".",
+        *table([("`-np`", "np", ""), ("path", "path", ""), ("n", "n", ""),
+                ("stream_start", "stream_start", ""),
+                ("first token ms", "first_token_ms", "{:.0f}"),
+                ("whole stream ms", "total_ms", "{:.0f}")], data["summary"]),
+    ]  # fmt: skip
+
+
+SCENARIO = Scenario(
+    "llamacpp", "llama.cpp's server behind n-proxy", _run, _render,
+    full={"n": (4,), "max_tokens": 400, "reps": 20}, smoke={"max_tokens": 16, "reps": 2},
+)  # fmt: skip

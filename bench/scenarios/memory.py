@@ -1,0 +1,209 @@
+"""Memory: n-proxy's RSS with many open streams (it must not grow with stream length), and the bytes
+it holds behind a client that stops reading (read minus written, /proc/PID/io)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from typing import Any
+
+import orjson
+
+from bench.procs import ProcSample, Server
+from bench.report import Column, Row, Target, pick, say, table, target
+from bench.scenario import PROXY, Context, Scenario
+from bench.stack import start_backend
+from bench.stats import numbers
+from bench.workload import CHAT_PATH, chat_body, client, read_stream, run_async
+
+KIB = 1024
+OPEN_BATCH = 100  # streams opened at once: stays under the listen backlog
+OPEN_TOKENS = 40  # per open stream, paced to last --seconds
+STALL_SHARE = 0.4  # the slow client stalls for this share of --seconds
+CLIENT_RCVBUF = 4096  # the slow client's receive buffer: the kernel holds little for it
+FLAT_KIB = 1024  # "flat": less than this much growth between early and late in a stream's life
+
+
+async def open_streams(
+    proxy: Server, streams: int, n: int, tokens: int, token_delay: float
+) -> dict[str, Any]:
+    """``streams`` concurrent n-choice streams, each ``tokens * token_delay`` seconds long."""
+    body = orjson.dumps(
+        chat_body(n, stream=True, max_tokens=tokens, x_demo={"token_delay": token_delay})
+    )
+    url = proxy.url + CHAT_PATH
+    life = tokens * token_delay
+    idle = proxy.sample()
+    async with client(life + 120) as session:
+        await read_stream(session, url, orjson.dumps(chat_body(n, stream=True, max_tokens=2)))
+        warm = proxy.sample()
+        flowing = 0
+        all_flowing = asyncio.Event()
+
+        def one_more() -> None:
+            nonlocal flowing
+            flowing += 1
+            if flowing == streams:
+                all_flowing.set()
+
+        tasks: list[asyncio.Task[Any]] = []
+        opened = time.perf_counter()
+        for start in range(0, streams, OPEN_BATCH):
+            batch = min(OPEN_BATCH, streams - start)
+            tasks += [
+                asyncio.create_task(read_stream(session, url, body, on_first_byte=one_more))
+                for _ in range(batch)
+            ]
+            await asyncio.sleep(0.02)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(life / 2):
+                await all_flowing.wait()
+        # Early (every stream flowing), middle and late in the streams' life.
+        first = time.perf_counter()
+        samples = []
+        for moment in (first, (first + opened + 0.9 * life) / 2, opened + 0.9 * life):
+            if (wait := moment - time.perf_counter()) > 0:
+                await asyncio.sleep(wait)
+            samples.append(proxy.sample())
+        timings = await asyncio.gather(*tasks, return_exceptions=True)
+    done = proxy.sample()
+    failed = [t for t in timings if isinstance(t, BaseException) or t.status != 200]
+    early, late = samples[0].rss_bytes, samples[-1].rss_bytes
+    result = {
+        "streams": streams, "flowing_at_first_sample": flowing, "n": n, "stream_seconds": life,
+        "failed": len(failed), "rss_idle_kib": idle.rss_bytes // KIB,
+        "rss_warm_kib": warm.rss_bytes // KIB, "rss_after_kib": done.rss_bytes // KIB,
+        "rss_open_kib": [s.rss_bytes // KIB for s in samples],
+        "fds_open": samples[-1].fds, "fds_after": done.fds,
+        "per_stream_kib": (late - warm.rss_bytes) / streams / KIB,
+        # Late minus early while every stream is open: memory that tracks stream length.
+        "growth_early_to_late_kib": (late - early) // KIB,
+    }  # fmt: skip
+    say(f"memory, {streams} open streams", result, "per_stream_kib", "growth_early_to_late_kib",
+        "failed")  # fmt: skip
+    return result
+
+
+async def slow_client(
+    proxy: Server, backend: Server, n: int, tokens: int, stall: float
+) -> dict[str, Any]:
+    """One stream the client stops reading while the backend generates with no delay."""
+    body = orjson.dumps(chat_body(n, stream=True, max_tokens=tokens))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(5):
+        await loop.sock_connect(sock, ("127.0.0.1", proxy.port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        before = proxy.sample()
+        backend_before = backend.sample()
+        writer.write(
+            f"POST {CHAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"slow client: {head[:200]!r}")
+            await reader.read(1024)
+        # Reading stops here. Let the buffers fill, then watch whether anything still grows.
+        await asyncio.sleep(stall / 2)
+        settled, backend_settled = proxy.sample(), backend.sample()
+        await asyncio.sleep(stall / 2)
+        late, backend_late = proxy.sample(), backend.sample()
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+    def held(sample: ProcSample) -> int:
+        read = sample.read_bytes - before.read_bytes
+        return read - (sample.written_bytes - before.written_bytes)
+
+    sent = backend_late.written_bytes - backend_before.written_bytes
+    sent_late = backend_late.written_bytes - backend_settled.written_bytes
+    result = {
+        "n": n, "stall_seconds": stall, "backend_sent_kib": sent // KIB,
+        "backend_sent_late_kib": sent_late // KIB, "proxy_held_kib": held(late) // KIB,
+        "proxy_held_per_child_kib": held(late) / n / KIB,
+        "proxy_held_growth_late_kib": (held(late) - held(settled)) // KIB,
+        "rss_before_kib": before.rss_bytes // KIB, "rss_late_kib": late.rss_bytes // KIB,
+        "rss_growth_kib": (late.rss_bytes - before.rss_bytes) // KIB,
+        "rss_growth_late_kib": (late.rss_bytes - settled.rss_bytes) // KIB,
+    }  # fmt: skip
+    say(f"memory, slow client n={n}", result, "proxy_held_per_child_kib", "rss_growth_kib",
+        "backend_sent_late_kib")  # fmt: skip
+    return result
+
+
+async def _measure(ctx: Context, backend: Server, proxies: dict[str, Server]) -> Row:
+    o, rows = ctx.options, []
+    for label, proxy in proxies.items():
+        opened = await open_streams(
+            proxy, o.streams[0], o.n[0], OPEN_TOKENS, o.seconds / OPEN_TOKENS
+        )
+        stalled = await slow_client(proxy, backend, o.n[-1], o.max_tokens, o.seconds * STALL_SHARE)
+        rows.append({"proxy": label, "open_streams": opened, "slow_client": stalled})
+    return {"summary": rows}
+
+
+def _run(ctx: Context) -> Row:
+    backend = start_backend(ctx.fleet)
+    proxies = ctx.proxies(backend.url)
+    ctx.ready({"backend": backend})
+    return run_async(_measure(ctx, backend, ctx.ready(proxies)))
+
+
+OPEN: list[Column] = [
+    ("proxy", "proxy", ""), ("open streams", "streams", ""), ("n", "n", ""),
+    ("RSS warm KiB", "rss_warm_kib", "{:,}"),
+    ("RSS all flowing / mid / at 90 % of life KiB", "rss_open_kib", "{:,}"),
+    ("KiB per stream", "per_stream_kib", "{:.1f}"),
+    ("growth early to late KiB", "growth_early_to_late_kib", "{:,}"),
+    ("open fds", "fds_open", ""), ("failed", "failed", ""),
+]  # fmt: skip
+SLOW: list[Column] = [
+    ("proxy", "proxy", ""), ("slow client, n", "n", ""), ("stall s", "stall_seconds", "{:g}"),
+    ("held in proxy per child KiB", "proxy_held_per_child_kib", "{:.1f}"),
+    ("held growth, 2nd half of stall KiB", "proxy_held_growth_late_kib", "{:,}"),
+    ("RSS growth KiB", "rss_growth_kib", "{:,}"), ("backend sent KiB", "backend_sent_kib", "{:,}"),
+    ("backend sent, 2nd half of stall KiB", "backend_sent_late_kib", "{:,}"),
+]  # fmt: skip
+
+
+def _render(data: Row) -> list[str]:
+    def part(key: str) -> list[Row]:
+        return [{"proxy": r["proxy"], **r[key]} for r in data["summary"]]
+
+    return [
+        *table(OPEN, part("open_streams")),
+        *table(SLOW, part("slow_client")),
+        "",
+        "Held in proxy = bytes it read minus bytes it wrote (/proc/PID/io), i.e. what sits in"
+        " its user-space buffers; kernel socket buffers are not counted.",
+    ]
+
+
+def _targets(data: Row) -> list[Target]:
+    mine = pick(data["summary"], proxy=PROXY)
+    opened, stalled = mine.get("open_streams", {}), mine.get("slow_client", {})
+    growth = max(numbers([opened.get("growth_early_to_late_kib"),
+                          stalled.get("proxy_held_growth_late_kib")]), default=None)  # fmt: skip
+    held = stalled.get("proxy_held_per_child_kib")
+    return [
+        target("memory growth with stream length", growth, "<=", FLAT_KIB, "{:,.0f} KiB"),
+        target("bytes held per child behind a slow client", held, "<=", 64, "{:.1f} KiB"),
+    ]
+
+
+SCENARIO = Scenario(
+    "memory", "Memory: many open streams, and one client that stops reading", _run, _render,
+    _targets, full={"seconds": 10.0, "streams": (1000,), "n": (2, 8), "max_tokens": 100_000},
+    smoke={"seconds": 1.0, "streams": (20,), "n": (2,), "max_tokens": 20_000},
+)  # fmt: skip

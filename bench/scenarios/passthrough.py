@@ -1,0 +1,199 @@
+"""n=1 pass-through, non-streaming, at fixed concurrency: every contender in each round, direct to
+the demo backend as the limit. ``measure`` is also the wire scenario's loop."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from bench.load import LoadResult, post
+from bench.procs import CpuUse, CpuWatch, Server, settle
+from bench.report import Column, Row, Target, pick, table, target
+from bench.scenario import BASELINE, PROXY, Context, Scenario
+from bench.stack import start_backend, start_forwarder, start_litellm, start_nginx, start_proxy
+from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles, rotated
+from bench.workload import Request, chat_request
+
+DIRECT = "direct"
+FORWARDER = "aiohttp forwarder"
+HEADLINE = 16  # the concurrency the goals are stated at
+RPS_RATIO = over("rps")
+
+
+def check(name: str, server: Server, request: Request) -> int:
+    """A contender must answer correctly before it is timed: choices 0 to n-1, with usage (in a
+    stream: every index, and one ``[DONE]``). Returns n."""
+    sent = orjson.loads(request.body)
+    n, (status, raw) = int(sent.get("n", 1)), post(server.url, request)
+    if sent.get("stream"):
+        events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line[:7] == b"data: {"]
+        indexes = sorted({c["index"] for e in events for c in e.get("choices") or ()})
+        ok = raw.count(b"data: [DONE]") == 1
+    else:
+        body: Any = orjson.loads(raw) if status == 200 else None
+        ok = isinstance(body, dict) and "usage" in body
+        indexes = [c.get("index") for c in body.get("choices") or ()] if ok else []
+    if status != 200 or not ok or indexes != list(range(n)):
+        raise RuntimeError(f"{name}: bad answer to the n={n} request ({status}): {raw[:300]!r}")
+    return n
+
+
+def timed(
+    ctx: Context, server: Server, request: Request, c: int, what: str
+) -> tuple[LoadResult, CpuUse]:
+    """One measurement, once every server is idle, with the CPU each used during it."""
+    servers = list(ctx.fleet.servers)
+    settle(servers)
+    watch = CpuWatch(servers)
+    result = ctx.loader.run(server.url, request, c)
+    cpu = watch.stop()
+    print(
+        f"  {ctx.work.name} {what:<40} {result.rps:8.0f} req/s  p50 {result.p50_ms:7.3f} ms"
+        f"  p99 {result.p99_ms:7.3f} ms  errors {result.errors}  other load {cpu.foreign:.2f},"
+        f" steal {cpu.steal:.2f} cores",
+        flush=True,
+    )
+    return result, cpu
+
+
+def measure(
+    ctx: Context, targets: Mapping[str, Server], requests: Mapping[str, Request] | None = None
+) -> Row:
+    """Rounds of every contender at every concurrency, in a rotated order. ``requests``: a
+    contender's own request (default: the n=1 chat request)."""
+    o = ctx.options
+    chosen = {name: (requests or {}).get(name) or chat_request() for name in targets}
+    checked = {name: check(name, server, chosen[name]) for name, server in targets.items()}
+    for name in targets if o.warm_up else ():  # connection pools, lazy imports, caches
+        ctx.loader.run(targets[name].url, chosen[name], max(o.concurrency))
+    rows: list[Row] = []
+    for turn in range(o.rounds):
+        for c in o.concurrency:
+            for name in rotated(list(targets), turn):
+                what = f"round {turn} c={c} {name}"
+                result, cpu = timed(ctx, targets[name], chosen[name], c, what)
+                us = 1e6 / result.rps if result.rps else 0.0
+                rows.append({
+                    "round": turn, "target": name, "concurrency": c, **result.to_json(),
+                    # CPU per request of the contender itself, and of the upstream behind it.
+                    "cpu_us_per_req": cpu.by_server.get(targets[name].name, 0.0) * us,
+                    "backend_cpu_us_per_req": cpu.by_server.get(targets[DIRECT].name, 0.0) * us,
+                    "other_load_cores": cpu.foreign, "steal_cores": cpu.steal,
+                })  # fmt: skip
+    return {"runs": rows, "summary": summarize(rows), "checked": checked}
+
+
+def versus(
+    rows: Sequence[Row], name: str, base: str, c: int, value: Pairing = RPS_RATIO
+) -> list[float]:
+    """Per round at concurrency ``c``: ``value`` of ``name``'s row and ``base``'s."""
+    return paired([r for r in rows if r["concurrency"] == c], "target", name, base, value)
+
+
+def summarize(rows: Sequence[Row]) -> list[Row]:
+    """Medians per contender and concurrency; added latency against direct in the same round, and
+    req/s and CPU per request against the baseline's (quartiles) when there is one."""
+    summary: list[Row] = []
+    for (c, name), mine in grouped(rows, "concurrency", "target"):
+        row = {
+            "target": name,
+            "concurrency": c,
+            **medians(mine, "rps", "p50_ms", "p99_ms", "cpu_us_per_req", "backend_cpu_us_per_req"),
+            "rps_vs_direct": median(versus(rows, name, DIRECT, c)),
+            "added_p50_ms": median(versus(rows, name, DIRECT, c, minus("p50_ms"))),
+            "added_p99_ms": median(versus(rows, name, DIRECT, c, minus("p99_ms"))),
+            "errors": sum(r["errors"] for r in mine),
+            **medians(mine, "other_load_cores", "steal_cores"),
+        }
+        base = name.replace(PROXY, BASELINE, 1)
+        if base != name and any(r["target"] == base for r in rows):
+            row["baseline"] = base
+            row["rps_vs_baseline"] = quartiles(versus(rows, name, base, c))
+            row["cpu_vs_baseline"] = quartiles(versus(rows, name, base, c, over("cpu_us_per_req")))
+        summary.append(row)
+    return summary
+
+
+COLUMNS: list[Column] = [
+    ("contender", "target", ""), ("concurrency", "concurrency", ""), ("req/s", "rps", "{:,.0f}"),
+    ("vs direct", "rps_vs_direct", "{:.0%}"), ("p50 ms", "p50_ms", "{:.3f}"),
+    ("p99 ms", "p99_ms", "{:.3f}"), ("added p50 ms", "added_p50_ms", "{:+.3f}"),
+    ("added p99 ms", "added_p99_ms", "{:+.3f}"), ("own CPU µs/req", "cpu_us_per_req", "{:,.0f}"),
+    ("errors", "errors", ""), ("other load, cores", "other_load_cores", "{:.2f}"),
+    ("steal, cores", "steal_cores", "{:.2f}"),
+]  # fmt: skip
+NOTE = (
+    "Added latency is paired by round (contender minus direct in the same round), then the"
+    " median. Other load: CPU used by processes that are not the bench; steal: CPU the"
+    " hypervisor gave to other machines. Both should be near 0 for clean numbers."
+)
+
+
+def baseline_table(summary: Sequence[Row]) -> list[str]:
+    """This tree's n-proxy over the baseline's, per round, then the median (and quartiles)."""
+
+    def spread(q: Sequence[float]) -> str:
+        return f"{q[1]:.3f}x ({q[0]:.3f}-{q[2]:.3f})"
+
+    rows = [
+        {**r, "rps_q": spread(r["rps_vs_baseline"]), "cpu_q": spread(r["cpu_vs_baseline"])}
+        for r in summary
+        if "baseline" in r
+    ]
+    return [] if not rows else [
+        "", "Against the baseline, paired by round (a shared machine's load moves both alike"
+        " within a round): the median over rounds, and the first to third quartile.",
+        *table([("contender", "target", ""), ("over", "baseline", ""),
+                ("concurrency", "concurrency", ""), ("req/s", "rps_q", ""),
+                ("own CPU µs/req", "cpu_q", "")], rows),
+    ]  # fmt: skip
+
+
+def _run(ctx: Context) -> Row:
+    backend = start_backend(ctx.fleet)
+    contenders = {DIRECT: backend}
+    if ctx.tools.nginx:
+        contenders["nginx"] = start_nginx(ctx.fleet, ctx.work, ctx.tools.nginx, backend)
+    if ctx.wants("forwarder"):
+        contenders[FORWARDER] = start_forwarder(ctx.fleet, backend)
+    contenders.update(ctx.proxies(backend.url))
+    workers = f"{PROXY} x{ctx.args.workers}"
+    if ctx.args.workers > 1:
+        contenders[workers] = start_proxy(
+            ctx.fleet, ctx.work, backend.url, workers, workers=ctx.args.workers
+        )
+    if ctx.tools.litellm:
+        contenders["litellm"] = start_litellm(ctx.fleet, ctx.work, ctx.tools.litellm, backend)
+    return measure(ctx, ctx.ready(contenders, {"nginx", FORWARDER, workers, "litellm"}))
+
+
+def _render(data: Row) -> list[str]:
+    return [*table(COLUMNS, data["summary"]), "", NOTE, *baseline_table(data["summary"])]
+
+
+def _targets(data: Row) -> list[Target]:
+    rows, summary, c = data["runs"], data["summary"], HEADLINE
+    proxy, at = pick(summary, target=PROXY, concurrency=c), f" (n=1, c={c})"
+    low = pick(summary, target=PROXY, concurrency=1).get("added_p50_ms")
+
+    def vs(other: str) -> float:
+        return median(versus(rows, PROXY, other, c))
+
+    return [
+        target("added p50 latency" + at, proxy.get("added_p50_ms"), "<=", 0.3, "{:.3f} ms"),
+        target("added p99 latency" + at, proxy.get("added_p99_ms"), "<=", 1.0, "{:.3f} ms"),
+        target("throughput vs direct" + at, proxy.get("rps_vs_direct"), ">=", 0.5, "{:.0%}"),
+        target("throughput vs LiteLLM" + at, vs("litellm"), ">=", 5, "{:.1f}x"),
+        target("throughput vs nginx" + at, vs("nginx"), ">=", 0.5, "{:.2f}x"),
+        target("throughput vs the aiohttp forwarder" + at, vs(FORWARDER), ">=", 1.5, "{:.2f}x"),
+        target("added p50 latency (n=1, c=1)", low, "<=", 0.25, "{:.3f} ms"),
+    ]
+
+
+SCENARIO = Scenario(
+    "passthrough", "n=1 pass-through, non-streaming, against the demo backend", _run, _render,
+    _targets, full={"rounds": 5, "seconds": 3.0, "concurrency": (1, 16, 64)},
+    smoke={"seconds": 0.2, "concurrency": (4,)},
+)  # fmt: skip
