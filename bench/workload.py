@@ -1,16 +1,18 @@
 """The request bodies every scenario sends, what a correct answer to them looks like, and reading
-an SSE answer as a client does, with the moments that matter timed (events counted on the raw
-bytes, so the reader stays cheap next to the servers it measures)."""
+an SSE answer as a client does: timed through aiohttp (``read_stream``), or raw off the socket
+for the scenarios that hold hundreds of streams (``RawStream``). Events are counted on the raw
+bytes, so either reader stays cheap next to the servers it measures."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import re
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aiohttp
 import orjson
@@ -144,6 +146,99 @@ async def read_stream(
         events=counter.events,
         size=counter.size,
     )
+
+
+def raw_post(path: str, body: bytes, *, close: bool = False) -> bytes:
+    """A JSON POST as bytes, for the clients that write it to a socket themselves."""
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "")
+    return (head + "\r\n").encode() + body
+
+
+OnEvents = Callable[[float, bytes], None]
+OPEN_BATCH = 100  # connections opened at once: a listen backlog is not the thing measured
+MAX_HEAD = 65536
+
+
+class RawStream(asyncio.Protocol):
+    """One request on a connection of its own, its SSE answer read raw: ``status`` from the head,
+    then ``on_events(now, block)`` with each run of whole events (``now``: time.monotonic()).
+    ``flowing`` is done with the first run (an error when the answer is not a 200, or the
+    connection ends first), ``ended`` when the connection closes; ``events`` counts them."""
+
+    def __init__(self, request: bytes, on_events: OnEvents = lambda now, block: None) -> None:
+        loop = asyncio.get_running_loop()
+        self.request, self.on_events = request, on_events
+        self.flowing: asyncio.Future[None] = loop.create_future()
+        self.ended: asyncio.Future[None] = loop.create_future()
+        self.transport: asyncio.Transport | None = None
+        self.status = self.events = 0
+        self._buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.write(self.request)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._flowing(ConnectionError("closed before the first event"))
+        self.ended.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        now, buffer = time.monotonic(), self._buffer + data
+        if not self.status:
+            head, sep, buffer = buffer.partition(b"\r\n\r\n")
+            if not sep:
+                self._buffer = head[-MAX_HEAD:]
+                return
+            self.status = int(head[9:12]) if head[9:12].isdigit() else -1  # "HTTP/1.1 200"
+            if self.status != 200:
+                self._flowing(ConnectionError(head[:200].decode(errors="replace")))
+        cut = buffer.rfind(b"\n\n") + 2  # 1 when there is no whole event yet
+        if self.status != 200 or cut < 2:
+            self._buffer = buffer if self.status == 200 else b""
+            return
+        block, self._buffer = buffer[:cut], buffer[cut:]
+        self.events += block.count(_EVENT)
+        self._flowing(None)
+        self.on_events(now, block)
+
+    def _flowing(self, error: Exception | None) -> None:
+        if self.flowing.done():
+            return
+        if error is None:
+            self.flowing.set_result(None)
+        else:
+            self.flowing.set_exception(error)
+
+
+async def open_raw(
+    port: int,
+    request: bytes,
+    count: int = 1,
+    on_events: OnEvents = lambda now, block: None,
+    rcvbuf: int = 0,
+) -> list[RawStream]:
+    """``count`` RawStreams to 127.0.0.1:``port``, opened OPEN_BATCH at a time; ``rcvbuf``: each
+    socket's receive buffer, set before it connects (0: the kernel's default)."""
+    loop, streams = asyncio.get_running_loop(), []
+
+    async def connect(stream: RawStream) -> None:
+        sock = socket.socket()
+        try:
+            if rcvbuf:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            await loop.create_connection(lambda: stream, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    for start in range(0, count, OPEN_BATCH):
+        batch = [RawStream(request, on_events) for _ in range(min(OPEN_BATCH, count - start))]
+        await asyncio.gather(*(connect(stream) for stream in batch))
+        streams += batch
+    return streams
 
 
 def client(seconds: float, limit: int = 0, force_close: bool = False) -> aiohttp.ClientSession:
