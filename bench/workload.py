@@ -161,10 +161,10 @@ MAX_HEAD = 65536
 
 
 class RawStream(asyncio.Protocol):
-    """One request on a connection of its own, its SSE answer read raw: ``status`` from the head,
-    then ``on_events(now, block)`` with each run of whole events (``now``: time.monotonic()).
-    ``flowing`` is done with the first run (an error when the answer is not a 200, or the
-    connection ends first), ``ended`` when the connection closes; ``events`` counts them."""
+    """One request on a connection of its own, its SSE answer read raw: ``status`` from the head
+    (0 until then), then ``on_events(now, block)`` with each run of whole events (``now``:
+    time.monotonic()). ``flowing`` is done at the first run, or when none will come (``error``
+    then says why); ``ended`` when the connection closes; ``events`` counts them."""
 
     def __init__(self, request: bytes, on_events: OnEvents = lambda now, block: None) -> None:
         loop = asyncio.get_running_loop()
@@ -173,14 +173,14 @@ class RawStream(asyncio.Protocol):
         self.ended: asyncio.Future[None] = loop.create_future()
         self.transport: asyncio.Transport | None = None
         self.status = self.events = 0
-        self._buffer = b""
+        self.error = self._buffer = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         self.transport.write(self.request)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._flowing(ConnectionError("closed before the first event"))
+        self._flowing(b"closed before the first event")
         self.ended.set_result(None)
 
     def data_received(self, data: bytes) -> None:
@@ -192,23 +192,20 @@ class RawStream(asyncio.Protocol):
                 return
             self.status = int(head[9:12]) if head[9:12].isdigit() else -1  # "HTTP/1.1 200"
             if self.status != 200:
-                self._flowing(ConnectionError(head[:200].decode(errors="replace")))
+                self._flowing(head[:200])
         cut = buffer.rfind(b"\n\n") + 2  # 1 when there is no whole event yet
         if self.status != 200 or cut < 2:
             self._buffer = buffer if self.status == 200 else b""
             return
         block, self._buffer = buffer[:cut], buffer[cut:]
         self.events += block.count(_EVENT)
-        self._flowing(None)
+        self._flowing(b"")
         self.on_events(now, block)
 
-    def _flowing(self, error: Exception | None) -> None:
-        if self.flowing.done():
-            return
-        if error is None:
+    def _flowing(self, error: bytes) -> None:
+        if not self.flowing.done():
+            self.error = error
             self.flowing.set_result(None)
-        else:
-            self.flowing.set_exception(error)
 
 
 async def open_raw(

@@ -48,8 +48,8 @@ async def _client(
     started = time.monotonic()
     streams = await open_raw(port, raw_post(CHAT_PATH, body), requests, on_events)
     left = max(RAMP_LIMIT - (time.monotonic() - started), 0.1)
-    done, pending = await asyncio.wait([s.flowing for s in streams], timeout=left)
-    failed = [f.exception() for f in done if f.exception() is not None]
+    _, pending = await asyncio.wait([s.flowing for s in streams], timeout=left)
+    failed = [s.error for s in streams if s.error]
     ramp = time.monotonic() - started
     await asyncio.sleep(warmup)
     print("start", flush=True)
@@ -64,7 +64,7 @@ async def _client(
     offered = requests * n * window / step
     result = {
         "requests": requests, "ramp_s": ramp, "not_started": len(pending) + len(failed),
-        "errors": [str(e)[:200] for e in failed[:3]], "window_s": window,
+        "errors": [e.decode(errors="replace") for e in failed[:3]], "window_s": window,
         "chunks": len(latencies), "offered": offered,
         "delivered": len(latencies) / offered if offered else None,
         "latency_ms": {q: percentile(latencies, p) * 1000 for q, p in QUANTILES},

@@ -35,7 +35,7 @@ async def open_streams(
     warm, opened = proxy.sample(), time.perf_counter()
     held = await open_raw(proxy.port, raw_post(CHAT_PATH, body, close=True), streams)
     await asyncio.wait([s.flowing for s in held], timeout=life / 2)
-    flowing = sum(s.flowing.done() and s.flowing.exception() is None for s in held)
+    flowing = sum(s.flowing.done() and not s.error for s in held)
     # Early (every stream flowing), middle and late in the streams' life.
     first = time.perf_counter()
     samples = []
@@ -76,6 +76,8 @@ async def slow_client(
     try:
         async with asyncio.timeout(10):
             await stream.flowing
+        if stream.error:
+            raise RuntimeError(f"slow client: {stream.error!r}")
         stream.transport.pause_reading()
         # Reading stops here. Let the buffers fill, then watch whether anything still grows.
         await asyncio.sleep(stall / 2)

@@ -20,7 +20,7 @@ from bench.report import Row, Target, table, target
 from bench.scenario import Context, Scenario
 from bench.stack import start_backend, start_proxy
 from bench.stats import median
-from bench.workload import CHAT_PATH, HEADERS, MODEL, chat_body, client, run_async
+from bench.workload import CHAT_PATH, HEADERS, MODEL, chat_body, client, open_raw, run_async
 
 MAX_SECONDS = 7200.0
 SAMPLES = 60  # RSS, fds and gauges this many times over the soak (at most once a second)
@@ -107,21 +107,22 @@ async def _client(
             await asyncio.sleep(0.5)
 
 
-async def _raw(port: int, data: bytes, wait: float) -> bytes:
-    """Send ``data`` and read until the proxy closes; b"" if it closed before answering."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def _cut(port: int, data: bytes) -> str:
+    """Send ``data``, a request never finished, on a connection of its own: how the proxy ended
+    it (its status, "closed" without one, or "not cut" when it kept the connection open)."""
     try:
-        writer.write(data)
-        async with asyncio.timeout(wait):
-            return await reader.read(-1)
+        [stream] = await open_raw(port, data)
+    except OSError:
+        return "refused at connect"  # mostly while a burst holds max_connections
+    try:
+        async with asyncio.timeout(CLIENT_SECONDS * 10):
+            await stream.ended
     except TimeoutError:
-        return b"timeout"
-    except ConnectionError:
-        return b""
+        return "not cut"
     finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
+        assert stream.transport is not None
+        stream.transport.abort()
+    return str(stream.status) if stream.status else "closed"
 
 
 _HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
@@ -136,41 +137,18 @@ async def _slow_client(port: int, deadline: float, counts: Counter[str], offset:
         label, data = _SLOW[turn % len(_SLOW)]
         turn += 1
         began = time.monotonic()
-        answer = await _raw(port, data, CLIENT_SECONDS * 10)
-        status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else "closed"
-        counts[f"{label}: {'not cut' if answer == b'timeout' else status}"] += 1
+        counts[f"{label}: {await _cut(port, data)}"] += 1
         if time.monotonic() - began < CLIENT_SECONDS / 2:
             await asyncio.sleep(CLIENT_SECONDS / 2)  # refused during a burst: do not spin
 
 
 async def _bursts(port: int, deadline: float, counts: Counter[str]) -> None:
-    """Every BURST_EVERY s, more connections at once than max_connections: the rest are closed."""
+    """Every BURST_EVERY s, more idle connections at once than max_connections: the proxy must
+    close those past it at once, and the rest with a 408 at the header deadline."""
     while time.monotonic() + BURST_EVERY < deadline:
         await asyncio.sleep(BURST_EVERY)
-        tries = await asyncio.gather(
-            *(asyncio.open_connection("127.0.0.1", port) for _ in range(MAX_CONNECTIONS + 50)),
-            return_exceptions=True,
-        )
-        opened = [t for t in tries if not isinstance(t, BaseException)]
-        counts["burst: connect failed"] += len(tries) - len(opened)
-        ends = await asyncio.gather(*(_end(reader) for reader, _ in opened))
+        ends = await asyncio.gather(*(_cut(port, b"") for _ in range(MAX_CONNECTIONS + 50)))
         counts.update(f"burst: {end}" for end in ends)
-        for _, writer in opened:
-            writer.close()
-
-
-async def _end(reader: asyncio.StreamReader) -> str:
-    """How the proxy ended one idle connection of a burst."""
-    try:
-        async with asyncio.timeout(CLIENT_SECONDS * 10):
-            answer = await reader.read(-1)
-    except ConnectionError:
-        return "refused at accept"
-    except TimeoutError:
-        return "never closed"
-    if not answer:
-        return "refused at accept"
-    return "408 after the header deadline" if b" 408 " in answer[:16] else "other answer"
 
 
 GAUGES = ("n_proxy_children_in_flight", "n_proxy_client_connections",
