@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import socket
 import time
@@ -33,29 +34,19 @@ class Request:
 
 
 def chat_body(
-    n: int = 1,
-    *,
-    stream: bool = False,
-    max_tokens: int = 16,
-    seed: int | None = SEED,
+    n: int = 1, *, stream: bool = False, max_tokens: int = 16, seed: int | None = SEED,
     x_demo: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """A chat request; ``ignore_eos`` makes every choice exactly ``max_tokens`` long."""
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Benchmark the proxy, please."}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
+    message = {"role": "user", "content": "Benchmark the proxy, please."}
+    body = {"model": MODEL, "messages": [message], "max_tokens": max_tokens, "ignore_eos": True}
+    optional = {
+        "n": n if n != 1 else None,
+        "stream": stream or None,
+        "seed": seed,
+        "x_demo": x_demo,
     }
-    if n != 1:
-        body["n"] = n
-    if stream:
-        body["stream"] = True
-    if seed is not None:
-        body["seed"] = seed
-    if x_demo is not None:
-        body["x_demo"] = x_demo
-    return body
+    return body | {k: v for k, v in optional.items() if v is not None}
 
 
 def chat_request(n: int = 1, **options: Any) -> Request:
@@ -75,7 +66,12 @@ _EVENT = b"data: "
 # A chat chunk that carries generated text (the opening role chunk has "content":"").
 _TOKEN = re.compile(rb'"content":"[^"]')
 T = TypeVar("T")
-_CARRY = 16  # longer than either pattern: a match split across two reads is still found once
+
+
+def whole_events(buffer: bytes) -> tuple[bytes, bytes]:
+    """The whole SSE events at the start of ``buffer``, and the rest (an event not yet ended)."""
+    cut = buffer.rfind(b"\n\n") + 2  # 1 when there is none
+    return (buffer[:cut], buffer[cut:]) if cut > 1 else (b"", buffer)
 
 
 @dataclass(frozen=True)
@@ -85,67 +81,32 @@ class StreamTiming:
     status: int
     headers_at: float
     first_byte_at: float
-    first_token_at: float
+    first_token_at: float  # when the event carrying it had arrived whole
     end_at: float
     events: int
     size: int
 
 
-class EventCounter:
-    """Counts ``data:`` events and spots the first token across arbitrary read boundaries."""
-
-    def __init__(self) -> None:
-        self.events = 0
-        self.size = 0
-        self.saw_token = False
-        self._tail = b""
-
-    def feed(self, data: bytes) -> bool:
-        """Add one read; True when this read completed the first token."""
-        self.size += len(data)
-        window = self._tail + data
-        # Matches wholly inside the carried tail were counted with the previous read.
-        self.events += window.count(_EVENT) - self._tail.count(_EVENT)
-        first = False
-        if not self.saw_token and _TOKEN.search(window):
-            self.saw_token = first = True
-        self._tail = window[-_CARRY:]
-        return first
-
-
 async def read_stream(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: bytes,
-    started: float | None = None,
-    on_first_byte: Callable[[], None] | None = None,
+    session: aiohttp.ClientSession, url: str, body: bytes, started: float | None = None
 ) -> StreamTiming:
     """POST ``body`` and read the answer to its end; times are relative to ``started``."""
     t0 = time.perf_counter() if started is None else started
-    nan = float("nan")
-    first_byte = first_token = nan
-    counter = EventCounter()
+    first_byte = first_token = float("nan")
+    events = size = 0
+    rest = b""
     async with session.post(url, data=body, headers=HEADERS) as response:
         headers_at = time.perf_counter() - t0
         async for data in response.content.iter_any():
-            now = time.perf_counter() - t0
-            if counter.size == 0:
+            now, size = time.perf_counter() - t0, size + len(data)
+            if size == len(data):
                 first_byte = now
-                if on_first_byte is not None:
-                    on_first_byte()
-            if counter.feed(data):
+            block, rest = whole_events(rest + data)
+            events += block.count(_EVENT)
+            if math.isnan(first_token) and _TOKEN.search(block):
                 first_token = now
         end = time.perf_counter() - t0
-        status = response.status
-    return StreamTiming(
-        status=status,
-        headers_at=headers_at,
-        first_byte_at=first_byte,
-        first_token_at=first_token,
-        end_at=end,
-        events=counter.events,
-        size=counter.size,
-    )
+    return StreamTiming(response.status, headers_at, first_byte, first_token, end, events, size)
 
 
 def raw_post(path: str, body: bytes, *, close: bool = False) -> bytes:
@@ -193,11 +154,9 @@ class RawStream(asyncio.Protocol):
             self.status = int(head[9:12]) if head[9:12].isdigit() else -1  # "HTTP/1.1 200"
             if self.status != 200:
                 self._flowing(head[:200])
-        cut = buffer.rfind(b"\n\n") + 2  # 1 when there is no whole event yet
-        if self.status != 200 or cut < 2:
-            self._buffer = buffer if self.status == 200 else b""
+        block, self._buffer = whole_events(buffer) if self.status == 200 else (b"", b"")
+        if not block:
             return
-        block, self._buffer = buffer[:cut], buffer[cut:]
         self.events += block.count(_EVENT)
         self._flowing(b"")
         self.on_events(now, block)
