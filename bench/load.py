@@ -2,8 +2,6 @@
 a process of its own (aiohttp, exact percentiles, but about a core itself: the fallback, and the
 smoke run's tool)."""
 
-from __future__ import annotations
-
 import asyncio
 import hashlib
 import http.client

@@ -1,8 +1,6 @@
 """How each contender is started on loopback: demo backends, n-proxy, nginx, LiteLLM's proxy,
 and the canned upstream of the wire scenario."""
 
-from __future__ import annotations
-
 import os
 import sys
 from collections.abc import Mapping

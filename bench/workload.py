@@ -3,8 +3,6 @@ an SSE answer as a client does: timed through aiohttp (``read_stream``), or raw 
 for the scenarios that hold hundreds of streams (``RawStream``). Events are counted on the raw
 bytes, so either reader stays cheap next to the servers it measures."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import math

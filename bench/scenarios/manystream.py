@@ -1,8 +1,6 @@
 """Many streams: hundreds of paced SSE streams through each contender, one small chunk per decode
 step: CPU per relayed chunk and latency added per chunk. Run as a script, this is the client."""
 
-from __future__ import annotations
-
 import asyncio
 import json
 import math

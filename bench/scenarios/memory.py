@@ -1,8 +1,6 @@
 """Memory: n-proxy's RSS with many open streams (it must not grow with stream length), and the bytes
 it holds behind a client that stops reading (read minus written, /proc/PID/io)."""
 
-from __future__ import annotations
-
 import asyncio
 import time
 from typing import Any

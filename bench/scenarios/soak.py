@@ -1,8 +1,6 @@
 """The soak: minutes of mixed and hostile traffic through n-proxy; its RSS, fds, children in flight
 and upstream slots must stay flat (not in CI: ``python -m bench soak``)."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import gzip
@@ -50,9 +48,6 @@ def _completions(prompts: int, n: int) -> bytes:
     return orjson.dumps({**body, "max_tokens": 4, "ignore_eos": True, "seed": 1})
 
 
-_SLOW_TOKENS, _SLOWER_TOKENS = {"token_delay": 0.01}, {"token_delay": 0.02}
-
-
 def _chat(n: int = 1, **options: Any) -> bytes:
     return orjson.dumps(chat_body(n, **options))
 
@@ -60,19 +55,21 @@ def _chat(n: int = 1, **options: Any) -> bytes:
 # What each soak client cycles through: the paths that allocate, and the ones that clean up.
 # "client leaves": read one chunk, then hang up (every child must be aborted and forgotten);
 # "queued": wait in the upstream's queue (n = 10 of 64 slots, behind the others), then hang up.
-_MIX: list[tuple[str, bytes]] = [
-    ("n=1", _chat()),
-    ("n=4", _chat(4)),
-    ("n=4 stream", _chat(4, stream=True, max_tokens=64)),
-    ("n=2 child fails", _chat(2, x_demo={"fault": "status_500"})),
-    ("n=4 stream, child breaks", _chat(4, stream=True, x_demo={"fault": "reset_mid_stream"})),
-    ("n=4 stream, client leaves", _chat(4, stream=True, max_tokens=64, x_demo=_SLOW_TOKENS)),
-    ("n=10 queued, client leaves", _chat(10, stream=True, max_tokens=32, x_demo=_SLOWER_TOKENS)),
-    ("batch 128 prompts x 4", _completions(128, 4)),
-    ("batch past max_children", _completions(1025, 2)),
-    ("n=4 gzip body", gzip.compress(_chat(4))),
+_MIX = [
+    ("n=1", CHAT_PATH, _chat()),
+    ("n=4", CHAT_PATH, _chat(4)),
+    ("n=4 stream", CHAT_PATH, _chat(4, stream=True, max_tokens=64)),
+    ("n=2 child fails", CHAT_PATH, _chat(2, x_demo={"fault": "status_500"})),
+    ("n=4 stream, child breaks", CHAT_PATH,
+     _chat(4, stream=True, x_demo={"fault": "reset_mid_stream"})),
+    ("n=4 stream, client leaves", CHAT_PATH,
+     _chat(4, stream=True, max_tokens=64, x_demo={"token_delay": 0.01})),
+    ("n=10 queued, client leaves", CHAT_PATH,
+     _chat(10, stream=True, max_tokens=32, x_demo={"token_delay": 0.02})),
+    ("batch 128 prompts x 4", COMPLETIONS_PATH, _completions(128, 4)),
+    ("batch past max_children", COMPLETIONS_PATH, _completions(1025, 2)),
+    ("n=4 gzip body", CHAT_PATH, gzip.compress(_chat(4))),
 ]  # fmt: skip
-_PATHS = {"batch 128 prompts x 4": COMPLETIONS_PATH, "batch past max_children": COMPLETIONS_PATH}
 _GZIP = {**HEADERS, "Content-Encoding": "gzip"}
 
 
@@ -81,9 +78,9 @@ async def _client(
 ) -> None:
     turn = offset
     while time.monotonic() < deadline and sum(counts.values()) < 50_000_000:
-        label, body = _MIX[turn % len(_MIX)]
+        label, path, body = _MIX[turn % len(_MIX)]
         turn += 1
-        url = base + _PATHS.get(label, CHAT_PATH)
+        url = base + path
         headers = _GZIP if "gzip" in label else HEADERS
         try:
             if label.startswith("n=10 queued"):
@@ -228,13 +225,10 @@ async def soak(proxy: Server, admin: str, seconds: float, concurrency: int) -> R
                 sample = proxy.sample()
                 samples.append(sample)
                 gauges.append(await _metrics(session, admin))
-                print(
-                    f"  soak {sample.at - started:6.0f} s  RSS {sample.rss_bytes // 1024:8,} KiB"
-                    f"  fds {sample.fds:4}  children in flight"
-                    f" {gauges[-1]['n_proxy_children_in_flight']:4.0f}"
-                    f"  requests {sum(counts.values()):9,}",
-                    flush=True,
-                )
+                print(f"  soak {sample.at - started:6.0f} s  RSS {sample.rss_bytes // 1024:8,} KiB"
+                      f"  fds {sample.fds:4}  children in flight"
+                      f" {gauges[-1]['n_proxy_children_in_flight']:4.0f}"
+                      f"  requests {sum(counts.values()):9,}", flush=True)  # fmt: skip
         finally:
             await asyncio.gather(*clients, return_exceptions=True)
         await asyncio.sleep(CLIENT_SECONDS + 1)  # the last slow clients are cut

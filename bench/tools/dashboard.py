@@ -1,8 +1,6 @@
 """The README's dashboard picture: deploy/observability/dashboard.json's queries, run by a real
 Prometheus scraping n-proxy under a minute of mixed load (``collect``), drawn (``render``)."""
 
-from __future__ import annotations
-
 import argparse
 import json
 import re
