@@ -2,8 +2,6 @@
 Runs each scenario, checks its targets, writes <scenario>.{json,md} (several: latest.{json,md});
 installs nothing (bench/run --install-tools does): what is missing is left out, and said so."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json

@@ -1,8 +1,6 @@
 """The demo backend as ``n-proxy-devserver`` serves it, on uvloop: a faster backend is a harder
 baseline (``python -m bench.backend --port P [--token-delay S] [--native-n]``)."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import sys

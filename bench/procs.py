@@ -140,15 +140,9 @@ class Fleet:
         self.servers: list[Server] = []
 
     def launch(
-        self,
-        name: str,
-        argv: Sequence[str],
-        port: int,
-        ready_path: str,
-        env: Mapping[str, str] | None = None,
-        cwd: Path | None = None,
-        tree: bool = False,
-    ) -> Server:
+        self, name: str, argv: Sequence[str], port: int, ready_path: str,
+        env: Mapping[str, str] | None = None, cwd: Path | None = None, tree: bool = False,
+    ) -> Server:  # fmt: skip
         """Start without waiting (``wait_ready`` does), so servers boot side by side."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
@@ -159,9 +153,6 @@ class Fleet:
         server = Server(name, port, process, log, ready_path, tree)
         self.servers.append(server)
         return server
-
-    def close(self) -> None:
-        self.stop(*self.servers)
 
     def stop(self, *servers: Server) -> None:
         """SIGTERM all at once (each drains for a moment), then wait; SIGKILL stragglers."""
@@ -183,7 +174,7 @@ class Fleet:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.stop(*self.servers)
 
 
 def _keep_tail(log: Path, size: int = LOG_TAIL_BYTES) -> None:
@@ -204,17 +195,19 @@ def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:
     """
     started = time.monotonic()
     while time.monotonic() - started < timeout:
-        before = sum(_cpu_or_zero(s) for s in servers)
+        before = sum(_cpu_seconds(servers).values())
         time.sleep(SETTLE_WINDOW)
-        if sum(_cpu_or_zero(s) for s in servers) - before <= SETTLE_BUSY * SETTLE_WINDOW:
+        if sum(_cpu_seconds(servers).values()) - before <= SETTLE_BUSY * SETTLE_WINDOW:
             break
     return time.monotonic() - started
 
 
-def _cpu_or_zero(server: Server) -> float:
-    with contextlib.suppress(OSError):
-        return server.sample().cpu_seconds
-    return 0.0
+def _cpu_seconds(servers: Sequence[Server]) -> dict[str, float]:
+    cpu: dict[str, float] = {}
+    for server in servers:
+        with contextlib.suppress(OSError):  # a server that died is left out, not counted 0
+            cpu[server.name] = server.sample().cpu_seconds
+    return cpu
 
 
 def _machine_seconds() -> tuple[float, float, float]:
@@ -253,15 +246,8 @@ class CpuWatch:
 
     def __init__(self, servers: Sequence[Server]) -> None:
         self._servers = list(servers)
-        self._by_server = self._servers_cpu()
+        self._by_server = _cpu_seconds(self._servers)
         self._start = (time.monotonic(), _machine_seconds(), _own_and_children_seconds())
-
-    def _servers_cpu(self) -> dict[str, float]:
-        cpu: dict[str, float] = {}
-        for server in self._servers:
-            with contextlib.suppress(OSError):  # a server that died is left out, not counted 0
-                cpu[server.name] = server.sample().cpu_seconds
-        return cpu
 
     def stop(self) -> CpuUse:
         wall = max(time.monotonic() - self._start[0], 1e-9)
@@ -270,7 +256,7 @@ class CpuWatch:
             for now, then in zip(_machine_seconds(), self._start[1], strict=True)
         )
         harness = (_own_and_children_seconds() - self._start[2]) / wall
-        now, then = self._servers_cpu(), self._by_server
+        now, then = _cpu_seconds(self._servers), self._by_server
         by_server = {name: (now[name] - then[name]) / wall for name in now if name in then}
         servers = sum(by_server.values())
         foreign = max(0.0, machine - servers - harness)

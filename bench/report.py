@@ -1,10 +1,7 @@
 """Every scenario's report: the stamp (commit, date, machine, command), Markdown tables, targets
 checked against their goals, and the JSON and Markdown files written."""
 
-from __future__ import annotations
-
 import datetime
-import json
 import math
 import os
 import subprocess
@@ -12,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from bench.procs import machine
 
@@ -136,18 +135,9 @@ def targets_table(targets: Sequence[Target]) -> list[str]:
     return table([*columns, ("verdict", "verdict", "")], rows)
 
 
-def clean(value: Any) -> Any:
-    """NaN (not measured) as JSON null."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [clean(v) for v in value]
-    return value
-
-
 def write(out: Path, stem: str, results: Row, text: str) -> None:
+    """The JSON (NaN, a moment not measured, as null) and the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(clean(results), indent=1, default=str) + "\n")
+    options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
+    (out / f"{stem}.json").write_bytes(orjson.dumps(results, default=str, option=options))
     (out / f"{stem}.md").write_text(text)

@@ -1,8 +1,6 @@
 """Fan-out: n-proxy fanning n out to the n=1 demo backend against the backend answering n itself;
 the ratio is n-proxy's req/s over native's, paired by round."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 from bench.report import Column, Row, Target, pick, table, target

@@ -1,8 +1,6 @@
 """llama.cpp's own server (the suite's tiny GGUF, via xllamacpp) behind n-proxy: first token and
 whole stream at -np 1 and -np 4, with ``stream_start: first`` and ``all``."""
 
-from __future__ import annotations
-
 from typing import cast
 
 import aiohttp

@@ -1,8 +1,6 @@
 """n=1 pass-through, non-streaming, at fixed concurrency: every contender in each round, direct to
 the demo backend as the limit. ``measure`` is also the wire scenario's loop."""
 
-from __future__ import annotations
-
 from collections.abc import Mapping, Sequence
 from typing import Any
 

@@ -1,8 +1,6 @@
 """Wire cost: the passthrough loop against a canned upstream that costs next to nothing (nginx's
 ``return``, else ``bench.pacer --canned``), with the lean forwarder and n-proxy fan-out n=4 too."""
 
-from __future__ import annotations
-
 from bench.report import Row, Target, pick, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import COLUMNS, DIRECT, FORWARDER, baseline_table, measure, versus
