@@ -138,6 +138,7 @@ class StreamStitcher:
         # vLLM's generate chunks carry a request_id and no id, created or model, and its native
         # n sends no opening (docs/behaviour.md#generate).
         self._generate = plan.endpoint == "generate"
+        self._prompt_told = False  # generate: the prompt's fields went out on the first chunk
 
     def chunk(self, pos: int, data: bytes, event: str = "message") -> bytes | None:
         """The SSE bytes to send for one child event, or None when it is held back."""
@@ -207,6 +208,12 @@ class StreamStitcher:
         if self._generate:
             if "request_id" in payload:
                 payload["request_id"] = shared.get("request_id")
+            if self._prompt_told:
+                # vLLM's native n sends the prompt's token ids on the stream's first chunk only;
+                # each child sends them on its own first.
+                for key in _GENERATE_PROMPT_FIELDS:
+                    payload.pop(key, None)
+            self._prompt_told = True
             return
         payload["id"] = shared.get("id")
         payload["created"] = shared.get("created")
@@ -309,6 +316,7 @@ class StreamStitcher:
 
 _ENVELOPE = ("id", "object", "created", "model", "system_fingerprint")
 _PROMPT_FIELDS = ("prompt_token_ids", "prompt_text")  # on vLLM's chat role chunk
+_GENERATE_PROMPT_FIELDS = ("prompt_token_ids", "mm_placeholders")  # its generate's first chunk
 _ANNOUNCING = frozenset({*_ENVELOPE, "choices", "usage"})  # what a role chunk is made of
 
 

@@ -923,3 +923,15 @@ def test_generate_stream_error_event_names_the_choice() -> None:
     with pytest.raises(StreamError) as info:
         s.chunk(1, orjson.dumps({"error": {"message": "boom", "type": "server_error"}}))
     assert info.value.choice == 1
+
+
+def test_generate_stream_sends_the_prompts_token_ids_on_its_first_chunk_only() -> None:
+    """As vLLM's native n does with return_token_ids: each child sends them on its first."""
+    s = StreamStitcher(generate_plan(stream=True, return_token_ids=True))
+    prompt: dict[str, Any] = {"prompt_token_ids": [1, 2], "mm_placeholders": None}
+    first = one_event(s.chunk(1, generate_chunk(1, [4], **prompt)))
+    later = one_event(s.chunk(0, generate_chunk(0, [5], **prompt)))
+    assert (first["prompt_token_ids"], first["mm_placeholders"]) == ([1, 2], None)
+    assert "prompt_token_ids" not in later
+    assert "mm_placeholders" not in later
+    assert later["choices"][0]["token_ids"] == [5]
