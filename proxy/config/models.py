@@ -36,7 +36,7 @@ from proxy.core.plan import endpoint_of
 from proxy.core.url import check_url
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
-DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate")
 MiB = 1024 * 1024
 
 
@@ -276,8 +276,8 @@ class Config(_Section):
             if endpoint_of(path) is None:
                 raise keyed(
                     f"fanout_paths[{i}]",
-                    f"{path!r} is neither a chat completions nor a completions path: n is fanned"
-                    " out only where the proxy knows how to stitch the answers",
+                    f"{path!r} is neither a chat completions, a completions nor a generate path:"
+                    " n is fanned out only where the proxy knows how to stitch the answers",
                 )
         return self
 

@@ -107,7 +107,11 @@ def test_minimal_config_takes_the_defaults() -> None:
     )
     assert config.max_n == 10
     assert config.max_body_bytes == 16 * 1024 * 1024
-    assert config.fanout_paths == ("/v1/chat/completions", "/v1/completions")
+    assert config.fanout_paths == (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/inference/v1/generate",
+    )
     assert config.listen == Listen(host="127.0.0.1", port=8080)
     assert config.admin is None
     assert config.routes == ()
@@ -303,7 +307,7 @@ def test_max_n_within_1_to_128_is_accepted(max_n: int) -> None:
         pytest.param(
             f"fanout_paths: [/v1/chat/completions, /v1/responses]\n{MINIMAL}",
             "fanout_paths[1]",
-            "neither a chat completions nor a completions path",
+            "neither a chat completions, a completions nor a generate path",
             id="fanout-path-of-unknown-kind",
         ),
         pytest.param(
