@@ -596,19 +596,19 @@ def _dockerfile_directive(stage: int, keyword: str) -> str:
     return arguments
 
 
-def test_dockerfile_builds_wheels_then_installs_them_with_the_fast_extra() -> None:
+def test_dockerfile_builds_wheels_then_installs_them_with_the_fast_and_otel_extras() -> None:
     preamble, build, runtime = _dockerfile_stages()
     assert preamble == [("ARG", "PYTHON_IMAGE=python:3.12-slim-trixie")]
     assert build[0] == ("FROM", "${PYTHON_IMAGE} AS build")
     assert runtime[0] == ("FROM", "${PYTHON_IMAGE} AS runtime")
-    wheel = 'pip wheel --wheel-dir /wheels --constraint constraints.txt ".[fast]"'
+    wheel = 'pip wheel --wheel-dir /wheels --constraint constraints.txt ".[fast,otel]"'
     assert wheel in _dockerfile_directive(1, "RUN")
     install = _dockerfile_directive(2, "RUN")
     assert "--mount=type=bind,from=build,source=/wheels" in install
-    assert 'pip install --no-index --find-links /wheels "n-proxy[fast]"' in install
+    assert 'pip install --no-index --find-links /wheels "n-proxy[fast,otel]"' in install
     project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
     assert project["name"] == "n-proxy"
-    assert "fast" in project["optional-dependencies"]
+    assert {"fast", "otel"} <= set(project["optional-dependencies"])
 
 
 def test_final_image_has_no_build_tools_and_a_numeric_non_root_user() -> None:
@@ -643,6 +643,8 @@ def test_build_context_holds_and_lets_in_every_copied_path() -> None:
         assert f"!{source}" in allowed
 
 
+IMAGE_EXTRAS = ("fast", "otel")  # what the Dockerfile installs beside the runtime dependencies
+
 # The image's Python: markers in the pinned packages' requirements are evaluated for it.
 _IMAGE_ENVIRONMENT = {
     "python_version": "3.12",
@@ -675,7 +677,8 @@ def test_constraints_pin_every_runtime_dependency_within_the_declared_ranges() -
     pins = _pins()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
     direct = [Requirement(r) for r in project["dependencies"]]
-    direct += [Requirement(r) for r in project["optional-dependencies"]["fast"]]
+    for extra in IMAGE_EXTRAS:
+        direct += [Requirement(r) for r in project["optional-dependencies"][extra]]
     for requirement in filter(_applies, direct):
         name = canonicalize_name(requirement.name)
         assert name in pins, f"{name} is not pinned"
@@ -688,9 +691,8 @@ def test_constraints_are_closed_under_the_pinned_packages_requirements() -> None
     Read from the installed metadata, which must be of the pinned versions to say anything."""
     pins = _pins()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
-    todo = [
-        Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["fast"]
-    ]
+    extras = [r for extra in IMAGE_EXTRAS for r in project["optional-dependencies"][extra]]
+    todo = [Requirement(r) for r in project["dependencies"] + extras]
     reached: set[str] = set()
     while todo:
         requirement = todo.pop()
