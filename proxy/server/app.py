@@ -1,12 +1,19 @@
 """The proxy's aiohttp application: the one handler on every path, the upstreams started and
 stopped with the app, the request record's observers, and the demo notice's header.
+
+What serves a config is a ``Generation`` (the config, its ``Upstreams`` and the handler bound to
+them). A reload (``Generations.replace``) makes a new one current: a request keeps the generation
+it began in to its end, and an old generation's upstreams (health checks, discovery, connection
+pool) are closed once its last request is over.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -26,8 +33,105 @@ from proxy.upstream.service import Upstreams
 DEMO_HEADER = "X-N-Proxy-Demo"
 _SAMPLE_SECONDS = 1.0  # --workers: how often each worker writes its queue depths for /metrics
 
+# A new generation's first health round is awaited this long at most before it takes requests,
+# so that a reload does not make /readyz fail while its checks are under way.
+_FIRST_HEALTH_SECONDS = 5.0
+
+
+@dataclass(eq=False)
+class Generation:
+    """One loaded config and what serves it; counts the requests that began in it."""
+
+    config: Config
+    upstreams: Upstreams
+    handler: Handler
+    requests: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
+class Generations:
+    """The current generation, and the older ones whose requests are still running."""
+
+    def __init__(self, build: Callable[[Config], Generation], config: Config) -> None:
+        self._build = build
+        self.current = build(config)
+        self.retiring: list[Generation] = []
+        self._retirements: set[asyncio.Task[None]] = set()
+
+    @property
+    def config(self) -> Config:
+        return self.current.config
+
+    @property
+    def upstreams(self) -> Upstreams:
+        """The current generation's: where new requests go."""
+        return self.current.upstreams
+
+    def __iter__(self) -> Iterator[Generation]:
+        yield self.current
+        yield from self.retiring
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """Every generation's background loops, and the waits to close the old ones."""
+        own: set[asyncio.Task[None]] = set(self._retirements)
+        for generation in self:
+            own |= set(generation.upstreams.loops)
+        return own
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        generation = self.current  # read once: the request ends in the generation it began in
+        generation.requests += 1
+        generation.idle.clear()
+        try:
+            return await generation.handler.handle(request)
+        finally:
+            generation.requests -= 1
+            if generation.requests == 0:
+                generation.idle.set()
+
+    async def replace(self, config: Config) -> None:
+        """``config`` serves every request from now on, once its upstreams had a health round
+        (or ``_FIRST_HEALTH_SECONDS``); the generation it replaces retires."""
+        new = self._build(config)
+        try:
+            await new.upstreams.start()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_FIRST_HEALTH_SECONDS):
+                    await new.upstreams.health_checked.wait()
+        except BaseException:
+            await new.upstreams.close()
+            raise
+        old, self.current = self.current, new
+        self.retiring.append(old)
+        task = asyncio.create_task(self._retire(old))
+        self._retirements.add(task)
+        task.add_done_callback(self._retirements.discard)
+
+    async def retired(self) -> None:
+        """Until every old generation's last request ended and its upstreams were closed."""
+        await asyncio.gather(*self._retirements)
+
+    async def _retire(self, old: Generation) -> None:
+        await old.idle.wait()
+        await old.upstreams.close()
+        self.retiring.remove(old)
+
+    async def close(self) -> None:
+        """Every generation's upstreams closed (at shutdown: no request is left)."""
+        for task in list(self._retirements):
+            task.cancel()
+        await asyncio.gather(*self._retirements, return_exceptions=True)
+        # Idempotent: one whose retirement was cut short is closed again. The retired stay
+        # listed, so that a census after the shutdown still sees what they held.
+        for generation in [*self.retiring, self.current]:
+            await generation.upstreams.close()
+
+
 # What an app serves with, for the process, the admin listener and tests to read.
-UPSTREAMS = web.AppKey("upstreams", Upstreams)
+GENERATIONS = web.AppKey("generations", Generations)
 IN_FLIGHT = web.AppKey("in_flight", InFlight)
 
 
@@ -51,33 +155,33 @@ def build_app(
         # (proxy.core.encoding).
         handler_args={"max_field_size": 65536, "auto_decompress": False},
     )
-    if metrics is None:
-        metrics = Metrics()
-    metrics.known(config)
+    served_metrics = metrics = metrics if metrics is not None else Metrics()
     in_flight = in_flight or InFlight()
-    upstreams = Upstreams(config, metrics, resolver)
-    app[UPSTREAMS] = upstreams
-    app[IN_FLIGHT] = in_flight
-    metrics.census = functools.partial(take_census, in_flight, upstreams)
+    client_errors = client_errors or ClientErrors(metrics)
     trimmer = Trimmer()
-    watching: list[Observer] = [RequestMetrics(metrics, config), RequestLine()]
-    if tracing is not None:
-        watching.insert(0, tracing)  # a span begins before the others see the request
-    handler = Handler(
-        config,
-        upstreams,
-        Observers(watching, large=trimmer.watch()),
-        in_flight,
-        client_errors or ClientErrors(metrics),
-        metrics,
-    )
+    large = trimmer.watch()
+
+    def build(config: Config) -> Generation:
+        served_metrics.known(config)
+        upstreams = Upstreams(config, served_metrics, resolver)
+        watching: list[Observer] = [RequestMetrics(served_metrics, config), RequestLine()]
+        if tracing is not None:
+            watching.insert(0, tracing)  # a span begins before the others see the request
+        observers = Observers(watching, large=large)
+        handler = Handler(config, upstreams, observers, in_flight, client_errors, served_metrics)
+        return Generation(config, upstreams, handler)
+
+    generations = Generations(build, config)
+    app[GENERATIONS] = generations
+    app[IN_FLIGHT] = in_flight
+    metrics.census = functools.partial(take_census, in_flight, generations)
     app.on_response_prepare.append(server_header)
     if notice is not None:
         app.on_response_prepare.append(functools.partial(_notice_header, notice))
-    app.cleanup_ctx.append(functools.partial(_serve, upstreams=upstreams, trimmer=trimmer))
+    app.cleanup_ctx.append(functools.partial(_serve, generations=generations, trimmer=trimmer))
     every = EveryPath("/")
     app.router.register_resource(every)
-    every.add_route("*", handler.handle)
+    every.add_route("*", generations.handle)
     return app
 
 
@@ -86,8 +190,9 @@ async def _notice_header(notice: str, request: web.Request, response: web.Stream
 
 
 async def _serve(
-    app: web.Application, upstreams: Upstreams, trimmer: Trimmer
+    app: web.Application, generations: Generations, trimmer: Trimmer
 ) -> AsyncIterator[None]:
+    upstreams = generations.upstreams
     await upstreams.start()
     sampler = asyncio.create_task(_sample(upstreams.metrics)) if MULTIPROCESS else None
     yield
@@ -95,30 +200,39 @@ async def _serve(
     if sampler is not None:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
-    await upstreams.close()
+    await generations.close()
 
 
-def take_census(in_flight: InFlight, upstreams: Upstreams) -> Census:
-    """The counts as they are now."""
-    counted = []
-    for upstream in upstreams.config.upstreams:
-        state = upstreams.state(upstream)
-        counted.append(
-            UpstreamCensus(
+def take_census(in_flight: InFlight, generations: Generations) -> Census:
+    """The counts as they are now, over every generation still serving: an upstream that two
+    generations name is counted once, with both generations' holdings."""
+    counted: dict[str, UpstreamCensus] = {}
+    connections = idle = 0
+    for generation in generations:
+        upstreams = generation.upstreams
+        connections += len(upstreams.connections.in_use)
+        idle += upstreams.connections.idle_connections()
+        for upstream in upstreams.config.upstreams:
+            state = upstreams.state(upstream)
+            outstanding = {replica.url: replica.outstanding for replica in state.replicas}
+            seen = counted.get(upstream.name)
+            if seen is not None:
+                for url, count in seen.outstanding.items():
+                    outstanding[url] = outstanding.get(url, 0) + count
+            counted[upstream.name] = UpstreamCensus(
                 upstream.name,
-                state.slots.in_use,
-                state.slots.queued,
-                state.exchanges,
-                {replica.url: replica.outstanding for replica in state.replicas},
+                state.slots.in_use + (seen.slots_held if seen else 0),
+                state.slots.queued + (seen.queued if seen else 0),
+                state.exchanges + (seen.exchanges if seen else 0),
+                outstanding,
             )
-        )
     return Census(
         requests=in_flight.requests,
         children=in_flight.fanouts.children,
         streams=len(in_flight.fanouts.streams),
-        connections=len(upstreams.connections.in_use),
-        idle=upstreams.connections.idle_connections(),
-        upstreams=tuple(counted),
+        connections=connections,
+        idle=idle,
+        upstreams=tuple(counted.values()),
     )
 
 

@@ -201,7 +201,7 @@ class Upstreams:
         self._states = {u.name: UpstreamState(u, metrics) for u in config.upstreams}
         for state in self._states.values():
             state.publish()
-        self._loops: list[asyncio.Task[None]] = []
+        self.loops: list[asyncio.Task[None]] = []
         self.connections = ConnectionPool()
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # between tries
         self.checked_health: dict[str, bool] = {}  # upstream name -> any replica passed
@@ -220,12 +220,12 @@ class Upstreams:
         loops = [self._watch()]
         loops += [self._check_health(u) for u in self.config.upstreams]
         loops += [self._discover(u) for u in self.config.upstreams if u.discovery.dns]
-        self._loops = [asyncio.create_task(loop) for loop in loops]
+        self.loops = [asyncio.create_task(loop) for loop in loops]
 
     async def close(self) -> None:
-        for loop in self._loops:
+        for loop in self.loops:
             loop.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await asyncio.gather(*self.loops, return_exceptions=True)
         await self.connections.close()
 
     async def _check_health(self, upstream: Upstream) -> None:

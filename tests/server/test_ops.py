@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config.models import Config, parse_config
-from proxy.server.app import UPSTREAMS
+from proxy.server.app import GENERATIONS
 from proxy.server.process import Server
 from tests.support.servers import Backend, Proxy
 
@@ -118,7 +118,7 @@ async def test_max_concurrency_queues_then_answers_429_with_retry_after(
         )
     )
     await backend.state.wait_for(lambda s: len(s.active) == 2)
-    slots = proxy.app[UPSTREAMS].state(proxy.config.upstreams[0]).slots
+    slots = proxy.app[GENERATIONS].upstreams.state(proxy.config.upstreams[0]).slots
     for _ in range(1000):  # bounded: until the third request is parked in the proxy's queue
         if slots.queued == 1:
             break
