@@ -26,9 +26,9 @@ from proxy.observe.clienterrors import ClientErrors
 from proxy.observe.log import log_event
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import tracing_from_env
-from proxy.request.handler import InFlight
+from proxy.request.handler import Generations, InFlight
 from proxy.server.admin import build_admin_app
-from proxy.server.app import GENERATIONS, Generations, build_app
+from proxy.server.app import GENERATIONS, build_app
 from proxy.server.connection import ClientConnection, ConnectionCap, ErrorPages, Listener
 from proxy.upstream.service import Upstreams
 

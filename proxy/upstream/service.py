@@ -213,6 +213,11 @@ class Upstreams:
         ]
         self._default = config.upstream(config.default_upstream)
         self.routes_by_model = any(r.model is not None for r in config.routes)
+        # GET /v1/models asks each of these and merges their lists, when there are several:
+        # the default upstream first, then each upstream a route names, in config order.
+        named = [config.default_upstream, *(r.upstream for r in config.routes)]
+        self.model_lists = tuple(config.upstream(name) for name in dict.fromkeys(named))
+        self._required = [u.name for u in config.upstreams if u.readiness == "required"]
 
     async def start(self) -> None:
         """The service's own loops: the slot watchdog, each upstream's health checks and, where
@@ -239,7 +244,10 @@ class Upstreams:
 
     @property
     def ready(self) -> bool:
-        """Some upstream passed its last health check."""
+        """Every upstream whose ``readiness`` is required passed its last health check; with
+        none required, some upstream did."""
+        if self._required:
+            return all(self.checked_health.get(name, False) for name in self._required)
         return any(self.checked_health.values())
 
     def route(self, path: str, model: str | None) -> Upstream:
