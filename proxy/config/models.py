@@ -187,6 +187,9 @@ class Upstream(_Section):
     fallback: str | None = None
     eject: Eject = Eject()
     discovery: Discovery = Discovery()
+    # /readyz: with any upstream "required", the proxy is ready when every required one passed
+    # its last health check; with none (the default), when any upstream did.
+    readiness: Literal["required", "optional"] = "optional"
 
     @model_validator(mode="before")
     @classmethod
@@ -232,6 +235,8 @@ class Config(_Section):
     routes: tuple[Route, ...] = ()
     default_upstream: str = ""  # "" before validation: the first upstream
     fanout_paths: tuple[UrlPath, ...] = DEFAULT_FANOUT_PATHS
+    # GET /v1/models when routes name several upstreams: how long each is waited for.
+    model_list_timeout: Seconds = 5.0
 
     @model_validator(mode="before")
     @classmethod

@@ -68,6 +68,14 @@ def stitch_json(plan: Plan, bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def finish_reasons(stitched: dict[str, Any]) -> tuple[str | None, ...]:
+    """The finish_reason of each choice of a stitched answer, in index order."""
+    return tuple(
+        None if (reason := c.get("finish_reason")) is None else str(reason)
+        for c in _choices(stitched)
+    )
+
+
 def _choices(body: dict[str, Any]) -> list[dict[str, Any]]:
     choices = body.get("choices")
     return [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
@@ -105,7 +113,7 @@ def mean_logprob(choice: dict[str, Any]) -> float:
 class _Stream:
     """What the stitcher keeps of one child's stream."""
 
-    __slots__ = ("child", "finished", "learner", "template", "usage")
+    __slots__ = ("child", "finish_reason", "finished", "learner", "template", "usage")
 
     def __init__(self, child: Child) -> None:
         self.child = child
@@ -113,6 +121,7 @@ class _Stream:
         self.learner = Learner()
         self.usage: dict[str, Any] | None = None  # its last usage, for the merged tail
         self.finished = False  # a finish_reason or [DONE] seen
+        self.finish_reason: str | None = None  # the last finish_reason seen (for the record)
 
 
 class StreamStitcher:
@@ -227,8 +236,10 @@ class StreamStitcher:
         for choice in choices:
             if isinstance(choice, dict):
                 choice["index"] = stream.child.index
-                if choice.get("finish_reason") is not None:
+                reason = choice.get("finish_reason")
+                if reason is not None:
                     stream.finished = True
+                    stream.finish_reason = str(reason)
                 delta = choice.get("delta")
                 if isinstance(delta, dict) and "role" in delta:
                     del delta["role"]
@@ -276,6 +287,11 @@ class StreamStitcher:
 
     def finished(self, pos: int) -> bool:
         return self._streams[pos].finished
+
+    def finish_reasons(self) -> tuple[str | None, ...]:
+        """Each child's finish_reason, in child order (None where it never finished). Noted on
+        the full path only: a finishing chunk never fits a template, so no chunk pays for it."""
+        return tuple(s.finish_reason for s in self._streams)
 
     def usage(self) -> dict[str, Any] | None:
         """The children's usage merged (docs/behaviour.md#usage), None when none sent any; merged

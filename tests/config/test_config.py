@@ -23,7 +23,7 @@ from proxy.config.models import (
     parse_config,
     single_upstream_config,
 )
-from proxy.server.app import UPSTREAMS
+from proxy.server.app import GENERATIONS
 from tests.support.servers import Backend, Servers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,7 +141,7 @@ async def test_no_section_of_a_running_proxys_config_can_be_changed(
     full = load_config(ROOT / "config" / "full.yaml", {"CHAT_API_KEY": "k"})
     at_backend = tuple(u.model_copy(update={"urls": (backend.url,)}) for u in full.upstreams)
     proxy = await servers.proxy(full.model_copy(update={"upstreams": at_backend}))
-    config = proxy.app[UPSTREAMS].config
+    config = proxy.app[GENERATIONS].upstreams.config
     sections = list(_sections(config, "config"))
     every_kind = {
         kind
