@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.load import Loader, Tool
-from bench.procs import Fleet, Server, wait_ready
+from bench.procs import Fleet, Server, settle, wait_ready
 from bench.profile import PySpy
 from bench.report import Row, Target
 from bench.stack import PROXY_CONFIG, start_proxy
+from bench.stats import rotated
 
 PROXY = "n-proxy"
 BASELINE = "baseline"
@@ -119,3 +120,18 @@ class Context:
                 out = self.work / "profile.txt"
                 self.stack.enter_context(PySpy(self.tools.py_spy, server.pid, out))
         return up
+
+    def rounds(
+        self, contenders: Iterable[str], cases: Sequence[Row], one: Callable[[str, Row], Row],
+        label: str = "target",
+    ) -> list[Row]:  # fmt: skip
+        """``one(contender, case)`` for every case in every round (``case["round"]`` says which),
+        the contenders in a rotated order (none always runs first, or last), each once every
+        server is idle; a row each, with the contender (under ``label``) and the case."""
+        names, rows = list(contenders), []
+        for turn in range(self.options.rounds):
+            for case in ({"round": turn, **c} for c in cases):
+                for name in rotated(names, turn):
+                    settle(self.fleet.servers)
+                    rows.append({label: name, **case, **one(name, case)})
+        return rows
