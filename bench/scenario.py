@@ -21,18 +21,37 @@ PROXY = "n-proxy"
 BASELINE = "baseline"
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split(","))
+
+
+def _option(default: Any, help: str, parse: Callable[[str], Any] | None = None) -> Any:
+    """An Options field with what its flag says in --help and how it reads its value."""
+    return field(default=default, metadata={"help": help, "parse": parse or type(default)})
+
+
 @dataclass(frozen=True)
 class Options:
-    """The options every scenario shares; each reads those it needs, with its own defaults."""
+    """The options of every scenario, declared once: each is a flag of ``python -m bench``
+    (``max_tokens``: ``--max-tokens``; a true one: ``--no-warm-up``). Each scenario reads those
+    it needs, with its own defaults (``Scenario.full`` and ``.smoke``) under these."""
 
-    rounds: int = 1
-    seconds: float = 3.0
-    concurrency: tuple[int, ...] = (16,)
-    n: tuple[int, ...] = (1,)
-    max_tokens: int = 16
-    reps: int = 10
-    streams: tuple[int, ...] = (200,)
-    warm_up: bool = True
+    rounds: int = _option(1, "rounds, each contender once per round")
+    seconds: float = _option(3.0, "per measurement (soak: all of it)")
+    concurrency: tuple[int, ...] = _option((16,), "comma-separated levels, or clients", _ints)
+    n: tuple[int, ...] = _option((1,), "comma-separated n (fanout, vllm, ...)", _ints)
+    max_tokens: int = _option(16, "tokens per choice")
+    reps: int = _option(10, "repetitions (ttft, vllm streams, llamacpp)")
+    streams: tuple[int, ...] = _option((200,), "open streams (manystream, memory)", _ints)
+    warm_up: bool = _option(True, "no warm-up before measuring")
+    workers: int = _option(2, "passthrough: also n-proxy with --workers N (1: not)")
+    steps_ms: tuple[int, ...] = _option((50, 20), "manystream: the pacer's decode steps", _ints)
+    retry_on: tuple[str, ...] = _option(("connect", "reset"), "llamacpp: n-proxy's retry_on",
+                                        _words)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -65,7 +84,7 @@ class Tools:
 class Context:
     options: Options
     tools: Tools
-    args: argparse.Namespace  # the scenario-specific flags: --workers, --steps-ms, ...
+    args: argparse.Namespace  # what runs: --skip, --env, --baseline
     fleet: Fleet
     work: Path  # this scenario's scratch folder (configs, wrk scripts, py-spy stacks)
     stack: contextlib.ExitStack

@@ -137,7 +137,7 @@ def _step(ctx: Context, step: float) -> list[Row]:
 
 
 def _run(ctx: Context) -> Row:
-    rows = [row for ms in ctx.args.steps_ms for row in _step(ctx, ms / 1000)]
+    rows = [row for ms in ctx.options.steps_ms for row in _step(ctx, ms / 1000)]
     return {"runs": rows, "summary": summarize(rows)}
 
 

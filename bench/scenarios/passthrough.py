@@ -153,10 +153,10 @@ def _run(ctx: Context) -> Row:
     if ctx.wants("forwarder"):
         contenders[FORWARDER] = start_forwarder(ctx.fleet, backend)
     contenders.update(ctx.proxies(backend.url))
-    workers = f"{PROXY} x{ctx.args.workers}"
-    if ctx.args.workers > 1:
+    workers = f"{PROXY} x{ctx.options.workers}"
+    if ctx.options.workers > 1:
         contenders[workers] = start_proxy(
-            ctx.fleet, ctx.work, backend.url, workers, workers=ctx.args.workers
+            ctx.fleet, ctx.work, backend.url, workers, workers=ctx.options.workers
         )
     if ctx.tools.litellm:
         contenders["litellm"] = start_litellm(ctx.fleet, ctx.work, ctx.tools.litellm, backend)
