@@ -4,6 +4,8 @@ checked against their goals, and the JSON and Markdown files written."""
 import datetime
 import math
 import os
+import platform
+import re
 import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -11,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-
-from bench.procs import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 Row = dict[str, Any]
@@ -45,12 +45,16 @@ def commit(tree: Path = ROOT) -> str:
 
 def stamp(command: str, load: str, versions: list[str], baseline: Path | None, note: str) -> Row:
     """What a result was measured with: printed at the top of its report, kept in its JSON."""
+    names = re.findall(r"^model name\s*: (.*)$", Path("/proc/cpuinfo").read_text(), re.M)
     return {
         "command": command,
         "commit": commit(),
         "baseline": f"{baseline} at {commit(baseline)}" if baseline else None,
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        **machine(),
+        "cpus": os.cpu_count(),
+        "cpu_model": names[0] if names else "unknown",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
         "load_average": os.getloadavg()[0],  # at the start: other work on a shared machine
         "load": load,
         "versions": versions,

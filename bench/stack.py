@@ -1,6 +1,9 @@
 """How each contender is started on loopback: demo backends, n-proxy, nginx, LiteLLM's proxy,
-and the canned upstream of the wire scenario."""
+and the canned upstream of the wire scenario. Run as a script, this is the demo backend on uvloop
+(a faster backend is a harder baseline): ``python -m bench.stack --port P [devserver options]``."""
 
+import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -101,9 +104,10 @@ LITELLM_ENV = {
 def start_backend(
     fleet: Fleet, *, native_n: bool = False, name: str = "backend", token_delay: float = 0.0
 ) -> Server:
-    """Launched only: the caller waits (``wait_ready``), so the servers boot side by side."""
+    """The devserver, launched only: the caller waits (``wait_ready``), so the servers boot side
+    by side."""
     port = free_port()
-    argv = [sys.executable, "-m", "bench.backend", "--port", str(port)]
+    argv = [sys.executable, "-m", "bench.stack", "--port", str(port)]
     argv += ["--token-delay", str(token_delay)]
     if native_n:
         argv.append("--native-n")
@@ -189,3 +193,13 @@ def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> S
     return fleet.launch(
         "litellm", argv, port, "/health/liveliness", env=LITELLM_ENV, cwd=work, tree=True
     )
+
+
+if __name__ == "__main__":  # the demo backend, as ``n-proxy-devserver`` serves it, on uvloop
+    from proxy.devserver.cli import main
+
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    raise SystemExit(main(sys.argv[1:]))

@@ -47,7 +47,7 @@ async def _measure(ctx: Context) -> Row:
         async with start_llama_server(model, n_parallel=slots, n_ctx=n_ctx) as server:
             cases = [("direct", "", server.base_url, 1)]
             for start in ("first", "all"):
-                config = CONFIG.format(start=start, retry_on=", ".join(ctx.args.retry_on))
+                config = CONFIG.format(start=start, retry_on=", ".join(ctx.options.retry_on))
                 up = ctx.ready(ctx.proxies(server.base_url, f"-np{slots}-{start}", config))
                 cases += [(label, start, proxy.url, o.n[0]) for label, proxy in up.items()]
             # A new connection per request: llama-server drops a kept-alive connection after a

@@ -13,12 +13,12 @@ from typing import cast
 
 import orjson
 
-from bench.procs import CpuWatch, Server, free_port, settle
+from bench.procs import CpuWatch, Server, free_port
 from bench.report import ROOT, Row, say, table
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import DIRECT, FORWARDER
 from bench.stack import start_forwarder, start_nginx
-from bench.stats import grouped, median, medians, minus, paired, percentile, rotated
+from bench.stats import grouped, median, medians, minus, paired, percentile
 from bench.workload import CHAT_PATH, chat_body, open_raw, raw_post, run_async
 
 _TS = re.compile(rb'"ts":([0-9]+\.[0-9]+)\}')
@@ -108,33 +108,36 @@ def measure(contender: Contender, streams: int, step: float, warmup: float, seco
     return result
 
 
+def _step(ctx: Context, step: float) -> list[Row]:
+    """Every contender in front of one pacer of ``step`` seconds, every --streams, in rounds."""
+    port, ms, o = free_port(), f"{step * 1000:.0f}ms", ctx.options
+    argv = [sys.executable, "-m", "bench.pacer", "--port", str(port), "--step", str(step)]
+    pacer = ctx.fleet.launch(f"pacer-{ms}", argv, port, "/health")
+    servers = {DIRECT: pacer, **ctx.proxies(pacer.url, f"-{ms}")}
+    if ctx.tools.nginx:
+        servers["nginx"] = start_nginx(ctx.fleet, ctx.work, ctx.tools.nginx, pacer)
+    if ctx.wants("forwarder"):
+        servers[FORWARDER] = start_forwarder(ctx.fleet, pacer)
+    up = ctx.ready(servers)
+    contenders = {k: Contender(k, up[k]) for k in (DIRECT, "nginx", FORWARDER) if k in up}
+    for label in (PROXY, BASELINE):
+        for n in (1, 4) if label in up else ():
+            contenders[f"{label} n={n}"] = Contender(f"{label} n={n}", up[label], n)
+
+    def one(name: str, case: Row) -> Row:
+        warmup = min(WARMUP, o.seconds)
+        row = measure(contenders[name], case["streams"], step, warmup, o.seconds)
+        say(f"{case['streams']} x {ms} {name}", row, *MEDIANS, "not_started")
+        return row
+
+    cases = [{"streams": size, "step_ms": step * 1000} for size in o.streams]
+    rows = ctx.rounds(contenders, cases, one, label="contender")
+    ctx.fleet.stop(*up.values())
+    return rows
+
+
 def _run(ctx: Context) -> Row:
-    o, rows = ctx.options, []
-    warmup = min(WARMUP, o.seconds)
-    for step in (ms / 1000 for ms in ctx.args.steps_ms):
-        port, ms = free_port(), f"{step * 1000:.0f}ms"
-        argv = [sys.executable, "-m", "bench.pacer", "--port", str(port), "--step", str(step)]
-        pacer = ctx.fleet.launch(f"pacer-{ms}", argv, port, "/health")
-        servers = {DIRECT: pacer, **ctx.proxies(pacer.url, f"-{ms}")}
-        if ctx.tools.nginx:
-            servers["nginx"] = start_nginx(ctx.fleet, ctx.work, ctx.tools.nginx, pacer)
-        if ctx.wants("forwarder"):
-            servers[FORWARDER] = start_forwarder(ctx.fleet, pacer)
-        up = ctx.ready(servers)
-        contenders = {k: Contender(k, up[k]) for k in (DIRECT, "nginx", FORWARDER) if k in up}
-        for label in (PROXY, BASELINE):
-            for n in (1, 4) if label in up else ():
-                contenders[f"{label} n={n}"] = Contender(f"{label} n={n}", up[label], n)
-        for turn in range(o.rounds):
-            for size in o.streams:
-                for name in rotated(list(contenders), turn):
-                    settle(list(up.values()))
-                    row = measure(contenders[name], size, step, warmup, o.seconds)
-                    row.update(contender=name, streams=size, step_ms=step * 1000, round=turn)
-                    say(f"{size} x {step * 1000:.0f} ms {name}", row, *MEDIANS, "not_started")
-                    rows.append(row)
-        for server in up.values():
-            ctx.fleet.stop(server)
+    rows = [row for ms in ctx.options.steps_ms for row in _step(ctx, ms / 1000)]
     return {"runs": rows, "summary": summarize(rows)}
 
 
