@@ -2,8 +2,6 @@
 Runs each scenario, checks its targets, writes <scenario>.{json,md} (several: latest.{json,md});
 installs nothing (bench/run --install-tools does): what is missing is left out, and said so."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import json
@@ -31,8 +29,12 @@ WORK = ROOT / "bench" / ".work"  # where bench/run --install-tools puts LiteLLM,
 FDS = 65536  # 1,000 open streams need a few thousand descriptors in proxy, backend and client
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(","))
+# Each tool: where else to look for it, what happens without it, how it says its version.
+TOOLS = {
+    "nginx": ([Path("/usr/sbin/nginx")], "its contenders are left out", "-v"),
+    "wrk": ([], "the Python load generator is used", "-v"),
+    "litellm": ([WORK / "litellm" / "bin" / "litellm"], "its contender is left out", "--version"),
+}
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -50,33 +52,28 @@ def parser() -> argparse.ArgumentParser:
                    help=f"any of {' '.join(NAMES)}\n(default: {' '.join(SUITE)})")  # fmt: skip
     o = p.add_argument_group("measurement (each scenario has its own defaults)")
     o.add_argument("--smoke", action="store_true", help="tiny, seconds: proves it runs (CI)")
-    o.add_argument("--rounds", type=int, help="rounds, each contender once per round")
-    o.add_argument("--seconds", type=float, help="per measurement (soak: all of it)")
-    o.add_argument("--concurrency", type=_ints, help="comma-separated levels, or clients")
-    o.add_argument("--n", type=_ints, help="comma-separated n (fanout, vllm, ...)")
-    o.add_argument("--max-tokens", type=int, help="tokens per choice")
-    o.add_argument("--reps", type=int, help="repetitions (ttft, vllm streams, llamacpp)")
-    o.add_argument("--streams", type=_ints, help="open streams (manystream, memory)")
-    o.add_argument("--no-warm-up", dest="warm_up", action="store_const", const=False)
+    for f in fields(Options):
+        flag, help = f.name.replace("_", "-"), f.metadata["help"]
+        if f.default is True:
+            o.add_argument(
+                f"--no-{flag}", dest=f.name, action="store_const", const=False, help=help
+            )
+        else:
+            o.add_argument(f"--{flag}", type=f.metadata["parse"], help=help)
     c = p.add_argument_group("what runs")
     c.add_argument("--baseline", type=Path, help="another n-proxy checkout (with its .venv),\n"
                    "run beside this one in every scenario that runs n-proxy")  # fmt: skip
     c.add_argument("--env", type=_pair, action="append", default=[], metavar="KEY=VALUE",
                    help="for this tree's n-proxy only; {upstream}: the upstream's URL")  # fmt: skip
-    c.add_argument("--nginx", help="the nginx binary (default: found on PATH or /usr/sbin)")
-    c.add_argument("--wrk", help="the wrk binary (default: found on PATH)")
-    c.add_argument("--litellm", help="LiteLLM's proxy (default: bench/.work/litellm)")
+    for name, (places, _, _) in TOOLS.items():
+        where = "".join(f" or {str(path).removeprefix(f'{ROOT}/')}" for path in places)
+        c.add_argument(f"--{name}", help=f"the {name} binary (default: found on PATH{where})")
     c.add_argument("--tool", choices=("auto", "wrk", "python"), default="auto",
                    help="load generator; auto: wrk when found, except with --smoke")  # fmt: skip
     c.add_argument("--skip", type=lambda s: set(s.split(",")), default=set(),
                    help="leave out: nginx, wrk, litellm, forwarder, lean")  # fmt: skip
     c.add_argument("--profile", nargs="?", const="py-spy", metavar="PY_SPY",
                    help="record n-proxy with py-spy: its hot spots in the report")  # fmt: skip
-    s = p.add_argument_group("one scenario's")
-    s.add_argument("--workers", type=int, default=2, help="passthrough: also n-proxy xN (1: no)")
-    s.add_argument("--steps-ms", type=_ints, default=(50, 20), help="manystream: decode steps")
-    s.add_argument("--retry-on", type=lambda s: s.split(","), default=["connect", "reset"],
-                   help="llamacpp: n-proxy's retry_on")  # fmt: skip
     r = p.add_argument_group("output")
     r.add_argument("--out", type=Path, help="results folder (default bench/results;"
                    " with --smoke bench/results/raw/smoke)")  # fmt: skip
@@ -86,29 +83,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _find(name: str, explicit: str | None, skip: set[str], *places: Path) -> str | None:
-    if name in skip:
-        return None
+def _find(name: str, places: list[Path]) -> str | None:
     found = [str(p) for p in places if os.access(p, os.X_OK)]
-    return explicit or shutil.which(name) or next(iter(found), None)
+    return shutil.which(name) or next(iter(found), None)
 
 
-def tools(args: argparse.Namespace) -> Tools:
-    nginx = _find("nginx", args.nginx, args.skip, Path("/usr/sbin/nginx"))
-    wrk = _find("wrk", args.wrk, args.skip)
-    litellm = _find("litellm", args.litellm, args.skip, WORK / "litellm" / "bin" / "litellm")
-    py_spy = args.profile and _find(args.profile, None, set(), WORK / "venv" / "bin" / "py-spy")
+def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:
+    """What is installed (or given, or left out with --skip), and the versions of those used."""
+    found: dict[str, str | None] = {}
+    for name, (places, without, _) in TOOLS.items():
+        found[name] = None if name in args.skip else getattr(args, name) or _find(name, places)
+        if found[name] is None and name not in args.skip:
+            print(f"bench: {name} not found: {without} (bench/run --install-tools installs it)")
+    py_spy = args.profile and _find(args.profile, [WORK / "venv" / "bin" / "py-spy"])
     if args.profile and not py_spy:
         raise SystemExit("bench: --profile needs py-spy (bench/run --install-tools installs it)")
-    if args.tool == "wrk" and not wrk:
+    if args.tool == "wrk" and not found["wrk"]:
         raise SystemExit("bench: --tool wrk needs wrk")
-    for name, path, without in (("nginx", nginx, "its contenders are left out"),
-                                ("wrk", wrk, "the Python load generator is used"),
-                                ("litellm", litellm, "its contender is left out")):  # fmt: skip
-        if path is None and name not in args.skip:
-            print(f"bench: {name} not found: {without} (bench/run --install-tools installs it)")
-    wanted = args.tool == "wrk" or (args.tool == "auto" and wrk and not args.smoke)
-    return Tools(nginx, wrk, litellm, "wrk" if wanted else "python", py_spy or None)
+    wrk = args.tool == "wrk" or (args.tool == "auto" and found["wrk"] and not args.smoke)
+    used = {k: v for k, v in found.items() if v and (k != "wrk" or wrk)}  # wrk: when it loads
+    versions = [version([path, TOOLS[name][2]]) for name, path in used.items()]
+    chosen = Tools(found["nginx"], found["wrk"], found["litellm"], "wrk" if wrk else "python",
+                   py_spy or None)  # fmt: skip
+    return chosen, versions
 
 
 def options(scenario: Scenario, args: argparse.Namespace) -> Options:
@@ -171,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(FDS, hard)), hard))
-    found = tools(args)
-    tools_used = ((found.wrk if found.tool == "wrk" else None, "-v"), (found.nginx, "-v"),
-                  (found.litellm, "--version"))  # fmt: skip
-    versions = [version([path, flag]) for path, flag in tools_used if path]
+    found, versions = tools(args)
     command = shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)])
     started = time.monotonic()
     meta = stamp(command, found.tool, versions, args.baseline, args.note)

@@ -1,8 +1,6 @@
 """The 20-line aiohttp forwarder, a contender: what a plain aiohttp reverse proxy costs. ``--lean``:
 the same on n-proxy's own upstream client, bodies read whole (the floor under n-proxy)."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 from typing import Any

@@ -2,8 +2,6 @@
 a process of its own (aiohttp, exact percentiles, but about a core itself: the fallback, and the
 smoke run's tool)."""
 
-from __future__ import annotations
-
 import asyncio
 import hashlib
 import http.client
@@ -11,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -127,9 +126,10 @@ def post(base_url: str, request: Request, timeout: float = 30.0) -> tuple[int, b
 
 
 async def generate(
-    url: str, body: bytes, concurrency: int, seconds: float
+    requests: Sequence[tuple[str, bytes]], concurrency: int, seconds: float
 ) -> tuple[list[int], int, float]:
-    """Latencies in ns of the 2xx answers, the error count, and the elapsed seconds."""
+    """Latencies in ns of the 2xx answers, the error count, and the elapsed seconds. Each worker
+    cycles through ``requests`` (URL and body), from its own place in the list."""
     latencies: list[int] = []
     errors = 0
     budget = max(1, int(seconds * MAX_REQUESTS_PER_SECOND))
@@ -141,9 +141,11 @@ async def generate(
         start = time.perf_counter()
         deadline = start + seconds
 
-        async def worker() -> None:
+        async def worker(turn: int) -> None:
             nonlocal errors
             while time.perf_counter() < deadline and len(latencies) + errors < budget:
+                url, body = requests[turn % len(requests)]
+                turn += 1
                 began = time.perf_counter_ns()
                 try:
                     async with session.post(url, data=body, headers=HEADERS) as response:
@@ -156,14 +158,16 @@ async def generate(
                 else:
                     errors += 1
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
         elapsed = time.perf_counter() - start
     return latencies, errors, elapsed
 
 
 if __name__ == "__main__":  # the Python generator: URL BODY_FILE CONCURRENCY SECONDS
     url, body, concurrency, seconds = sys.argv[1], Path(sys.argv[2]).read_bytes(), *sys.argv[3:5]
-    latencies, errors, elapsed = run_async(generate(url, body, int(concurrency), float(seconds)))
+    latencies, errors, elapsed = run_async(
+        generate([(url, body)], int(concurrency), float(seconds))
+    )
     ms = sorted(ns / 1e6 for ns in latencies)
     result = {"tool": "python", "requests": len(ms), "errors": errors, "seconds": elapsed}
     result |= {f"{q}_ms": percentile(ms, p) if ms else 0.0 for q, p in QUANTILES}

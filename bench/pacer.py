@@ -1,8 +1,6 @@
 """The bench's own upstreams, costing next to nothing: paced SSE streams (``--step``: one timer, one
 chunk to every stream per step, each stamped with its send time) or one canned chat.completion."""
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import contextlib

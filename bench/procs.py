@@ -1,5 +1,5 @@
-"""The servers under test as child processes: start, wait until ready, sample, stop; counters
-straight from /proc (Linux only), so the bench needs no psutil."""
+"""The servers under test as child processes: start, wait until ready, sample, stop; their
+counters and the machine's read by psutil (Linux: from /proc)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import contextlib
 import ctypes
 import http.client
 import os
-import platform
-import re
-import resource
 import signal
 import socket
 import subprocess
@@ -17,11 +14,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+import psutil
 
 _PR_SET_PDEATHSIG = 1
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 READY_TIMEOUT = 60.0  # LiteLLM's proxy takes a while to import
 STOP_TIMEOUT = 5.0
 LOG_TAIL_BYTES = 256 * 1024
@@ -42,42 +38,20 @@ class ProcSample:
     written_bytes: int
 
 
-def _one(pid: int) -> tuple[float, int, int, int, int]:
-    proc = Path(f"/proc/{pid}")
-    # Fields after the parenthesised command name; utime and stime are 14th and 15th overall.
-    stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-    cpu = (int(stat[11]) + int(stat[12])) / _CLOCK_TICKS
-    rss_pages = int((proc / "statm").read_text().split()[1])
-    io = dict(line.split(": ", 1) for line in (proc / "io").read_text().splitlines())
-    fds = len(os.listdir(proc / "fd"))
-    return cpu, rss_pages * _PAGE_SIZE, fds, int(io["rchar"]), int(io["wchar"])
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and every live process below it (``--workers`` spawns its workers as children)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    found = [pid]
-    for current in found:  # grows as it goes: breadth first
-        found += children.get(current, [])[: max(0, 1000 - len(found))]
-    return found
-
-
 def sample(pid: int, tree: bool = False) -> ProcSample:
-    """Counters of ``pid``, or summed over it and its descendants when ``tree``."""
+    """Counters of ``pid``, or summed over it and every process below it when ``tree``
+    (``--workers`` and nginx fork their workers as children)."""
+    root = psutil.Process(pid)
     parts = []
-    for each in _descendants(pid) if tree else [pid]:
-        with contextlib.suppress(OSError):
-            parts.append(_one(each))
+    for each in [root, *(root.children(recursive=True) if tree else [])]:
+        with contextlib.suppress(psutil.NoSuchProcess), each.oneshot():  # a worker gone meanwhile
+            cpu, io = each.cpu_times(), each.io_counters()
+            rss, fds = each.memory_info().rss, each.num_fds()
+            parts.append((cpu.user + cpu.system, rss, fds, io.read_chars, io.write_chars))
     if not parts:
-        raise ProcessLookupError(pid)
-    cpu, rss, fds, read, written = (sum(column) for column in zip(*parts, strict=True))
-    return ProcSample(time.monotonic(), cpu, int(rss), int(fds), int(read), int(written))
+        raise psutil.NoSuchProcess(pid)
+    cpu_seconds, rss, fds, read, written = (sum(column) for column in zip(*parts, strict=True))
+    return ProcSample(time.monotonic(), cpu_seconds, int(rss), int(fds), int(read), int(written))
 
 
 def free_port() -> int:
@@ -140,15 +114,9 @@ class Fleet:
         self.servers: list[Server] = []
 
     def launch(
-        self,
-        name: str,
-        argv: Sequence[str],
-        port: int,
-        ready_path: str,
-        env: Mapping[str, str] | None = None,
-        cwd: Path | None = None,
-        tree: bool = False,
-    ) -> Server:
+        self, name: str, argv: Sequence[str], port: int, ready_path: str,
+        env: Mapping[str, str] | None = None, cwd: Path | None = None, tree: bool = False,
+    ) -> Server:  # fmt: skip
         """Start without waiting (``wait_ready`` does), so servers boot side by side."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
@@ -159,9 +127,6 @@ class Fleet:
         server = Server(name, port, process, log, ready_path, tree)
         self.servers.append(server)
         return server
-
-    def close(self) -> None:
-        self.stop(*self.servers)
 
     def stop(self, *servers: Server) -> None:
         """SIGTERM all at once (each drains for a moment), then wait; SIGKILL stragglers."""
@@ -183,7 +148,7 @@ class Fleet:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.stop(*self.servers)
 
 
 def _keep_tail(log: Path, size: int = LOG_TAIL_BYTES) -> None:
@@ -204,17 +169,19 @@ def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:
     """
     started = time.monotonic()
     while time.monotonic() - started < timeout:
-        before = sum(_cpu_or_zero(s) for s in servers)
+        before = sum(_cpu_seconds(servers).values())
         time.sleep(SETTLE_WINDOW)
-        if sum(_cpu_or_zero(s) for s in servers) - before <= SETTLE_BUSY * SETTLE_WINDOW:
+        if sum(_cpu_seconds(servers).values()) - before <= SETTLE_BUSY * SETTLE_WINDOW:
             break
     return time.monotonic() - started
 
 
-def _cpu_or_zero(server: Server) -> float:
-    with contextlib.suppress(OSError):
-        return server.sample().cpu_seconds
-    return 0.0
+def _cpu_seconds(servers: Sequence[Server]) -> dict[str, float]:
+    cpu: dict[str, float] = {}
+    for server in servers:
+        with contextlib.suppress(psutil.Error):  # a server that died is left out, not counted 0
+            cpu[server.name] = server.sample().cpu_seconds
+    return cpu
 
 
 def _machine_seconds() -> tuple[float, float, float]:
@@ -223,15 +190,13 @@ def _machine_seconds() -> tuple[float, float, float]:
     Interrupt time is mostly the kernel moving our own loopback packets; steal is the hypervisor
     running other machines on our cores.
     """
-    ticks = [int(v) / _CLOCK_TICKS for v in Path("/proc/stat").read_text().split()[1:9]]
-    return ticks[0] + ticks[1] + ticks[2], ticks[5] + ticks[6], ticks[7]
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system, t.irq + t.softirq, t.steal
 
 
 def _own_and_children_seconds() -> float:
     """CPU of this process plus its finished children (wrk, the Python load generator)."""
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return sum(psutil.Process().cpu_times()[:4])  # user, system, children's user and system
 
 
 @dataclass(frozen=True)
@@ -253,15 +218,8 @@ class CpuWatch:
 
     def __init__(self, servers: Sequence[Server]) -> None:
         self._servers = list(servers)
-        self._by_server = self._servers_cpu()
+        self._by_server = _cpu_seconds(self._servers)
         self._start = (time.monotonic(), _machine_seconds(), _own_and_children_seconds())
-
-    def _servers_cpu(self) -> dict[str, float]:
-        cpu: dict[str, float] = {}
-        for server in self._servers:
-            with contextlib.suppress(OSError):  # a server that died is left out, not counted 0
-                cpu[server.name] = server.sample().cpu_seconds
-        return cpu
 
     def stop(self) -> CpuUse:
         wall = max(time.monotonic() - self._start[0], 1e-9)
@@ -270,19 +228,8 @@ class CpuWatch:
             for now, then in zip(_machine_seconds(), self._start[1], strict=True)
         )
         harness = (_own_and_children_seconds() - self._start[2]) / wall
-        now, then = self._servers_cpu(), self._by_server
+        now, then = _cpu_seconds(self._servers), self._by_server
         by_server = {name: (now[name] - then[name]) / wall for name in now if name in then}
         servers = sum(by_server.values())
         foreign = max(0.0, machine - servers - harness)
         return CpuUse(wall, machine, servers, harness, foreign, interrupts, steal, by_server)
-
-
-def machine() -> dict[str, Any]:
-    """What the results were measured on."""
-    names = re.findall(r"^model name\s*: (.*)$", Path("/proc/cpuinfo").read_text(), re.M)
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": names[0] if names else "unknown",
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-    }

@@ -1,19 +1,18 @@
 """Every scenario's report: the stamp (commit, date, machine, command), Markdown tables, targets
 checked against their goals, and the JSON and Markdown files written."""
 
-from __future__ import annotations
-
 import datetime
-import json
 import math
 import os
+import platform
+import re
 import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.procs import machine
+import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 Row = dict[str, Any]
@@ -46,12 +45,16 @@ def commit(tree: Path = ROOT) -> str:
 
 def stamp(command: str, load: str, versions: list[str], baseline: Path | None, note: str) -> Row:
     """What a result was measured with: printed at the top of its report, kept in its JSON."""
+    names = re.findall(r"^model name\s*: (.*)$", Path("/proc/cpuinfo").read_text(), re.M)
     return {
         "command": command,
         "commit": commit(),
         "baseline": f"{baseline} at {commit(baseline)}" if baseline else None,
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        **machine(),
+        "cpus": os.cpu_count(),
+        "cpu_model": names[0] if names else "unknown",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
         "load_average": os.getloadavg()[0],  # at the start: other work on a shared machine
         "load": load,
         "versions": versions,
@@ -136,18 +139,9 @@ def targets_table(targets: Sequence[Target]) -> list[str]:
     return table([*columns, ("verdict", "verdict", "")], rows)
 
 
-def clean(value: Any) -> Any:
-    """NaN (not measured) as JSON null."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [clean(v) for v in value]
-    return value
-
-
 def write(out: Path, stem: str, results: Row, text: str) -> None:
+    """The JSON (NaN, a moment not measured, as null) and the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(clean(results), indent=1, default=str) + "\n")
+    options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
+    (out / f"{stem}.json").write_bytes(orjson.dumps(results, default=str, option=options))
     (out / f"{stem}.md").write_text(text)

@@ -5,33 +5,53 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.load import Loader, Tool
-from bench.procs import Fleet, Server, wait_ready
+from bench.procs import Fleet, Server, settle, wait_ready
 from bench.profile import PySpy
 from bench.report import Row, Target
 from bench.stack import PROXY_CONFIG, start_proxy
+from bench.stats import rotated
 
 PROXY = "n-proxy"
 BASELINE = "baseline"
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split(","))
+
+
+def _option(default: Any, help: str, parse: Callable[[str], Any] | None = None) -> Any:
+    """An Options field with what its flag says in --help and how it reads its value."""
+    return field(default=default, metadata={"help": help, "parse": parse or type(default)})
+
+
 @dataclass(frozen=True)
 class Options:
-    """The options every scenario shares; each reads those it needs, with its own defaults."""
+    """The options of every scenario, declared once: each is a flag of ``python -m bench``
+    (``max_tokens``: ``--max-tokens``; a true one: ``--no-warm-up``). Each scenario reads those
+    it needs, with its own defaults (``Scenario.full`` and ``.smoke``) under these."""
 
-    rounds: int = 1
-    seconds: float = 3.0
-    concurrency: tuple[int, ...] = (16,)
-    n: tuple[int, ...] = (1,)
-    max_tokens: int = 16
-    reps: int = 10
-    streams: tuple[int, ...] = (200,)
-    warm_up: bool = True
+    rounds: int = _option(1, "rounds, each contender once per round")
+    seconds: float = _option(3.0, "per measurement (soak: all of it)")
+    concurrency: tuple[int, ...] = _option((16,), "comma-separated levels, or clients", _ints)
+    n: tuple[int, ...] = _option((1,), "comma-separated n (fanout, vllm, ...)", _ints)
+    max_tokens: int = _option(16, "tokens per choice")
+    reps: int = _option(10, "repetitions (ttft, vllm streams, llamacpp)")
+    streams: tuple[int, ...] = _option((200,), "open streams (manystream, memory)", _ints)
+    warm_up: bool = _option(True, "no warm-up before measuring")
+    workers: int = _option(2, "passthrough: also n-proxy with --workers N (1: not)")
+    steps_ms: tuple[int, ...] = _option((50, 20), "manystream: the pacer's decode steps", _ints)
+    retry_on: tuple[str, ...] = _option(("connect", "reset"), "llamacpp: n-proxy's retry_on",
+                                        _words)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -64,7 +84,7 @@ class Tools:
 class Context:
     options: Options
     tools: Tools
-    args: argparse.Namespace  # the scenario-specific flags: --workers, --steps-ms, ...
+    args: argparse.Namespace  # what runs: --skip, --env, --baseline
     fleet: Fleet
     work: Path  # this scenario's scratch folder (configs, wrk scripts, py-spy stacks)
     stack: contextlib.ExitStack
@@ -119,3 +139,18 @@ class Context:
                 out = self.work / "profile.txt"
                 self.stack.enter_context(PySpy(self.tools.py_spy, server.pid, out))
         return up
+
+    def rounds(
+        self, contenders: Iterable[str], cases: Sequence[Row], one: Callable[[str, Row], Row],
+        label: str = "target",
+    ) -> list[Row]:  # fmt: skip
+        """``one(contender, case)`` for every case in every round (``case["round"]`` says which),
+        the contenders in a rotated order (none always runs first, or last), each once every
+        server is idle; a row each, with the contender (under ``label``) and the case."""
+        names, rows = list(contenders), []
+        for turn in range(self.options.rounds):
+            for case in ({"round": turn, **c} for c in cases):
+                for name in rotated(names, turn):
+                    settle(self.fleet.servers)
+                    rows.append({label: name, **case, **one(name, case)})
+        return rows

@@ -1,8 +1,9 @@
 """How each contender is started on loopback: demo backends, n-proxy, nginx, LiteLLM's proxy,
-and the canned upstream of the wire scenario."""
+and the canned upstream of the wire scenario. Run as a script, this is the demo backend on uvloop
+(a faster backend is a harder baseline): ``python -m bench.stack --port P [devserver options]``."""
 
-from __future__ import annotations
-
+import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -22,8 +23,9 @@ upstreams:
 drain_seconds: 1
 """
 
-# One worker, as n-proxy has one by default; {http} is the server part of each role.
-_NGINX_MAIN = """\
+# One worker, as n-proxy has one by default, and one server: a reverse proxy (HTTP/1.1 upstream
+# connections kept alive, responses not buffered) or the canned upstream (``_CANNED``).
+_NGINX = """\
 worker_processes 1;
 user root root;
 pid {work}/nginx.pid;
@@ -31,38 +33,34 @@ error_log {work}/error.log warn;
 events {{ worker_connections 8192; }}
 http {{
     access_log off;
+    keepalive_requests {keepalive_requests};
     client_body_temp_path {work}/body;
     proxy_temp_path {work}/proxy;
     fastcgi_temp_path {work}/fastcgi;
     uwsgi_temp_path {work}/uwsgi;
     scgi_temp_path {work}/scgi;
-{http}}}
-"""
-
-_NGINX_PROXY = """\
     upstream backend {{
         server 127.0.0.1:{upstream_port};
         keepalive 256;
     }}
     server {{
         listen 127.0.0.1:{port} backlog=4096;
-        location / {{
+{locations}    }}
+}}
+"""
+_PROXY = """\
+        location / {
             proxy_pass http://backend;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_buffering off;
             proxy_read_timeout 600s;
-        }}
-    }}
+        }
 """
-
-# The canned upstream: `return` answers at once (and discards the request body, so keep-alive
-# holds); default_type sets the Content-Type of a `return` text. keepalive_requests lifted from
-# nginx's 1,000: the proxies in front keep their upstream connections for the whole run.
-_NGINX_CANNED = """\
-    keepalive_requests 100000000;
-    server {{
-        listen 127.0.0.1:{port} backlog=4096;
+# `return` answers at once (and discards the request body, so keep-alive holds); default_type
+# sets the Content-Type of a `return` text. Its keepalive_requests are lifted from nginx's 1,000:
+# the proxies in front keep their upstream connections for the whole run.
+_CANNED = """\
         location = {health} {{
             default_type text/plain;
             return 200 "ok\\n";
@@ -77,7 +75,6 @@ _NGINX_CANNED = """\
         location / {{
             return 404;
         }}
-    }}
 """
 
 _LITELLM_CONFIG = """\
@@ -107,9 +104,10 @@ LITELLM_ENV = {
 def start_backend(
     fleet: Fleet, *, native_n: bool = False, name: str = "backend", token_delay: float = 0.0
 ) -> Server:
-    """Launched only: the caller waits (``wait_ready``), so the servers boot side by side."""
+    """The devserver, launched only: the caller waits (``wait_ready``), so the servers boot side
+    by side."""
     port = free_port()
-    argv = [sys.executable, "-m", "bench.backend", "--port", str(port)]
+    argv = [sys.executable, "-m", "bench.stack", "--port", str(port)]
     argv += ["--token-delay", str(token_delay)]
     if native_n:
         argv.append("--native-n")
@@ -157,20 +155,20 @@ def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Se
     return fleet.launch("lean forwarder" if lean else "aiohttp forwarder", argv, port, "/health")
 
 
-def _launch_nginx(fleet: Fleet, home: Path, nginx: str, name: str, http: str, port: int) -> Server:
+def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server | None = None) -> Server:
+    """nginx as a reverse proxy in front of ``upstream``, or without one as the canned upstream;
+    launched only."""
+    home, port = work / ("nginx" if upstream else "nginx-canned"), free_port()
     for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (home / sub).mkdir(parents=True, exist_ok=True)
-    config = home / "nginx.conf"
-    config.write_text(_NGINX_MAIN.format(work=home, http=http))
-    argv = [nginx, "-p", str(home), "-c", str(config), "-g", "daemon off;"]
+    canned = _CANNED.format(health=HEALTH_PATH, path=CHAT_PATH, body=BODY.decode())
+    (home / "nginx.conf").write_text(_NGINX.format(
+        work=home, port=port, upstream_port=upstream.port if upstream else port,  # canned: unused
+        keepalive_requests=1000 if upstream else 100_000_000,
+        locations=_PROXY if upstream else canned))  # fmt: skip
+    argv = [nginx, "-p", str(home), "-c", str(home / "nginx.conf"), "-g", "daemon off;"]
+    name = "nginx" if upstream else "canned nginx"
     return fleet.launch(name, argv, port, "/health", tree=True)  # its worker is a child
-
-
-def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server) -> Server:
-    """nginx as a reverse proxy in front of ``upstream``; launched only."""
-    port = free_port()
-    http = _NGINX_PROXY.format(upstream_port=upstream.port, port=port)
-    return _launch_nginx(fleet, work / "nginx", nginx, "nginx", http, port)
 
 
 def start_canned(fleet: Fleet, work: Path, nginx: str | None) -> Server:
@@ -178,12 +176,11 @@ def start_canned(fleet: Fleet, work: Path, nginx: str | None) -> Server:
 
     Launched only. Named "canned nginx" or "canned python", so a report says which it was.
     """
+    if nginx is not None:
+        return start_nginx(fleet, work, nginx)
     port = free_port()
-    if nginx is None:
-        argv = [sys.executable, "-m", "bench.pacer", "--canned", "--port", str(port)]
-        return fleet.launch("canned python", argv, port, HEALTH_PATH)
-    http = _NGINX_CANNED.format(port=port, health=HEALTH_PATH, path=CHAT_PATH, body=BODY.decode())
-    return _launch_nginx(fleet, work / "nginx-canned", nginx, "canned nginx", http, port)
+    argv = [sys.executable, "-m", "bench.pacer", "--canned", "--port", str(port)]
+    return fleet.launch("canned python", argv, port, HEALTH_PATH)
 
 
 def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> Server:
@@ -196,3 +193,13 @@ def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> S
     return fleet.launch(
         "litellm", argv, port, "/health/liveliness", env=LITELLM_ENV, cwd=work, tree=True
     )
+
+
+if __name__ == "__main__":  # the demo backend, as ``n-proxy-devserver`` serves it, on uvloop
+    from proxy.devserver.cli import main
+
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    raise SystemExit(main(sys.argv[1:]))

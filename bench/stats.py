@@ -1,7 +1,5 @@
 """Medians and quantiles, taken one way for every scenario, and rounds paired so drift cancels."""
 
-from __future__ import annotations
-
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence

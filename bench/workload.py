@@ -1,16 +1,17 @@
 """The request bodies every scenario sends, what a correct answer to them looks like, and reading
-an SSE answer as a client does, with the moments that matter timed (events counted on the raw
-bytes, so the reader stays cheap next to the servers it measures)."""
-
-from __future__ import annotations
+an SSE answer as a client does: timed through aiohttp (``read_stream``), or raw off the socket
+for the scenarios that hold hundreds of streams (``RawStream``). Events are counted on the raw
+bytes, so either reader stays cheap next to the servers it measures."""
 
 import asyncio
 import contextlib
+import math
 import re
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import aiohttp
 import orjson
@@ -31,29 +32,19 @@ class Request:
 
 
 def chat_body(
-    n: int = 1,
-    *,
-    stream: bool = False,
-    max_tokens: int = 16,
-    seed: int | None = SEED,
+    n: int = 1, *, stream: bool = False, max_tokens: int = 16, seed: int | None = SEED,
     x_demo: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any]:  # fmt: skip
     """A chat request; ``ignore_eos`` makes every choice exactly ``max_tokens`` long."""
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "Benchmark the proxy, please."}],
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
+    message = {"role": "user", "content": "Benchmark the proxy, please."}
+    body = {"model": MODEL, "messages": [message], "max_tokens": max_tokens, "ignore_eos": True}
+    optional = {
+        "n": n if n != 1 else None,
+        "stream": stream or None,
+        "seed": seed,
+        "x_demo": x_demo,
     }
-    if n != 1:
-        body["n"] = n
-    if stream:
-        body["stream"] = True
-    if seed is not None:
-        body["seed"] = seed
-    if x_demo is not None:
-        body["x_demo"] = x_demo
-    return body
+    return body | {k: v for k, v in optional.items() if v is not None}
 
 
 def chat_request(n: int = 1, **options: Any) -> Request:
@@ -73,7 +64,12 @@ _EVENT = b"data: "
 # A chat chunk that carries generated text (the opening role chunk has "content":"").
 _TOKEN = re.compile(rb'"content":"[^"]')
 T = TypeVar("T")
-_CARRY = 16  # longer than either pattern: a match split across two reads is still found once
+
+
+def whole_events(buffer: bytes) -> tuple[bytes, bytes]:
+    """The whole SSE events at the start of ``buffer``, and the rest (an event not yet ended)."""
+    cut = buffer.rfind(b"\n\n") + 2  # 1 when there is none
+    return (buffer[:cut], buffer[cut:]) if cut > 1 else (b"", buffer)
 
 
 @dataclass(frozen=True)
@@ -83,67 +79,120 @@ class StreamTiming:
     status: int
     headers_at: float
     first_byte_at: float
-    first_token_at: float
+    first_token_at: float  # when the event carrying it had arrived whole
     end_at: float
     events: int
     size: int
 
 
-class EventCounter:
-    """Counts ``data:`` events and spots the first token across arbitrary read boundaries."""
-
-    def __init__(self) -> None:
-        self.events = 0
-        self.size = 0
-        self.saw_token = False
-        self._tail = b""
-
-    def feed(self, data: bytes) -> bool:
-        """Add one read; True when this read completed the first token."""
-        self.size += len(data)
-        window = self._tail + data
-        # Matches wholly inside the carried tail were counted with the previous read.
-        self.events += window.count(_EVENT) - self._tail.count(_EVENT)
-        first = False
-        if not self.saw_token and _TOKEN.search(window):
-            self.saw_token = first = True
-        self._tail = window[-_CARRY:]
-        return first
-
-
 async def read_stream(
-    session: aiohttp.ClientSession,
-    url: str,
-    body: bytes,
-    started: float | None = None,
-    on_first_byte: Callable[[], None] | None = None,
+    session: aiohttp.ClientSession, url: str, body: bytes, started: float | None = None
 ) -> StreamTiming:
     """POST ``body`` and read the answer to its end; times are relative to ``started``."""
     t0 = time.perf_counter() if started is None else started
-    nan = float("nan")
-    first_byte = first_token = nan
-    counter = EventCounter()
+    first_byte = first_token = float("nan")
+    events = size = 0
+    rest = b""
     async with session.post(url, data=body, headers=HEADERS) as response:
         headers_at = time.perf_counter() - t0
         async for data in response.content.iter_any():
-            now = time.perf_counter() - t0
-            if counter.size == 0:
+            now, size = time.perf_counter() - t0, size + len(data)
+            if size == len(data):
                 first_byte = now
-                if on_first_byte is not None:
-                    on_first_byte()
-            if counter.feed(data):
+            block, rest = whole_events(rest + data)
+            events += block.count(_EVENT)
+            if math.isnan(first_token) and _TOKEN.search(block):
                 first_token = now
         end = time.perf_counter() - t0
-        status = response.status
-    return StreamTiming(
-        status=status,
-        headers_at=headers_at,
-        first_byte_at=first_byte,
-        first_token_at=first_token,
-        end_at=end,
-        events=counter.events,
-        size=counter.size,
-    )
+    return StreamTiming(response.status, headers_at, first_byte, first_token, end, events, size)
+
+
+def raw_post(path: str, body: bytes, *, close: bool = False) -> bytes:
+    """A JSON POST as bytes, for the clients that write it to a socket themselves."""
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "")
+    return (head + "\r\n").encode() + body
+
+
+OnEvents = Callable[[float, bytes], None]
+OPEN_BATCH = 100  # connections opened at once: a listen backlog is not the thing measured
+MAX_HEAD = 65536
+
+
+class RawStream(asyncio.Protocol):
+    """One request on a connection of its own, its SSE answer read raw: ``status`` from the head
+    (0 until then), then ``on_events(now, block)`` with each run of whole events (``now``:
+    time.monotonic()). ``flowing`` is done at the first run, or when none will come (``error``
+    then says why); ``ended`` when the connection closes; ``events`` counts them."""
+
+    def __init__(self, request: bytes, on_events: OnEvents = lambda now, block: None) -> None:
+        loop = asyncio.get_running_loop()
+        self.request, self.on_events = request, on_events
+        self.flowing: asyncio.Future[None] = loop.create_future()
+        self.ended: asyncio.Future[None] = loop.create_future()
+        self.transport: asyncio.Transport | None = None
+        self.status = self.events = 0
+        self.error = self._buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.write(self.request)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._flowing(b"closed before the first event")
+        self.ended.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        now, buffer = time.monotonic(), self._buffer + data
+        if not self.status:
+            head, sep, buffer = buffer.partition(b"\r\n\r\n")
+            if not sep:
+                self._buffer = head[-MAX_HEAD:]
+                return
+            self.status = int(head[9:12]) if head[9:12].isdigit() else -1  # "HTTP/1.1 200"
+            if self.status != 200:
+                self._flowing(head[:200])
+        block, self._buffer = whole_events(buffer) if self.status == 200 else (b"", b"")
+        if not block:
+            return
+        self.events += block.count(_EVENT)
+        self._flowing(b"")
+        self.on_events(now, block)
+
+    def _flowing(self, error: bytes) -> None:
+        if not self.flowing.done():
+            self.error = error
+            self.flowing.set_result(None)
+
+
+async def open_raw(
+    port: int,
+    request: bytes,
+    count: int = 1,
+    on_events: OnEvents = lambda now, block: None,
+    rcvbuf: int = 0,
+) -> list[RawStream]:
+    """``count`` RawStreams to 127.0.0.1:``port``, opened OPEN_BATCH at a time; ``rcvbuf``: each
+    socket's receive buffer, set before it connects (0: the kernel's default)."""
+    loop, streams = asyncio.get_running_loop(), []
+
+    async def connect(stream: RawStream) -> None:
+        sock = socket.socket()
+        try:
+            if rcvbuf:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            await loop.create_connection(lambda: stream, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    for start in range(0, count, OPEN_BATCH):
+        batch = [RawStream(request, on_events) for _ in range(min(OPEN_BATCH, count - start))]
+        await asyncio.gather(*(connect(stream) for stream in batch))
+        streams += batch
+    return streams
 
 
 def client(seconds: float, limit: int = 0, force_close: bool = False) -> aiohttp.ClientSession:

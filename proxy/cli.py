@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import orjson
 
@@ -53,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"n-proxy: config error: {exc}", file=sys.stderr)
         return 2
     demo = options.upstream is None and options.config is None
+    # SIGHUP reads the file again, with the same command-line overrides on top.
+    loader = functools.partial(_config, options) if options.config is not None else None
     workers = options.workers
     if workers == AUTO:
         # Never more workers than the limits can be divided among
@@ -67,11 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"n-proxy: --workers {workers}: {exc}", file=sys.stderr)
             return 2
-        return run_workers(config, workers)
+        return run_workers(config, workers, loader)
     setup_logging(config.log_format, config.log_level)
     install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config, demo=demo))
+        asyncio.run(serve(config, demo=demo, loader=loader))
     return 0
 
 
@@ -79,7 +82,8 @@ def check_config(args: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="n-proxy check-config",
         description="Validate an n-proxy YAML config: exit 0 if it loads, 1 with the first error "
-        "(naming its YAML key) if not. ${ENV} placeholders are expanded from the environment.",
+        "(naming its YAML key) if not. ${ENV} placeholders are expanded from the environment. "
+        "A running proxy validates the file the same way when SIGHUP makes it reload it.",
     )
     parser.add_argument("file", metavar="FILE", help="the YAML config to check")
     path = parser.parse_args(args).file
@@ -178,8 +182,10 @@ def _config(options: argparse.Namespace) -> Config:
     )
 
 
-async def serve(config: Config, *, demo: bool = False) -> None:
-    """Run until SIGTERM or SIGINT, then drain.
+async def serve(
+    config: Config, *, demo: bool = False, loader: Callable[[], Config] | None = None
+) -> None:
+    """Run until SIGTERM or SIGINT, then drain; each SIGHUP reloads the config with ``loader``.
 
     ``demo``: no upstream was configured, so the built-in demo backend answers, and says so on
     every answer (``model: "demo"`` and an ``X-N-Proxy-Demo`` header): a forgotten ``--upstream``
@@ -202,7 +208,7 @@ async def serve(config: Config, *, demo: bool = False) -> None:
             f'(every answer has model "{DEMO_MODEL}" and an X-N-Proxy-Demo header)',
             flush=True,
         )
-    server = Server(config, notice=notice)
+    server = Server(config, notice=notice, loader=loader)
     try:
         await server.start()
         upstreams = ", ".join(f"{u.name}={'|'.join(u.urls)}" for u in config.upstreams)

@@ -1,8 +1,6 @@
 """The scenarios of ``python -m bench``: each module here has a ``SCENARIO``, imported by name
 (so vllm's and llamacpp's imports from tests/support load only when they run)."""
 
-from __future__ import annotations
-
 import importlib
 
 from bench.scenario import Scenario

@@ -1,16 +1,14 @@
 """Fan-out: n-proxy fanning n out to the n=1 demo backend against the backend answering n itself;
 the ratio is n-proxy's req/s over native's, paired by round."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 from bench.report import Column, Row, Target, pick, table, target
 from bench.scenario import PROXY, Context, Scenario
-from bench.scenarios.passthrough import check, timed
+from bench.scenarios.passthrough import measure
 from bench.stack import start_backend
-from bench.stats import grouped, median, medians, over, paired, ratio, rotated
-from bench.workload import chat_request
+from bench.stats import grouped, median, medians, over, paired, ratio
+from bench.workload import Request, chat_request
 
 NATIVE = "native"
 GOAL_N = 8
@@ -22,26 +20,17 @@ def _run(ctx: Context) -> Row:
     proxies = ctx.proxies(backend.url)
     ctx.ready({"backend": backend})
     targets = ctx.ready({NATIVE: native, **proxies})
-    o, c = ctx.options, ctx.options.concurrency[0]
-    cases = [(n, stream) for stream in (False, True) for n in o.n]
-    for n, stream in cases:
-        for name, server in targets.items():
-            check(name, server, chat_request(n, stream=stream))
-    rows: list[Row] = []
-    for turn in range(o.rounds):
-        for n, stream in cases:
-            for name in rotated(list(targets), turn):
-                what = f"round {turn} n={n} stream={stream} {name}"
-                result, cpu = timed(ctx, targets[name], chat_request(n, stream=stream), c, what)
-                # The backend that did the generating: the n=1 one behind n-proxy, or native.
-                generating = native if name == NATIVE else backend
-                rows.append({
-                    "round": turn, "target": name, "n": n, "stream": stream, **result.to_json(),
-                    "backend_cores": cpu.by_server.get(generating.name, 0.0),
-                    "proxy_cores": 0.0 if name == NATIVE else cpu.by_server[targets[name].name],
-                    "other_load_cores": cpu.foreign, "steal_cores": cpu.steal,
-                })  # fmt: skip
-    return {"runs": rows, "summary": summarize(rows)}
+    c = ctx.options.concurrency[0]
+    cases = [{"n": n, "stream": s, "concurrency": c} for s in (False, True) for n in ctx.options.n]
+    # The backend that does the generating: the n=1 one behind n-proxy, or native.
+    data = measure(
+        ctx, targets, _request, cases, lambda name: native if name == NATIVE else backend
+    )
+    return {"runs": data["runs"], "summary": summarize(data["runs"])}
+
+
+def _request(name: str, case: Row) -> Request:
+    return chat_request(case["n"], stream=case["stream"])
 
 
 def summarize(rows: Sequence[Row]) -> list[Row]:
@@ -56,9 +45,9 @@ def summarize(rows: Sequence[Row]) -> list[Row]:
             "n": n, "stream": stream, "target": name, "errors": sum(r["errors"] for r in mine),
             "ratio": median(paired(case, "target", name, NATIVE, over("rps"))),
             "backend_ceiling": ratio(_backend_cpu(native), _backend_cpu(mine)),
-            # Cores busy: is the proxy or the backend the bottleneck?
-            **medians(mine, "rps", "p50_ms", "proxy_cores", "backend_cores", "other_load_cores",
-                      "steal_cores"),
+            # Cores busy: is the proxy or the backend the bottleneck? (native: no proxy)
+            "proxy_cores": 0.0 if name == NATIVE else median(r["cores"] for r in mine),
+            **medians(mine, "rps", "p50_ms", "backend_cores", "other_load_cores", "steal_cores"),
         })  # fmt: skip
     return summary
 

@@ -1,8 +1,6 @@
 """llama.cpp's own server (the suite's tiny GGUF, via xllamacpp) behind n-proxy: first token and
 whole stream at -np 1 and -np 4, with ``stream_start: first`` and ``all``."""
 
-from __future__ import annotations
-
 from typing import cast
 
 import aiohttp
@@ -49,7 +47,7 @@ async def _measure(ctx: Context) -> Row:
         async with start_llama_server(model, n_parallel=slots, n_ctx=n_ctx) as server:
             cases = [("direct", "", server.base_url, 1)]
             for start in ("first", "all"):
-                config = CONFIG.format(start=start, retry_on=", ".join(ctx.args.retry_on))
+                config = CONFIG.format(start=start, retry_on=", ".join(ctx.options.retry_on))
                 up = ctx.ready(ctx.proxies(server.base_url, f"-np{slots}-{start}", config))
                 cases += [(label, start, proxy.url, o.n[0]) for label, proxy in up.items()]
             # A new connection per request: llama-server drops a kept-alive connection after a

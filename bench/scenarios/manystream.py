@@ -1,10 +1,7 @@
 """Many streams: hundreds of paced SSE streams through each contender, one small chunk per decode
 step: CPU per relayed chunk and latency added per chunk. Run as a script, this is the client."""
 
-from __future__ import annotations
-
 import asyncio
-import functools
 import json
 import math
 import re
@@ -16,16 +13,15 @@ from typing import cast
 
 import orjson
 
-from bench.procs import CpuWatch, Server, free_port, settle
+from bench.procs import CpuWatch, Server, free_port
 from bench.report import ROOT, Row, say, table
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import DIRECT, FORWARDER
 from bench.stack import start_forwarder, start_nginx
-from bench.stats import grouped, median, medians, minus, paired, percentile, rotated
-from bench.workload import CHAT_PATH, chat_body, run_async
+from bench.stats import grouped, median, medians, minus, paired, percentile
+from bench.workload import CHAT_PATH, chat_body, open_raw, raw_post, run_async
 
 _TS = re.compile(rb'"ts":([0-9]+\.[0-9]+)\}')
-RAMP_BATCH = 100  # connections opened at once: a listen backlog is not the thing measured
 RAMP_LIMIT = 15.0  # seconds for every stream to get its first chunk
 CLIENT_TIMEOUT = 120.0
 WARMUP = 1.0  # seconds of flowing streams before the window, at most as long as the window
@@ -33,123 +29,45 @@ MEDIANS = ("cpu_us_per_chunk", "proxy_cores", "delivered", "p50_ms", "p99_ms")
 QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))
 
 
-# ---------------------------------------------------------------- the client (its own process)
-
-
-@dataclass
-class _Tally:
-    measuring: bool = False
-    chunks: int = 0
-    bad: int = 0
-    latencies: list[float] | None = None
-
-
-class _StreamClient(asyncio.Protocol):
-    """One SSE response read raw: chunks counted and timed by their ``ts``, nothing else parsed."""
-
-    def __init__(self, request: bytes, tally: _Tally, first: asyncio.Future[None]) -> None:
-        self.request = request
-        self.tally = tally
-        self.first = first
-        self.transport: asyncio.Transport | None = None
-        self.head = True
-        self.buffer = b""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        self.transport.write(self.request)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.first.done():
-            self.first.set_exception(ConnectionError("closed before the first chunk"))
-
-    def data_received(self, data: bytes) -> None:
-        now = time.monotonic()
-        buffer = self.buffer + data
-        if self.head:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                self.buffer = buffer[-65536:]
-                return
-            if not buffer.startswith(b"HTTP/1.1 200"):
-                self.tally.bad += 1
-                if not self.first.done():
-                    self.first.set_exception(ConnectionError(buffer[:200].decode(errors="replace")))
-                return
-            self.head = False
-            buffer = buffer[end + 4 :]
-        cut = buffer.rfind(b"\n\n")
-        if cut < 0:
-            self.buffer = buffer
-            return
-        block, self.buffer = buffer[:cut], buffer[cut + 2 :]
-        if not self.first.done() and _TS.search(block):
-            self.first.set_result(None)
-        tally = self.tally
-        if tally.measuring and tally.latencies is not None:
-            stamps = _TS.findall(block)
-            tally.chunks += len(stamps)
-            tally.latencies.extend(now - float(s) for s in stamps)
-
-
-def _request(port: int, n: int, steps: int) -> bytes:
-    body = orjson.dumps(chat_body(n, stream=True, max_tokens=steps, seed=None))
-    head = (
-        f"POST {CHAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
 async def _client(
     port: int, requests: int, n: int, step: float, warmup: float, seconds: float
 ) -> None:
-    loop = asyncio.get_running_loop()
+    """The client process: opens the streams, waits for all to flow, then counts and times the
+    chunks (receive time minus their ``ts``) for ``seconds``, between "start" and "end" lines."""
     steps = math.ceil((RAMP_LIMIT + warmup + seconds + 5) / step)
-    request = _request(port, n, steps)
-    tally = _Tally()
-    transports: list[asyncio.Transport] = []
-    firsts: list[asyncio.Future[None]] = []
+    body = orjson.dumps(chat_body(n, stream=True, max_tokens=steps, seed=None))
+    latencies: list[float] = []
+    measuring = False
+
+    def on_events(now: float, block: bytes) -> None:
+        if measuring:
+            latencies.extend(now - float(stamp) for stamp in _TS.findall(block))
+
     started = time.monotonic()
-    for batch in range(0, requests, RAMP_BATCH):
-        opening = []
-        for _ in range(min(RAMP_BATCH, requests - batch)):
-            first: asyncio.Future[None] = loop.create_future()
-            firsts.append(first)
-            opening.append(
-                loop.create_connection(
-                    functools.partial(_StreamClient, request, tally, first), "127.0.0.1", port
-                )
-            )
-        for transport, _ in await asyncio.gather(*opening):
-            transports.append(transport)
+    streams = await open_raw(port, raw_post(CHAT_PATH, body), requests, on_events)
     left = max(RAMP_LIMIT - (time.monotonic() - started), 0.1)
-    done, pending = await asyncio.wait(firsts, timeout=left)
-    failed = [f.exception() for f in done if f.exception() is not None]
+    _, pending = await asyncio.wait([s.flowing for s in streams], timeout=left)
+    failed = [s.error for s in streams if s.error]
     ramp = time.monotonic() - started
     await asyncio.sleep(warmup)
-    tally.latencies = []
-    tally.measuring = True
     print("start", flush=True)
-    window_start = time.monotonic()
+    measuring, window_start = True, time.monotonic()
     await asyncio.sleep(seconds)
-    tally.measuring = False
-    window = time.monotonic() - window_start
+    measuring, window = False, time.monotonic() - window_start
     print("end", flush=True)
-    for transport in transports:
-        transport.abort()
-    latencies = sorted(tally.latencies)
+    for stream in streams:
+        assert stream.transport is not None
+        stream.transport.abort()
+    latencies.sort()
     offered = requests * n * window / step
     result = {
         "requests": requests, "ramp_s": ramp, "not_started": len(pending) + len(failed),
-        "errors": [str(e)[:200] for e in failed[:3]], "window_s": window, "chunks": tally.chunks,
-        "offered": offered, "delivered": tally.chunks / offered if offered else None,
+        "errors": [e.decode(errors="replace") for e in failed[:3]], "window_s": window,
+        "chunks": len(latencies), "offered": offered,
+        "delivered": len(latencies) / offered if offered else None,
         "latency_ms": {q: percentile(latencies, p) * 1000 for q, p in QUANTILES},
     }  # fmt: skip
     print("result " + json.dumps(result), flush=True)
-
-
-# ---------------------------------------------------------------- the harness
 
 
 @dataclass(frozen=True)
@@ -190,33 +108,36 @@ def measure(contender: Contender, streams: int, step: float, warmup: float, seco
     return result
 
 
+def _step(ctx: Context, step: float) -> list[Row]:
+    """Every contender in front of one pacer of ``step`` seconds, every --streams, in rounds."""
+    port, ms, o = free_port(), f"{step * 1000:.0f}ms", ctx.options
+    argv = [sys.executable, "-m", "bench.pacer", "--port", str(port), "--step", str(step)]
+    pacer = ctx.fleet.launch(f"pacer-{ms}", argv, port, "/health")
+    servers = {DIRECT: pacer, **ctx.proxies(pacer.url, f"-{ms}")}
+    if ctx.tools.nginx:
+        servers["nginx"] = start_nginx(ctx.fleet, ctx.work, ctx.tools.nginx, pacer)
+    if ctx.wants("forwarder"):
+        servers[FORWARDER] = start_forwarder(ctx.fleet, pacer)
+    up = ctx.ready(servers)
+    contenders = {k: Contender(k, up[k]) for k in (DIRECT, "nginx", FORWARDER) if k in up}
+    for label in (PROXY, BASELINE):
+        for n in (1, 4) if label in up else ():
+            contenders[f"{label} n={n}"] = Contender(f"{label} n={n}", up[label], n)
+
+    def one(name: str, case: Row) -> Row:
+        warmup = min(WARMUP, o.seconds)
+        row = measure(contenders[name], case["streams"], step, warmup, o.seconds)
+        say(f"{case['streams']} x {ms} {name}", row, *MEDIANS, "not_started")
+        return row
+
+    cases = [{"streams": size, "step_ms": step * 1000} for size in o.streams]
+    rows = ctx.rounds(contenders, cases, one, label="contender")
+    ctx.fleet.stop(*up.values())
+    return rows
+
+
 def _run(ctx: Context) -> Row:
-    o, rows = ctx.options, []
-    warmup = min(WARMUP, o.seconds)
-    for step in (ms / 1000 for ms in ctx.args.steps_ms):
-        port, ms = free_port(), f"{step * 1000:.0f}ms"
-        argv = [sys.executable, "-m", "bench.pacer", "--port", str(port), "--step", str(step)]
-        pacer = ctx.fleet.launch(f"pacer-{ms}", argv, port, "/health")
-        servers = {DIRECT: pacer, **ctx.proxies(pacer.url, f"-{ms}")}
-        if ctx.tools.nginx:
-            servers["nginx"] = start_nginx(ctx.fleet, ctx.work, ctx.tools.nginx, pacer)
-        if ctx.wants("forwarder"):
-            servers[FORWARDER] = start_forwarder(ctx.fleet, pacer)
-        up = ctx.ready(servers)
-        contenders = {k: Contender(k, up[k]) for k in (DIRECT, "nginx", FORWARDER) if k in up}
-        for label in (PROXY, BASELINE):
-            for n in (1, 4) if label in up else ():
-                contenders[f"{label} n={n}"] = Contender(f"{label} n={n}", up[label], n)
-        for turn in range(o.rounds):
-            for size in o.streams:
-                for name in rotated(list(contenders), turn):
-                    settle(list(up.values()))
-                    row = measure(contenders[name], size, step, warmup, o.seconds)
-                    row.update(contender=name, streams=size, step_ms=step * 1000, round=turn)
-                    say(f"{size} x {step * 1000:.0f} ms {name}", row, *MEDIANS, "not_started")
-                    rows.append(row)
-        for server in up.values():
-            ctx.fleet.stop(server)
+    rows = [row for ms in ctx.options.steps_ms for row in _step(ctx, ms / 1000)]
     return {"runs": rows, "summary": summarize(rows)}
 
 

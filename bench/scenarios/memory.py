@@ -1,11 +1,7 @@
 """Memory: n-proxy's RSS with many open streams (it must not grow with stream length), and the bytes
 it holds behind a client that stops reading (read minus written, /proc/PID/io)."""
 
-from __future__ import annotations
-
 import asyncio
-import contextlib
-import socket
 import time
 from typing import Any
 
@@ -16,10 +12,9 @@ from bench.report import Column, Row, Target, pick, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import numbers
-from bench.workload import CHAT_PATH, chat_body, client, read_stream, run_async
+from bench.workload import CHAT_PATH, chat_body, open_raw, raw_post, run_async, stream_events
 
 KIB = 1024
-OPEN_BATCH = 100  # streams opened at once: stays under the listen backlog
 OPEN_TOKENS = 40  # per open stream, paced to last --seconds
 STALL_SHARE = 0.4  # the slow client stalls for this share of --seconds
 CLIENT_RCVBUF = 4096  # the slow client's receive buffer: the kernel holds little for it
@@ -30,46 +25,25 @@ async def open_streams(
     proxy: Server, streams: int, n: int, tokens: int, token_delay: float
 ) -> dict[str, Any]:
     """``streams`` concurrent n-choice streams, each ``tokens * token_delay`` seconds long."""
-    body = orjson.dumps(
-        chat_body(n, stream=True, max_tokens=tokens, x_demo={"token_delay": token_delay})
-    )
-    url = proxy.url + CHAT_PATH
-    life = tokens * token_delay
-    idle = proxy.sample()
-    async with client(life + 120) as session:
-        await read_stream(session, url, orjson.dumps(chat_body(n, stream=True, max_tokens=2)))
-        warm = proxy.sample()
-        flowing = 0
-        all_flowing = asyncio.Event()
-
-        def one_more() -> None:
-            nonlocal flowing
-            flowing += 1
-            if flowing == streams:
-                all_flowing.set()
-
-        tasks: list[asyncio.Task[Any]] = []
-        opened = time.perf_counter()
-        for start in range(0, streams, OPEN_BATCH):
-            batch = min(OPEN_BATCH, streams - start)
-            tasks += [
-                asyncio.create_task(read_stream(session, url, body, on_first_byte=one_more))
-                for _ in range(batch)
-            ]
-            await asyncio.sleep(0.02)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(life / 2):
-                await all_flowing.wait()
-        # Early (every stream flowing), middle and late in the streams' life.
-        first = time.perf_counter()
-        samples = []
-        for moment in (first, (first + opened + 0.9 * life) / 2, opened + 0.9 * life):
-            if (wait := moment - time.perf_counter()) > 0:
-                await asyncio.sleep(wait)
-            samples.append(proxy.sample())
-        timings = await asyncio.gather(*tasks, return_exceptions=True)
+    x_demo = {"token_delay": token_delay}
+    body = orjson.dumps(chat_body(n, stream=True, max_tokens=tokens, x_demo=x_demo))
+    life, idle = tokens * token_delay, proxy.sample()
+    warm_up = raw_post(CHAT_PATH, orjson.dumps(chat_body(n, stream=True, max_tokens=2)), close=True)
+    await (await open_raw(proxy.port, warm_up))[0].ended
+    warm, opened = proxy.sample(), time.perf_counter()
+    held = await open_raw(proxy.port, raw_post(CHAT_PATH, body, close=True), streams)
+    await asyncio.wait([s.flowing for s in held], timeout=life / 2)
+    flowing = sum(s.flowing.done() and not s.error for s in held)
+    # Early (every stream flowing), middle and late in the streams' life.
+    first = time.perf_counter()
+    samples = []
+    for moment in (first, (first + opened + 0.9 * life) / 2, opened + 0.9 * life):
+        if (wait := moment - time.perf_counter()) > 0:
+            await asyncio.sleep(wait)
+        samples.append(proxy.sample())
+    await asyncio.wait([s.ended for s in held], timeout=life + 120)
     done = proxy.sample()
-    failed = [t for t in timings if isinstance(t, BaseException) or t.status != 200]
+    failed = [s for s in held if not s.ended.done() or s.events != stream_events(n, tokens)]
     early, late = samples[0].rss_bytes, samples[-1].rss_bytes
     result = {
         "streams": streams, "flowing_at_first_sample": flowing, "n": n, "stream_seconds": life,
@@ -81,6 +55,9 @@ async def open_streams(
         # Late minus early while every stream is open: memory that tracks stream length.
         "growth_early_to_late_kib": (late - early) // KIB,
     }  # fmt: skip
+    for stream in held:  # the failed ones, if any: their connections go too
+        assert stream.transport is not None
+        stream.transport.abort()
     say(f"memory, {streams} open streams", result, "per_stream_kib", "growth_early_to_late_kib",
         "failed")  # fmt: skip
     return result
@@ -90,37 +67,23 @@ async def slow_client(
     proxy: Server, backend: Server, n: int, tokens: int, stall: float
 ) -> dict[str, Any]:
     """One stream the client stops reading while the backend generates with no delay."""
-    body = orjson.dumps(chat_body(n, stream=True, max_tokens=tokens))
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, CLIENT_RCVBUF)
-    sock.setblocking(False)
-    loop = asyncio.get_running_loop()
-    async with asyncio.timeout(5):
-        await loop.sock_connect(sock, ("127.0.0.1", proxy.port))
-    reader, writer = await asyncio.open_connection(sock=sock)
+    before, backend_before = proxy.sample(), backend.sample()
+    request = raw_post(CHAT_PATH, orjson.dumps(chat_body(n, stream=True, max_tokens=tokens)))
+    [stream] = await open_raw(proxy.port, request, rcvbuf=CLIENT_RCVBUF)
+    assert stream.transport is not None
     try:
-        before = proxy.sample()
-        backend_before = backend.sample()
-        writer.write(
-            f"POST {CHAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
         async with asyncio.timeout(10):
-            head = await reader.readuntil(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 200"):
-                raise RuntimeError(f"slow client: {head[:200]!r}")
-            await reader.read(1024)
+            await stream.flowing
+        if stream.error:
+            raise RuntimeError(f"slow client: {stream.error!r}")
+        stream.transport.pause_reading()
         # Reading stops here. Let the buffers fill, then watch whether anything still grows.
         await asyncio.sleep(stall / 2)
         settled, backend_settled = proxy.sample(), backend.sample()
         await asyncio.sleep(stall / 2)
         late, backend_late = proxy.sample(), backend.sample()
     finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
+        stream.transport.abort()
 
     def held(sample: ProcSample) -> int:
         read = sample.read_bytes - before.read_bytes

@@ -1,19 +1,17 @@
 """n=1 pass-through, non-streaming, at fixed concurrency: every contender in each round, direct to
 the demo backend as the limit. ``measure`` is also the wire scenario's loop."""
 
-from __future__ import annotations
-
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
 
-from bench.load import LoadResult, post
-from bench.procs import CpuUse, CpuWatch, Server, settle
+from bench.load import post
+from bench.procs import CpuWatch, Server
 from bench.report import Column, Row, Target, pick, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.stack import start_backend, start_forwarder, start_litellm, start_nginx, start_proxy
-from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles, rotated
+from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles
 from bench.workload import Request, chat_request
 
 DIRECT = "direct"
@@ -40,49 +38,45 @@ def check(name: str, server: Server, request: Request) -> int:
     return n
 
 
-def timed(
-    ctx: Context, server: Server, request: Request, c: int, what: str
-) -> tuple[LoadResult, CpuUse]:
-    """One measurement, once every server is idle, with the CPU each used during it."""
-    servers = list(ctx.fleet.servers)
-    settle(servers)
-    watch = CpuWatch(servers)
-    result = ctx.loader.run(server.url, request, c)
-    cpu = watch.stop()
-    print(
-        f"  {ctx.work.name} {what:<40} {result.rps:8.0f} req/s  p50 {result.p50_ms:7.3f} ms"
-        f"  p99 {result.p99_ms:7.3f} ms  errors {result.errors}  other load {cpu.foreign:.2f},"
-        f" steal {cpu.steal:.2f} cores",
-        flush=True,
-    )
-    return result, cpu
-
-
 def measure(
-    ctx: Context, targets: Mapping[str, Server], requests: Mapping[str, Request] | None = None
-) -> Row:
-    """Rounds of every contender at every concurrency, in a rotated order. ``requests``: a
-    contender's own request (default: the n=1 chat request)."""
-    o = ctx.options
-    chosen = {name: (requests or {}).get(name) or chat_request() for name in targets}
-    checked = {name: check(name, server, chosen[name]) for name, server in targets.items()}
-    for name in targets if o.warm_up else ():  # connection pools, lazy imports, caches
-        ctx.loader.run(targets[name].url, chosen[name], max(o.concurrency))
-    rows: list[Row] = []
-    for turn in range(o.rounds):
-        for c in o.concurrency:
-            for name in rotated(list(targets), turn):
-                what = f"round {turn} c={c} {name}"
-                result, cpu = timed(ctx, targets[name], chosen[name], c, what)
-                us = 1e6 / result.rps if result.rps else 0.0
-                rows.append({
-                    "round": turn, "target": name, "concurrency": c, **result.to_json(),
-                    # CPU per request of the contender itself, and of the upstream behind it.
-                    "cpu_us_per_req": cpu.by_server.get(targets[name].name, 0.0) * us,
-                    "backend_cpu_us_per_req": cpu.by_server.get(targets[DIRECT].name, 0.0) * us,
-                    "other_load_cores": cpu.foreign, "steal_cores": cpu.steal,
-                })  # fmt: skip
-    return {"runs": rows, "summary": summarize(rows), "checked": checked}
+    ctx: Context, targets: Mapping[str, Server],
+    request: Callable[[str, Row], Request] = lambda name, case: chat_request(),
+    cases: Sequence[Row] = (), backend: Callable[[str], Server] | None = None,
+) -> Row:  # fmt: skip
+    """Rounds of every contender in every case (its ``concurrency``, and what ``request`` reads
+    in it: what the contender is sent; default: each --concurrency), each with the CPU its own
+    processes and the backend doing its work (``backend`` of the contender; default: direct)
+    used per request."""
+    cases = cases or [{"concurrency": c} for c in ctx.options.concurrency]
+    checked = {}
+    for name, server in targets.items():
+        for sent in dict.fromkeys(request(name, case) for case in cases):
+            checked[name] = check(name, server, sent)
+    for name in targets if ctx.options.warm_up else ():  # connection pools, lazy imports, caches
+        ctx.loader.run(targets[name].url, request(name, cases[-1]), cases[-1]["concurrency"])
+
+    def one(name: str, case: Row) -> Row:
+        watch = CpuWatch(ctx.fleet.servers)
+        result = ctx.loader.run(targets[name].url, request(name, case), case["concurrency"])
+        cpu = watch.stop()
+        what = " ".join([f"round {case['round']}", *(f"{k}={v}" for k, v in case.items()
+                                                       if k != "round"), name])  # fmt: skip
+        print(
+            f"  {ctx.work.name} {what:<48} {result.rps:8.0f} req/s  p50 {result.p50_ms:7.3f} ms"
+            f"  p99 {result.p99_ms:7.3f} ms  errors {result.errors}  other load {cpu.foreign:.2f},"
+            f" steal {cpu.steal:.2f} cores",
+            flush=True,
+        )
+        us = 1e6 / result.rps if result.rps else 0.0
+        upstream = backend(name) if backend else targets[DIRECT]
+        own, behind = (cpu.by_server.get(s.name, 0.0) for s in (targets[name], upstream))
+        return {
+            **result.to_json(), "cores": own, "backend_cores": behind,
+            "cpu_us_per_req": own * us, "backend_cpu_us_per_req": behind * us,
+            "other_load_cores": cpu.foreign, "steal_cores": cpu.steal,
+        }  # fmt: skip
+
+    return {"runs": ctx.rounds(targets, cases, one), "checked": checked}
 
 
 def versus(
@@ -159,14 +153,16 @@ def _run(ctx: Context) -> Row:
     if ctx.wants("forwarder"):
         contenders[FORWARDER] = start_forwarder(ctx.fleet, backend)
     contenders.update(ctx.proxies(backend.url))
-    workers = f"{PROXY} x{ctx.args.workers}"
-    if ctx.args.workers > 1:
+    workers = f"{PROXY} x{ctx.options.workers}"
+    if ctx.options.workers > 1:
         contenders[workers] = start_proxy(
-            ctx.fleet, ctx.work, backend.url, workers, workers=ctx.args.workers
+            ctx.fleet, ctx.work, backend.url, workers, workers=ctx.options.workers
         )
     if ctx.tools.litellm:
         contenders["litellm"] = start_litellm(ctx.fleet, ctx.work, ctx.tools.litellm, backend)
-    return measure(ctx, ctx.ready(contenders, {"nginx", FORWARDER, workers, "litellm"}))
+    up = ctx.ready(contenders, {"nginx", FORWARDER, workers, "litellm"})
+    data = measure(ctx, up)
+    return {**data, "summary": summarize(data["runs"])}
 
 
 def _render(data: Row) -> list[str]:

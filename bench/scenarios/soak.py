@@ -1,8 +1,6 @@
 """The soak: minutes of mixed and hostile traffic through n-proxy; its RSS, fds, children in flight
 and upstream slots must stay flat (not in CI: ``python -m bench soak``)."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import gzip
@@ -20,7 +18,7 @@ from bench.report import Row, Target, table, target
 from bench.scenario import Context, Scenario
 from bench.stack import start_backend, start_proxy
 from bench.stats import median
-from bench.workload import CHAT_PATH, HEADERS, MODEL, chat_body, client, run_async
+from bench.workload import CHAT_PATH, HEADERS, MODEL, chat_body, client, open_raw, run_async
 
 MAX_SECONDS = 7200.0
 SAMPLES = 60  # RSS, fds and gauges this many times over the soak (at most once a second)
@@ -50,9 +48,6 @@ def _completions(prompts: int, n: int) -> bytes:
     return orjson.dumps({**body, "max_tokens": 4, "ignore_eos": True, "seed": 1})
 
 
-_SLOW_TOKENS, _SLOWER_TOKENS = {"token_delay": 0.01}, {"token_delay": 0.02}
-
-
 def _chat(n: int = 1, **options: Any) -> bytes:
     return orjson.dumps(chat_body(n, **options))
 
@@ -60,19 +55,21 @@ def _chat(n: int = 1, **options: Any) -> bytes:
 # What each soak client cycles through: the paths that allocate, and the ones that clean up.
 # "client leaves": read one chunk, then hang up (every child must be aborted and forgotten);
 # "queued": wait in the upstream's queue (n = 10 of 64 slots, behind the others), then hang up.
-_MIX: list[tuple[str, bytes]] = [
-    ("n=1", _chat()),
-    ("n=4", _chat(4)),
-    ("n=4 stream", _chat(4, stream=True, max_tokens=64)),
-    ("n=2 child fails", _chat(2, x_demo={"fault": "status_500"})),
-    ("n=4 stream, child breaks", _chat(4, stream=True, x_demo={"fault": "reset_mid_stream"})),
-    ("n=4 stream, client leaves", _chat(4, stream=True, max_tokens=64, x_demo=_SLOW_TOKENS)),
-    ("n=10 queued, client leaves", _chat(10, stream=True, max_tokens=32, x_demo=_SLOWER_TOKENS)),
-    ("batch 128 prompts x 4", _completions(128, 4)),
-    ("batch past max_children", _completions(1025, 2)),
-    ("n=4 gzip body", gzip.compress(_chat(4))),
+_MIX = [
+    ("n=1", CHAT_PATH, _chat()),
+    ("n=4", CHAT_PATH, _chat(4)),
+    ("n=4 stream", CHAT_PATH, _chat(4, stream=True, max_tokens=64)),
+    ("n=2 child fails", CHAT_PATH, _chat(2, x_demo={"fault": "status_500"})),
+    ("n=4 stream, child breaks", CHAT_PATH,
+     _chat(4, stream=True, x_demo={"fault": "reset_mid_stream"})),
+    ("n=4 stream, client leaves", CHAT_PATH,
+     _chat(4, stream=True, max_tokens=64, x_demo={"token_delay": 0.01})),
+    ("n=10 queued, client leaves", CHAT_PATH,
+     _chat(10, stream=True, max_tokens=32, x_demo={"token_delay": 0.02})),
+    ("batch 128 prompts x 4", COMPLETIONS_PATH, _completions(128, 4)),
+    ("batch past max_children", COMPLETIONS_PATH, _completions(1025, 2)),
+    ("n=4 gzip body", CHAT_PATH, gzip.compress(_chat(4))),
 ]  # fmt: skip
-_PATHS = {"batch 128 prompts x 4": COMPLETIONS_PATH, "batch past max_children": COMPLETIONS_PATH}
 _GZIP = {**HEADERS, "Content-Encoding": "gzip"}
 
 
@@ -81,9 +78,9 @@ async def _client(
 ) -> None:
     turn = offset
     while time.monotonic() < deadline and sum(counts.values()) < 50_000_000:
-        label, body = _MIX[turn % len(_MIX)]
+        label, path, body = _MIX[turn % len(_MIX)]
         turn += 1
-        url = base + _PATHS.get(label, CHAT_PATH)
+        url = base + path
         headers = _GZIP if "gzip" in label else HEADERS
         try:
             if label.startswith("n=10 queued"):
@@ -107,21 +104,22 @@ async def _client(
             await asyncio.sleep(0.5)
 
 
-async def _raw(port: int, data: bytes, wait: float) -> bytes:
-    """Send ``data`` and read until the proxy closes; b"" if it closed before answering."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def _cut(port: int, data: bytes) -> str:
+    """Send ``data``, a request never finished, on a connection of its own: how the proxy ended
+    it (its status, "closed" without one, or "not cut" when it kept the connection open)."""
     try:
-        writer.write(data)
-        async with asyncio.timeout(wait):
-            return await reader.read(-1)
+        [stream] = await open_raw(port, data)
+    except OSError:
+        return "refused at connect"  # mostly while a burst holds max_connections
+    try:
+        async with asyncio.timeout(CLIENT_SECONDS * 10):
+            await stream.ended
     except TimeoutError:
-        return b"timeout"
-    except ConnectionError:
-        return b""
+        return "not cut"
     finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
+        assert stream.transport is not None
+        stream.transport.abort()
+    return str(stream.status) if stream.status else "closed"
 
 
 _HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
@@ -136,41 +134,18 @@ async def _slow_client(port: int, deadline: float, counts: Counter[str], offset:
         label, data = _SLOW[turn % len(_SLOW)]
         turn += 1
         began = time.monotonic()
-        answer = await _raw(port, data, CLIENT_SECONDS * 10)
-        status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/") else "closed"
-        counts[f"{label}: {'not cut' if answer == b'timeout' else status}"] += 1
+        counts[f"{label}: {await _cut(port, data)}"] += 1
         if time.monotonic() - began < CLIENT_SECONDS / 2:
             await asyncio.sleep(CLIENT_SECONDS / 2)  # refused during a burst: do not spin
 
 
 async def _bursts(port: int, deadline: float, counts: Counter[str]) -> None:
-    """Every BURST_EVERY s, more connections at once than max_connections: the rest are closed."""
+    """Every BURST_EVERY s, more idle connections at once than max_connections: the proxy must
+    close those past it at once, and the rest with a 408 at the header deadline."""
     while time.monotonic() + BURST_EVERY < deadline:
         await asyncio.sleep(BURST_EVERY)
-        tries = await asyncio.gather(
-            *(asyncio.open_connection("127.0.0.1", port) for _ in range(MAX_CONNECTIONS + 50)),
-            return_exceptions=True,
-        )
-        opened = [t for t in tries if not isinstance(t, BaseException)]
-        counts["burst: connect failed"] += len(tries) - len(opened)
-        ends = await asyncio.gather(*(_end(reader) for reader, _ in opened))
+        ends = await asyncio.gather(*(_cut(port, b"") for _ in range(MAX_CONNECTIONS + 50)))
         counts.update(f"burst: {end}" for end in ends)
-        for _, writer in opened:
-            writer.close()
-
-
-async def _end(reader: asyncio.StreamReader) -> str:
-    """How the proxy ended one idle connection of a burst."""
-    try:
-        async with asyncio.timeout(CLIENT_SECONDS * 10):
-            answer = await reader.read(-1)
-    except ConnectionError:
-        return "refused at accept"
-    except TimeoutError:
-        return "never closed"
-    if not answer:
-        return "refused at accept"
-    return "408 after the header deadline" if b" 408 " in answer[:16] else "other answer"
 
 
 GAUGES = ("n_proxy_children_in_flight", "n_proxy_client_connections",
@@ -250,13 +225,10 @@ async def soak(proxy: Server, admin: str, seconds: float, concurrency: int) -> R
                 sample = proxy.sample()
                 samples.append(sample)
                 gauges.append(await _metrics(session, admin))
-                print(
-                    f"  soak {sample.at - started:6.0f} s  RSS {sample.rss_bytes // 1024:8,} KiB"
-                    f"  fds {sample.fds:4}  children in flight"
-                    f" {gauges[-1]['n_proxy_children_in_flight']:4.0f}"
-                    f"  requests {sum(counts.values()):9,}",
-                    flush=True,
-                )
+                print(f"  soak {sample.at - started:6.0f} s  RSS {sample.rss_bytes // 1024:8,} KiB"
+                      f"  fds {sample.fds:4}  children in flight"
+                      f" {gauges[-1]['n_proxy_children_in_flight']:4.0f}"
+                      f"  requests {sum(counts.values()):9,}", flush=True)  # fmt: skip
         finally:
             await asyncio.gather(*clients, return_exceptions=True)
         await asyncio.sleep(CLIENT_SECONDS + 1)  # the last slow clients are cut

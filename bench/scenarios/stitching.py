@@ -1,8 +1,6 @@
 """Stitching: long n=8 streams back to back at saturation; SSE chunks/s, and n-proxy's CPU per
 chunk from /proc (what one core of it stitches)."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import time

@@ -1,8 +1,6 @@
 """TTFT: the merged stream's first token and end against the same n children sent straight to the
 backend, one child slow to start and slow; with the fast children at 0 and at 1 ms/token."""
 
-from __future__ import annotations
-
 import asyncio
 import math
 import time

@@ -1,14 +1,13 @@
 """Wire cost: the passthrough loop against a canned upstream that costs next to nothing (nginx's
 ``return``, else ``bench.pacer --canned``), with the lean forwarder and n-proxy fan-out n=4 too."""
 
-from __future__ import annotations
-
 from bench.report import Row, Target, pick, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
-from bench.scenarios.passthrough import COLUMNS, DIRECT, FORWARDER, baseline_table, measure, versus
+from bench.scenarios import passthrough
+from bench.scenarios.passthrough import COLUMNS, DIRECT, FORWARDER, baseline_table, versus
 from bench.stack import start_canned, start_forwarder, start_nginx
 from bench.stats import NAN, median, ratio
-from bench.workload import chat_request
+from bench.workload import Request, chat_request
 
 FANOUT_N = 4
 FANOUT = f"{PROXY} n={FANOUT_N}"
@@ -26,8 +25,13 @@ def _run(ctx: Context) -> Row:
         targets[LEAN] = start_forwarder(ctx.fleet, canned, lean=True)
     for label, server in ctx.proxies(canned.url).items():
         targets[label] = targets[f"{label} n={FANOUT_N}"] = server
-    requests = {f"{label} n={FANOUT_N}": chat_request(FANOUT_N) for label in (PROXY, BASELINE)}
-    return {"upstream": canned.name, **measure(ctx, ctx.ready(targets), requests)}
+    fanouts = {f"{label} n={FANOUT_N}" for label in (PROXY, BASELINE)}
+
+    def request(name: str, case: Row) -> Request:
+        return chat_request(FANOUT_N if name in fanouts else 1)
+
+    data = passthrough.measure(ctx, ctx.ready(targets), request)
+    return {"upstream": canned.name, **data, "summary": passthrough.summarize(data["runs"])}
 
 
 def _levels(data: Row) -> tuple[int, int]:

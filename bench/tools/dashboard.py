@@ -1,82 +1,42 @@
 """The README's dashboard picture: deploy/observability/dashboard.json's queries, run by a real
 Prometheus scraping n-proxy under a minute of mixed load (``collect``), drawn (``render``)."""
 
-from __future__ import annotations
-
 import argparse
-import asyncio
 import json
-import random
 import re
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.procs import Fleet, free_port, wait_ready
+import aiohttp
+import orjson
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.load import generate
+from bench.procs import Fleet, free_port, wait_ready
+from bench.report import ROOT
+from bench.stack import start_backend, start_proxy
+from bench.workload import CHAT_PATH, SEED, chat_body, run_async
+
 DASHBOARD = ROOT / "deploy" / "observability" / "dashboard.json"
 _LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")  # Grafana's {{label}}
 RATE_WINDOW = "10s"  # $__rate_interval for a 1 s scrape
-MESSAGES = [{"role": "user", "content": "Say something."}]
-
-
-def _requests(rng: random.Random) -> tuple[str, dict[str, Any]]:
-    """One request of the mix: pass-through, fan-out JSON and streams, a rare failing child."""
-    chat = {"model": "demo", "messages": MESSAGES, "max_tokens": rng.randint(4, 24)}
-    kind = rng.random()
-    if kind < 0.2:
-        return "/v1/chat/completions", chat
-    if kind < 0.3:
-        return "/v1/chat/completions", {**chat, "stream": True}
-    if kind < 0.55:
-        return "/v1/chat/completions", {**chat, "n": 3, "stream": True}
-    if kind < 0.75:
-        return "/v1/chat/completions", {**chat, "n": 4}
-    if kind < 0.95:
-        return "/v1/completions", {"model": "demo", "prompt": "x", "n": 2, "stream": True,
-                                   "max_tokens": chat["max_tokens"]}  # fmt: skip
-    return "/v1/chat/completions", {**chat, "n": 2, "seed": 1,
-                                    "x_demo": {"only_seed": 2, "fault": "status_500"}}  # fmt: skip
-
-
-async def _load(url: str, seconds: float, workers: int) -> int:
-    import aiohttp
-
-    deadline = time.monotonic() + seconds
-    sent = 0
-
-    async def worker(index: int) -> None:
-        nonlocal sent
-        rng = random.Random(index)
-        async with aiohttp.ClientSession() as http:
-            while time.monotonic() < deadline:
-                path, body = _requests(rng)
-                # More clients in the middle third: the queue fills, then drains.
-                third = (deadline - time.monotonic()) / seconds
-                if index >= workers // 2 and not 0.33 < third < 0.66:
-                    await asyncio.sleep(0.2)
-                    continue
-                try:
-                    async with http.post(url + path, json=body) as r:
-                        await r.read()
-                except aiohttp.ClientError:
-                    pass
-                sent += 1
-
-    await asyncio.gather(*(worker(i) for i in range(workers)))
-    return sent
-
-
+COMPLETIONS = {"model": "demo", "prompt": "x", "n": 2, "stream": True, "max_tokens": 12}
+# The mix, one in twenty of each: pass-through, fan-out JSON and streams, a failing child.
+_MIX = [
+    *[(CHAT_PATH, chat_body(max_tokens=t)) for t in (4, 10, 16, 24)],
+    *[(CHAT_PATH, chat_body(stream=True, max_tokens=t)) for t in (8, 20)],
+    *[(CHAT_PATH, chat_body(3, stream=True, max_tokens=t)) for t in (4, 8, 12, 16, 24)],
+    *[(CHAT_PATH, chat_body(4, max_tokens=t)) for t in (6, 12, 18, 24)],
+    *[("/v1/completions", COMPLETIONS)] * 4,
+    (CHAT_PATH, chat_body(2, x_demo={"only_seed": SEED + 1, "fault": "status_500"})),
+]  # fmt: skip
 _PROXY_CONFIG = """\
-listen: {{host: 127.0.0.1, port: {port}}}
 admin: {{host: 127.0.0.1, port: {admin}}}
 upstreams:
   - name: demo
-    urls: ["http://127.0.0.1:{backend}", "http://127.0.0.1:9"]
+    urls: ["{{url}}", "http://127.0.0.1:9"]
     max_concurrency: 12
     max_queue: 48
     health_interval: 2
@@ -91,66 +51,61 @@ scrape_configs:
 
 
 def _collect(prometheus: str, seconds: float, workers: int) -> dict[str, Any]:
-    """The demo backend, n-proxy and Prometheus as processes of their own; the load from here."""
+    """The demo backend, n-proxy and Prometheus as processes of their own; the load from here,
+    with twice the clients in the middle third (the queue fills, then drains)."""
     home = Path(tempfile.mkdtemp(prefix="n-proxy-dashboard-"))
-    backend, port, admin, prom = (free_port() for _ in range(4))
-    (home / "proxy.yaml").write_text(_PROXY_CONFIG.format(port=port, admin=admin, backend=backend))
+    admin, prom = free_port(), free_port()
     (home / "prometheus.yml").write_text(_PROMETHEUS_CONFIG.format(admin=admin))
-    python = [sys.executable, "-m"]
-    devserver = [*python, "proxy.devserver", "--port", str(backend), "--token-delay", "0.02"]
-    proxy = [*python, "proxy", "--config", str(home / "proxy.yaml")]
     prometheus_argv = [prometheus, f"--config.file={home / 'prometheus.yml'}",
                        f"--storage.tsdb.path={home / 'data'}",
                        f"--web.listen-address=127.0.0.1:{prom}"]  # fmt: skip
     try:
         with Fleet(home / "logs") as fleet:
-            wait_ready(fleet.launch("backend", devserver, backend, "/health"))
-            wait_ready(fleet.launch("n-proxy", proxy, admin, "/readyz"))
+            backend = start_backend(fleet, token_delay=0.02)
+            wait_ready(backend)
+            config = _PROXY_CONFIG.format(admin=admin)
+            proxy = start_proxy(fleet, home, backend.url, config=config)
+            wait_ready(proxy)
             wait_ready(fleet.launch("prometheus", prometheus_argv, prom, "/-/ready"))
+            mix = [(proxy.url + path, orjson.dumps(body)) for path, body in _MIX]
+            start, sent = time.time(), 0
+            for clients in (workers // 2, workers, workers // 2):
+                latencies, errors, _ = run_async(generate(mix, clients, seconds / 3))
+                sent += len(latencies) + errors
+            time.sleep(3)  # the last scrapes
             api = f"http://127.0.0.1:{prom}/api/v1"
-            return asyncio.run(_drive(f"http://127.0.0.1:{port}", api, seconds, workers))
+            panels = run_async(_query_panels(api, start, time.time()))
+            return {"seconds": seconds, "workers": workers, "requests": sent, "panels": panels}
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
 
-async def _drive(proxy: str, api: str, seconds: float, workers: int) -> dict[str, Any]:
-    import aiohttp
-
-    start = time.time()
-    sent = await _load(proxy, seconds, workers)
-    await asyncio.sleep(3)  # the last scrapes
+async def _query_panels(api: str, start: float, end: float) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     async with aiohttp.ClientSession() as http:
-        panels = await _query_panels(http, api, start, time.time())
-    return {"seconds": seconds, "workers": workers, "requests": sent, "panels": panels}
-
-
-async def _query_panels(http: Any, api: str, start: float, end: float) -> list[dict[str, Any]]:
-    dashboard = json.loads(DASHBOARD.read_text())
-    out = []
-    for panel in dashboard["panels"]:
-        if panel["type"] == "row":
-            out.append({"row": panel["title"]})
-            continue
-        series = []
-        for target in panel["targets"]:
-            expr = (
-                target["expr"].replace("$job", "n-proxy").replace("$__rate_interval", RATE_WINDOW)
-            )
-            params = {"query": expr, "start": start, "end": end, "step": 2}
-            async with http.get(f"{api}/query_range", params=params) as r:
-                answer = await r.json()
-            if answer.get("status") != "success":
-                raise RuntimeError(f"{panel['title']}: {answer}")
-            for result in answer["data"]["result"]:
-                labels: dict[str, str] = result["metric"]
-                legend = _LEGEND.sub(
-                    lambda m, labels=labels: labels.get(m.group(1), ""),  # type: ignore[misc]
-                    target.get("legendFormat", ""),
-                )
-                points = [[float(t) - start, float(v)] for t, v in result["values"]]
-                series.append({"legend": legend, "points": points})
-        unit = panel["fieldConfig"]["defaults"]["unit"]
-        out.append({"title": panel["title"], "unit": unit, "series": series})
+        for panel in json.loads(DASHBOARD.read_text())["panels"]:
+            if panel["type"] == "row":
+                out.append({"row": panel["title"]})
+                continue
+            series = []
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$job", "n-proxy")
+                query = {"query": expr.replace("$__rate_interval", RATE_WINDOW), "step": 2}
+                async with http.get(f"{api}/query_range", params={**query, "start": start,
+                                                                  "end": end}) as r:  # fmt: skip
+                    answer = await r.json()
+                if answer.get("status") != "success":
+                    raise RuntimeError(f"{panel['title']}: {answer}")
+                for result in answer["data"]["result"]:
+                    labels: dict[str, str] = result["metric"]
+                    legend = _LEGEND.sub(
+                        lambda m, labels=labels: labels.get(m.group(1), ""),  # type: ignore[misc]
+                        target.get("legendFormat", ""),
+                    )
+                    points = [[float(t) - start, float(v)] for t, v in result["values"]]
+                    series.append({"legend": legend, "points": points})
+            unit = panel["fieldConfig"]["defaults"]["unit"]
+            out.append({"title": panel["title"], "unit": unit, "series": series})
     return out
 
 

@@ -36,7 +36,7 @@ from proxy.core.plan import endpoint_of
 from proxy.core.url import check_url
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
-DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions")
+DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate")
 MiB = 1024 * 1024
 
 
@@ -187,6 +187,9 @@ class Upstream(_Section):
     fallback: str | None = None
     eject: Eject = Eject()
     discovery: Discovery = Discovery()
+    # /readyz: with any upstream "required", the proxy is ready when every required one passed
+    # its last health check; with none (the default), when any upstream did.
+    readiness: Literal["required", "optional"] = "optional"
 
     @model_validator(mode="before")
     @classmethod
@@ -232,6 +235,8 @@ class Config(_Section):
     routes: tuple[Route, ...] = ()
     default_upstream: str = ""  # "" before validation: the first upstream
     fanout_paths: tuple[UrlPath, ...] = DEFAULT_FANOUT_PATHS
+    # GET /v1/models when routes name several upstreams: how long each is waited for.
+    model_list_timeout: Seconds = 5.0
 
     @model_validator(mode="before")
     @classmethod
@@ -276,8 +281,8 @@ class Config(_Section):
             if endpoint_of(path) is None:
                 raise keyed(
                     f"fanout_paths[{i}]",
-                    f"{path!r} is neither a chat completions nor a completions path: n is fanned"
-                    " out only where the proxy knows how to stitch the answers",
+                    f"{path!r} is neither a chat completions, a completions nor a generate path:"
+                    " n is fanned out only where the proxy knows how to stitch the answers",
                 )
         return self
 

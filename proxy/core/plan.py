@@ -1,6 +1,6 @@
 """Validating a fan-out request and planning its children (docs/behaviour.md#validation,
-#children, #best-of), with the JSON value rules the body policy rests on (``is_int``: JSON's
-``true`` is not a number). Pure: no I/O.
+#children, #best-of, #generate), with the JSON value rules the body policy rests on (``is_int``:
+JSON's ``true`` is not a number). Pure: no I/O.
 
 ``plan_request`` returns ``None`` when the request passes through untouched (n missing, null or 1),
 otherwise a ``Plan`` with one ``Child`` per (prompt, choice).
@@ -22,7 +22,9 @@ INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 RANDOM_SEED = -1  # llama.cpp's and vLLM's "random" sentinel: sent unchanged to every child
 
-Endpoint = Literal["chat", "completions"]
+# The kinds of answer the proxy stitches: OpenAI chat and completions, and vLLM's token-in/token-out
+# generate, whose n and seed sit in ``sampling_params`` (docs/behaviour.md#generate).
+Endpoint = Literal["chat", "completions", "generate"]
 
 
 # JSON numbers as the OpenAI API means them: Python's ``bool`` is an ``int``, JSON's ``true`` is
@@ -43,6 +45,8 @@ def endpoint_of(path: str) -> Endpoint | None:
         return "chat"
     if path.endswith("/completions"):
         return "completions"
+    if path.endswith("/generate"):
+        return "generate"
     return None
 
 
@@ -106,7 +110,11 @@ def plan_request(
     max_children: int = 2048,
 ) -> Plan | None:
     completions = endpoint == "completions"
-    n = _requested_n(body, max_n)
+    generate = endpoint == "generate"
+    # Where n and seed are read: vLLM's generate holds them in its sampling_params; a body
+    # without that object asks for no n the proxy could split, so it passes through.
+    params = _sampling_params(body) if generate else body
+    n = _requested_n(params, max_n)
     best_of = _requested_best_of(body, n, max_n) if completions else None
     stream = body.get("stream") is True
     if best_of is not None and stream:
@@ -116,7 +124,7 @@ def plan_request(
         return None
     if callable(parent_id):  # made only for a request that fans out
         parent_id = parent_id()
-    seed = body.get("seed")
+    seed = params.get("seed")
     # orjson reads integer literals beyond 64 bits as floats: those are out of range too.
     out_of_range = isinstance(seed, float) and abs(seed) >= 2**63
     if out_of_range or (is_int(seed) and not INT64_MIN <= seed <= INT64_MAX - (per_prompt - 1)):
@@ -136,7 +144,7 @@ def plan_request(
             param="prompt" if prompts else ("best_of" if best_of else "n"),
         )
     shape = _Shape(
-        body, parent_id, per_prompt, prompts is not None, best_of is not None, completions
+        body, parent_id, per_prompt, prompts is not None, best_of is not None, completions, generate
     )
     children = tuple(
         _child(shape, p, i, prompt)
@@ -166,6 +174,11 @@ def _requested_n(body: dict[str, Any], max_n: int) -> int:
     if not 1 <= n <= max_n:
         raise InvalidRequest(f"n must be between 1 and {max_n}, got {n}", param="n")
     return int(n)
+
+
+def _sampling_params(body: dict[str, Any]) -> dict[str, Any]:
+    params = body.get("sampling_params")
+    return params if isinstance(params, dict) else {}
 
 
 def _requested_best_of(body: dict[str, Any], n: int, max_n: int) -> int | None:
@@ -200,22 +213,33 @@ class _Shape:
     batched: bool  # a completions list of prompts: one child per (prompt, choice)
     ranking: bool  # best_of > n: ask for logprobs to rank by
     completions: bool
+    generate: bool  # n and seed in sampling_params; kv_transfer_params is one object, kept
+
+
+def _seeded(body: dict[str, Any], i: int) -> dict[str, Any]:
+    """``body`` without its ``n``, its integer seed moved on by ``i`` (-1 stays -1)."""
+    body = dict(body)
+    body.pop("n", None)
+    seed = body.get("seed")
+    if is_int(seed) and seed != RANDOM_SEED:
+        body["seed"] = seed + i
+    return body
 
 
 def _child(shape: _Shape, p: int, i: int, prompt: object) -> Child:
-    child = dict(shape.body)
-    child.pop("n", None)
+    if shape.generate:
+        child = dict(shape.body)
+        child["sampling_params"] = _seeded(child["sampling_params"], i)
+    else:
+        child = _seeded(shape.body, i)
     suffix = f"-{p}" if shape.batched else ""
-    seed = child.get("seed")
-    if is_int(seed) and seed != RANDOM_SEED:
-        child["seed"] = seed + i
     if shape.batched:
         child["prompt"] = prompt
     request_id = child.get("request_id")
     if isinstance(request_id, str):
         child["request_id"] = f"{i}_{request_id}{suffix}"
     kv = child.get("kv_transfer_params")
-    if isinstance(kv, list) and len(kv) == shape.per_prompt:
+    if isinstance(kv, list) and len(kv) == shape.per_prompt and not shape.generate:
         child["kv_transfer_params"] = kv[i]
     if shape.completions:
         # best_of == n is plain n; best_of > n is ranked here, so no child carries it either.

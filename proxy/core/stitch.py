@@ -1,5 +1,5 @@
 """Stitching children's answers into the one a native-n server sends (docs/behaviour.md#json,
-#streaming, #best-of). Pure.
+#streaming, #best-of, #generate). Pure.
 
 ``stitch_json`` merges whole bodies; ``StreamStitcher`` opens a chat stream by announcing every
 choice in index order, rewrites SSE chunks one at a time, holds back each child's usage chunk and
@@ -46,7 +46,12 @@ def prompt_heads(plan: Plan) -> list[int]:
 
 def stitch_json(plan: Plan, bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged = dict(bodies[0])
-    merged["id"] = parent_response_id(merged.get("id"), plan.children[0], plan.parent_id)
+    if plan.endpoint != "generate":
+        merged["id"] = parent_response_id(merged.get("id"), plan.children[0], plan.parent_id)
+    elif "request_id" in merged:  # vLLM's generate names its answer by request_id, not id
+        merged["request_id"] = parent_response_id(
+            merged["request_id"], plan.children[0], plan.parent_id
+        )
     choices = [
         {**choice, "index": child.index}
         for child, body in zip(plan.children, bodies, strict=True)
@@ -61,6 +66,14 @@ def stitch_json(plan: Plan, bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if merged.get("metrics") is not None:
         merged["metrics"] = None  # one sequence's timings are not the request's (vLLM, n > 1)
     return merged
+
+
+def finish_reasons(stitched: dict[str, Any]) -> tuple[str | None, ...]:
+    """The finish_reason of each choice of a stitched answer, in index order."""
+    return tuple(
+        None if (reason := c.get("finish_reason")) is None else str(reason)
+        for c in _choices(stitched)
+    )
 
 
 def _choices(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -100,7 +113,7 @@ def mean_logprob(choice: dict[str, Any]) -> float:
 class _Stream:
     """What the stitcher keeps of one child's stream."""
 
-    __slots__ = ("child", "finished", "learner", "template", "usage")
+    __slots__ = ("child", "finish_reason", "finished", "learner", "template", "usage")
 
     def __init__(self, child: Child) -> None:
         self.child = child
@@ -108,6 +121,7 @@ class _Stream:
         self.learner = Learner()
         self.usage: dict[str, Any] | None = None  # its last usage, for the merged tail
         self.finished = False  # a finish_reason or [DONE] seen
+        self.finish_reason: str | None = None  # the last finish_reason seen (for the record)
 
 
 class StreamStitcher:
@@ -130,6 +144,10 @@ class StreamStitcher:
         self.chunks = 0
         self._tail_usage: dict[str, Any] | None = None  # the merged usage, once ``tail`` made it
         self._tailed = False
+        # vLLM's generate chunks carry a request_id and no id, created or model, and its native
+        # n sends no opening (docs/behaviour.md#generate).
+        self._generate = plan.endpoint == "generate"
+        self._prompt_told = False  # generate: the prompt's fields went out on the first chunk
 
     def chunk(self, pos: int, data: bytes, event: str = "message") -> bytes | None:
         """The SSE bytes to send for one child event, or None when it is held back."""
@@ -172,25 +190,41 @@ class StreamStitcher:
         """A chunk without choices: the first one with usage shapes the merged tail
         (docs/behaviour.md#chunks-as-they-arrive)."""
         if self._usage_chunk is None and isinstance(payload.get("usage"), dict):
-            payload["id"] = parent_response_id(payload.get("id"), child, self.plan.parent_id)
+            key = "request_id" if self._generate else "id"
+            if key in payload or not self._generate:
+                payload[key] = parent_response_id(payload.get(key), child, self.plan.parent_id)
             self._usage_chunk = payload
 
     def _open(self, child: Child, first: dict[str, Any]) -> bytes:
         """The first chunk with choices sets every chunk's id, created and model, and opens a
         chat stream; a completions stream has no opening (neither vLLM frontend sends one)."""
+        self._continuous = self._continuous or (
+            isinstance(first.get("usage"), dict) and not _finishes(first["choices"])
+        )
+        if self._generate:
+            request_id = parent_response_id(first.get("request_id"), child, self.plan.parent_id)
+            self._shared = {"request_id": request_id}
+            return b""
         self._shared = {
             "id": parent_response_id(first.get("id"), child, self.plan.parent_id),
             "created": first.get("created"),
             "model": first.get("model"),
             "object": first.get("object"),
         }
-        self._continuous = self._continuous or (
-            isinstance(first.get("usage"), dict) and not _finishes(first["choices"])
-        )
         return self._opening(first) if self.plan.endpoint == "chat" else b""
 
     def _share_envelope(self, payload: dict[str, Any]) -> None:
         shared = self._shared or {}
+        if self._generate:
+            if "request_id" in payload:
+                payload["request_id"] = shared.get("request_id")
+            if self._prompt_told:
+                # vLLM's native n sends the prompt's token ids on the stream's first chunk only;
+                # each child sends them on its own first.
+                for key in _GENERATE_PROMPT_FIELDS:
+                    payload.pop(key, None)
+            self._prompt_told = True
+            return
         payload["id"] = shared.get("id")
         payload["created"] = shared.get("created")
         payload["model"] = shared.get("model")
@@ -203,8 +237,10 @@ class StreamStitcher:
         for choice in choices:
             if isinstance(choice, dict):
                 choice["index"] = stream.child.index
-                if choice.get("finish_reason") is not None:
+                reason = choice.get("finish_reason")
+                if reason is not None:
                     stream.finished = True
+                    stream.finish_reason = str(reason)
                 delta = choice.get("delta")
                 if isinstance(delta, dict) and "role" in delta:
                     del delta["role"]
@@ -248,6 +284,11 @@ class StreamStitcher:
     def finished(self, pos: int) -> bool:
         return self._streams[pos].finished
 
+    def finish_reasons(self) -> tuple[str | None, ...]:
+        """Each child's finish_reason, in child order (None where it never finished). Noted on
+        the full path only: a finishing chunk never fits a template, so no chunk pays for it."""
+        return tuple(s.finish_reason for s in self._streams)
+
     def usage(self) -> dict[str, Any] | None:
         """The children's usage merged (docs/behaviour.md#usage), None when none sent any; merged
         once only when the tail was written (nothing changes after it)."""
@@ -265,22 +306,29 @@ class StreamStitcher:
             return DONE
         shared = self._shared or {}
         chunk = dict(self._usage_chunk or {})
-        chunk.update(
-            {
-                "id": shared.get("id", chunk.get("id")),
-                "object": chunk.get("object", shared.get("object")),
-                "created": shared.get("created", chunk.get("created")),
-                "model": shared.get("model", chunk.get("model")),
-                "choices": [],
-                "usage": usage,
-            }
-        )
+        if self._generate:
+            # vLLM's own: the request_id, the usage, the output mode, no choices.
+            if "request_id" in shared:
+                chunk["request_id"] = shared["request_id"]
+            chunk.update({"choices": [], "usage": usage})
+        else:
+            chunk.update(
+                {
+                    "id": shared.get("id", chunk.get("id")),
+                    "object": chunk.get("object", shared.get("object")),
+                    "created": shared.get("created", chunk.get("created")),
+                    "model": shared.get("model", chunk.get("model")),
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
         chunk.pop("metrics", None)  # one child's timings, not the request's: vLLM sends none
         return b"data: " + orjson.dumps(chunk) + b"\n\n" + DONE
 
 
 _ENVELOPE = ("id", "object", "created", "model", "system_fingerprint")
 _PROMPT_FIELDS = ("prompt_token_ids", "prompt_text")  # on vLLM's chat role chunk
+_GENERATE_PROMPT_FIELDS = ("prompt_token_ids", "mm_placeholders")  # its generate's first chunk
 _ANNOUNCING = frozenset({*_ENVELOPE, "choices", "usage"})  # what a role chunk is made of
 
 
@@ -403,7 +451,9 @@ def _int(value: object) -> int:
 # or refuses the chunk, which then takes the full path.
 
 LESSONS = 8  # template lessons per child: learning parses twice, so it stops after a few
-_NOT_SLOTS = frozenset({("id",), ("object",), ("created",), ("model",), ("usage",), ("error",)})
+_NOT_SLOTS = frozenset(
+    {("id",), ("request_id",), ("object",), ("created",), ("model",), ("usage",), ("error",)}
+)
 _SLOT = "\x00n-proxy template slot\x00"
 _SLOT_JSON = orjson.dumps(_SLOT)
 _MAX_DEPTH = 32

@@ -27,12 +27,13 @@ from proxy.devserver.model import (
     generate,
     top_tokens,
 )
-from proxy.devserver.reply import SYSTEM_FINGERPRINT, Answer
+from proxy.devserver.reply import SYSTEM_FINGERPRINT, TOKEN_IDS, Answer, TokensAnswer
 from proxy.devserver.request import (
     DEFAULT_MAX_TOKENS,
     MAX_TOP_LOGPROBS,
     Job,
     RequestError,
+    parse_generate_job,
     parse_job,
 )
 from proxy.devserver.responses import ERROR_TYPES
@@ -55,6 +56,7 @@ __all__ = [
     "STOP_MIN_MAX_TOKENS",
     "STOP_PROBABILITY",
     "SYSTEM_FINGERPRINT",
+    "TOKEN_IDS",
     "WORDS",
     "WORD_TOKENS",
     "Answer",
@@ -66,9 +68,11 @@ __all__ = [
     "Outcome",
     "RequestError",
     "Token",
+    "TokensAnswer",
     "build_app",
     "generate",
     "main",
+    "parse_generate_job",
     "parse_job",
     "shape_generation",
     "start_devserver",

@@ -18,8 +18,10 @@ def build_app(config: DevConfig = DEFAULT_CONFIG) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[DEV_CONFIG] = config
     app[DEV_STATE] = DevState()
-    app.router.add_post("/v1/chat/completions", partial(handle_generation, chat=True))
-    app.router.add_post("/v1/completions", partial(handle_generation, chat=False))
+    app.router.add_post("/v1/chat/completions", partial(handle_generation, kind="chat"))
+    app.router.add_post("/v1/completions", partial(handle_generation, kind="completions"))
+    # vLLM's token-in/token-out endpoint (its --enable-scale-out), n = 1 as its Rust frontend.
+    app.router.add_post("/inference/v1/generate", partial(handle_generation, kind="generate"))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -1,5 +1,5 @@
-"""The generation handler: answers chat and completions requests, whole or as an SSE stream,
-and delivers the faults that change how an answer is sent.
+"""The generation handler: answers chat, completions and generate (token-in/token-out)
+requests, whole or as an SSE stream, and delivers the faults that change how an answer is sent.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from proxy.devserver.faults import (
     shape_generation,
 )
 from proxy.devserver.model import Generation, generate
-from proxy.devserver.reply import Answer
-from proxy.devserver.request import Job, RequestError, parse_job
+from proxy.devserver.reply import Answer, TokensAnswer
+from proxy.devserver.request import Job, Kind, RequestError, parse_generate_job, parse_job
 from proxy.devserver.responses import decode_json, error_response, header_dict
 from proxy.devserver.state import DEV_STATE, DevState
 
@@ -37,7 +37,11 @@ async def _sleep_tokens(delay: float, count: int) -> None:
             await asyncio.sleep(delay)
 
 
-async def handle_generation(request: web.Request, chat: bool) -> web.StreamResponse:
+def _reply(job: Job) -> Answer | TokensAnswer:
+    return TokensAnswer(job) if job.kind == "generate" else Answer(job)
+
+
+async def handle_generation(request: web.Request, kind: Kind) -> web.StreamResponse:
     state = request.app[DEV_STATE]
     body = decode_json(await request.read())
     fields = body if isinstance(body, dict) else {}
@@ -47,7 +51,11 @@ async def handle_generation(request: web.Request, chat: bool) -> web.StreamRespo
     )
     state.record(rid, fields, header_dict(request))
     try:
-        job = parse_job(body, chat, rid, request.app[DEV_CONFIG])
+        config = request.app[DEV_CONFIG]
+        if kind == "generate":
+            job = parse_generate_job(body, rid, config)
+        else:
+            job = parse_job(body, kind == "chat", rid, config)
     except RequestError as exc:
         return error_response(400, exc.message, rid, exc.param)
     state.begin(rid, fields)
@@ -102,7 +110,7 @@ async def _complete(
         return error_response(500, "Injected error event", job.rid)
     if fault == "bad_json":
         return web.Response(body=b"not json", content_type="application/json", headers=headers)
-    payload = orjson.dumps(Answer(job).body(gens))
+    payload = orjson.dumps(_reply(job).body(gens))
     if fault == "gzip":
         payload = gzip.compress(payload)
         headers["Content-Encoding"] = "gzip"
@@ -112,7 +120,7 @@ async def _complete(
 async def _stream(
     request: web.Request, job: Job, gens: Sequence[Generation], state: DevState
 ) -> web.StreamResponse:
-    reply = Answer(job)
+    reply = _reply(job)
     fault = job.knobs.fault or ""
     eol = {"crlf": b"\r\n", "cr": b"\r"}.get(fault, b"\n")
     ping = b": ping" + eol if fault == "ping" else b""

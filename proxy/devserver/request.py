@@ -1,10 +1,11 @@
-"""Request parsing: an OpenAI chat or completions body (with its `x_demo` knobs) into a Job."""
+"""Request parsing: an OpenAI chat or completions body, or vLLM's token-in/token-out generate
+body, with its `x_demo` knobs, into a Job."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from proxy.core.plan import is_int
 from proxy.devserver.config import DevConfig
@@ -13,6 +14,7 @@ from proxy.devserver.model import STOP_MIN_MAX_TOKENS
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOP_LOGPROBS = 20
+Kind = Literal["chat", "completions", "generate"]
 
 
 class RequestError(Exception):
@@ -25,7 +27,7 @@ class RequestError(Exception):
 @dataclass(frozen=True)
 class Job:
     rid: str
-    chat: bool
+    kind: Kind
     model: str
     prompt: str
     seeds: tuple[int | None, ...]  # choice i is generated as the n=1 request with seed + i
@@ -39,8 +41,13 @@ class Job:
     token_delay: float
 
     @property
+    def chat(self) -> bool:
+        return self.kind == "chat"
+
+    @property
     def prompt_tokens(self) -> int:
-        return len(self.prompt.split()) + 1
+        words = len(self.prompt.split())
+        return words if self.kind == "generate" else words + 1  # generate: the token ids
 
 
 def _optional_int(body: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
@@ -85,17 +92,28 @@ def _completion_prompt(prompt: object) -> str:
     raise RequestError("prompt must be a string, a list of one string or token ids", "prompt")
 
 
-def _parse_n(value: object, native_n: bool) -> int:
+def _parse_n(value: object, native_n: bool, refusal: str = "Only n=1 is supported") -> int:
     if value is None:
         return 1
     if not is_int(value) or value < 1:
         raise RequestError("n must be a positive integer", "n")
     if value > 1 and not native_n:
-        raise RequestError("Only n=1 is supported", "n")
+        raise RequestError(refusal, "n")
     return value
 
 
-def _parse_knobs(body: Mapping[str, Any]) -> Knobs:
+def _parse_seed(value: object) -> int | None:
+    if value is not None and not is_int(value):
+        raise RequestError("seed must be an integer", "seed")
+    return value
+
+
+def _seeds(seed: int | None, n: int) -> tuple[int | None, ...]:
+    # -1 is the "random" sentinel, sent unchanged to every child (docs/behaviour.md#children).
+    return tuple(seed if seed in (None, -1) else seed + i for i in range(n))
+
+
+def _parse_knobs(body: Mapping[str, Any], seed: int | None) -> Knobs:
     demo = body.get("x_demo")
     if demo is None:
         return Knobs()
@@ -111,7 +129,7 @@ def _parse_knobs(body: Mapping[str, Any]) -> Knobs:
     headers_delay = demo.get("headers_delay", 0.0)
     if not isinstance(headers_delay, int | float) or not 0 <= headers_delay <= 600:
         raise RequestError("x_demo.headers_delay must be a number of seconds in 0..600", "x_demo")
-    if "only_seed" in demo and demo["only_seed"] != body.get("seed"):
+    if "only_seed" in demo and demo["only_seed"] != seed:
         return Knobs()
     return Knobs(fault, after, None if delay is None else float(delay), float(headers_delay))
 
@@ -120,9 +138,7 @@ def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
     if not isinstance(body, dict):
         raise RequestError("The request body must be a valid JSON object")
     n = _parse_n(body.get("n"), config.native_n)
-    seed = body.get("seed")
-    if seed is not None and not is_int(seed):
-        raise RequestError("seed must be an integer", "seed")
+    seed = _parse_seed(body.get("seed"))
     prompt = _chat_prompt(body.get("messages")) if chat else _completion_prompt(body.get("prompt"))
     limit_key = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
@@ -137,21 +153,58 @@ def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
     stream = body.get("stream") is True
     options = body.get("stream_options") if stream else None
     options = options if isinstance(options, dict) else {}
-    knobs = _parse_knobs(body)
+    knobs = _parse_knobs(body, seed)
     model = body.get("model")
     return Job(
         rid=rid,
-        chat=chat,
+        kind="chat" if chat else "completions",
         model=model if isinstance(model, str) and not config.model_override else config.model,
         prompt=prompt,
-        # -1 is the "random" sentinel, sent unchanged to every child (docs/behaviour.md#children).
-        seeds=tuple(seed if seed in (None, -1) else seed + i for i in range(n)),
+        seeds=_seeds(seed, n),
         max_tokens=max_tokens,
         may_stop=max_tokens >= STOP_MIN_MAX_TOKENS and body.get("ignore_eos") is not True,
         stream=stream,
         include_usage=options.get("include_usage") is True,
         continuous_usage=options.get("continuous_usage_stats") is True,
         top_logprobs=top_logprobs,
+        knobs=knobs,
+        token_delay=config.token_delay if knobs.token_delay is None else knobs.token_delay,
+    )
+
+
+def parse_generate_job(body: object, rid: str, config: DevConfig) -> Job:
+    """vLLM's ``/inference/v1/generate`` body: token ids in, n, seed, max_tokens and logprobs in
+    ``sampling_params``. ``n > 1`` is refused as vLLM's Rust frontend refuses it."""
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a valid JSON object")
+    prompt = token_ids(body.get("token_ids"))
+    if prompt is None or any(t < 0 for t in body["token_ids"]):
+        raise RequestError("token_ids must be a non-empty list of token ids", "token_ids")
+    params = body.get("sampling_params")
+    if not isinstance(params, dict):
+        raise RequestError("sampling_params must be an object", "sampling_params")
+    n = _parse_n(params.get("n"), config.native_n, "Only n=1 is supported.")
+    seed = _parse_seed(params.get("seed"))
+    max_tokens = _optional_int(params, "max_tokens", DEFAULT_MAX_TOKENS, 0, 1 << 20)
+    logprobs = params.get("logprobs")
+    k = _optional_int(params, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    stream = body.get("stream") is True
+    options = body.get("stream_options") if stream else None
+    options = options if isinstance(options, dict) else {}
+    knobs = _parse_knobs(body, seed)
+    model = body.get("model")
+    return Job(
+        rid=rid,
+        kind="generate",
+        model=model if isinstance(model, str) and not config.model_override else config.model,
+        prompt=prompt,
+        seeds=_seeds(seed, n),
+        max_tokens=max_tokens,
+        may_stop=max_tokens >= STOP_MIN_MAX_TOKENS and params.get("ignore_eos") is not True,
+        stream=stream,
+        include_usage=options.get("include_usage") is True,
+        continuous_usage=options.get("continuous_usage_stats") is True,
+        top_logprobs=None if logprobs is None else k,
         knobs=knobs,
         token_delay=config.token_delay if knobs.token_delay is None else knobs.token_delay,
     )

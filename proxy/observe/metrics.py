@@ -328,6 +328,21 @@ class Metrics:
             ["upstream"],
             registry=r,
         )
+        self.config_reloads = Counter(
+            "n_proxy_config_reloads",
+            "Config reloads (SIGHUP) by result: ok (new requests use it) or failed (the running "
+            "config is kept).",
+            ["result"],
+            registry=r,
+        )
+        for result in ("ok", "failed"):
+            self.config_reloads.labels(result)
+        self.model_list_failures = Counter(
+            "n_proxy_model_list_failures",
+            "Upstreams left out of a merged /v1/models answer: they failed, refused or timed out.",
+            ["upstream"],
+            registry=r,
+        )
         if MULTIPROCESS:
             # A sampler writes the queues into files for worker 0's /metrics (see ``sample``).
             self._queue_depth = Gauge(
@@ -397,7 +412,9 @@ class Metrics:
             self.upstream_duration.labels(name)
             for outcome in UPSTREAM_OUTCOMES:
                 self.upstream_responses.labels(name, outcome)
-            for family in (self.children_aborted, self.rejected, self.slot_stalls):
+            for family in (
+                self.children_aborted, self.rejected, self.slot_stalls, self.model_list_failures
+            ):  # fmt: skip
                 family.labels(name)
             for reason in upstream.retry_on:
                 self.retries.labels(name, str(reason))

@@ -92,9 +92,9 @@ class RequestRecord:
 
     __slots__ = (
         "aborted", "bytes_in", "bytes_out", "children", "chunks", "done_at", "ended_at",
-        "fanned_out", "first_chunk_at", "headers", "method", "model", "n", "observers", "path",
-        "queued", "relayed", "request_id", "retries", "route", "sent_at", "span", "started",
-        "status", "trace_id", "upstream", "usage",
+        "fanned_out", "finish_reasons", "first_chunk_at", "headers", "method", "model", "n",
+        "observers", "path", "queued", "relayed", "request_id", "retries", "route", "sent_at",
+        "span", "started", "status", "trace_id", "upstream", "usage",
     )  # fmt: skip
 
     def __init__(
@@ -124,6 +124,9 @@ class RequestRecord:
         self.aborted = 0  # children cancelled before they finished
         self.chunks = 0  # SSE chunks a fan-out stream wrote
         self.usage: dict[str, Any] | None = None  # a fan-out's merged usage, when sent one
+        # A fan-out's finish_reason per choice, in index order (None: a choice that never
+        # finished), read from the stitched answer once it is complete.
+        self.finish_reasons: tuple[str | None, ...] = ()
         self.span: Span | None = None  # its server span, when tracing
         self.trace_id: str | None = None  # the span's trace id, when tracing
         self.ended_at = 0.0

@@ -1,6 +1,7 @@
 """Optional OpenTelemetry tracing (the ``otel`` extra): a server span per request and a client
 span per upstream request or child, each child sent with its own ``traceparent``; an observer of
-the request's record (``proxy.observe.record``), which holds the spans.
+the request's record (``proxy.observe.record``), which holds the spans. Spans carry the GenAI
+semantic conventions' attributes where the record knows them (``gen_ai.*``, ``server.*``).
 
 Off unless the standard ``OTEL_*`` variables ask for traces (``wanted``). When off, nothing
 here imports opentelemetry and no step of a request calls into this module.
@@ -14,7 +15,9 @@ import os
 import threading
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
+from proxy.core.plan import endpoint_of
 from proxy.observe.log import log_event
 from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
@@ -22,6 +25,8 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
 _HOP_TRACE_HEADERS = ("traceparent", "tracestate")
+# gen_ai.operation.name of each fan-out endpoint (OpenTelemetry's GenAI semantic conventions).
+_OPERATIONS = {"chat": "chat", "completions": "text_completion"}
 
 
 def wanted(environ: Mapping[str, str]) -> bool:
@@ -130,6 +135,9 @@ class Tracing(Observer):
             attributes={"http.request.method": method, "n_proxy.upstream": record.upstream,
                         "n_proxy.replica": child.replica or ""},
         )  # fmt: skip
+        span.set_attributes(_gen_ai_request(record))
+        if child.replica is not None:
+            span.set_attributes(_server_address(child.replica))
         if child.index is not None:
             span.set_attribute("n_proxy.child_index", child.index)
         for name in _HOP_TRACE_HEADERS:
@@ -144,8 +152,9 @@ class Tracing(Observer):
         status = child.status
         error = _failure(failure) if failure is not None else None
         attributes: dict[str, Any] = {"n_proxy.retries": child.retries}
-        if child.replica is not None:
+        if child.replica is not None:  # a retry may have gone to another replica
             attributes["n_proxy.replica"] = child.replica
+            attributes.update(_server_address(child.replica))
         if status:
             attributes["http.response.status_code"] = status
         if error is not None:
@@ -170,6 +179,8 @@ class Tracing(Observer):
                 "n_proxy.upstream": record.upstream,
                 "n_proxy.n": record.n,
                 "n_proxy.children": len(record.children) if record.fanned_out else 0,
+                **_gen_ai_request(record),
+                **_gen_ai_response(record),
             }
         )
         if status >= 500:
@@ -201,6 +212,47 @@ class Tracing(Observer):
             log_event("spans not sent at shutdown: dropped", within_s=round(within, 1))
             return False
         return True
+
+
+def _gen_ai_request(record: RequestRecord) -> dict[str, Any]:
+    """What the request asked of the model: the operation (on a fan-out path), the model (where
+    the body was read) and, for a fan-out, the choices asked for (``n``, or ``best_of``)."""
+    attributes: dict[str, Any] = {}
+    endpoint = endpoint_of(record.route) if record.route != "other" else None
+    if endpoint is not None:
+        attributes["gen_ai.operation.name"] = _OPERATIONS[endpoint]
+    if record.model is not None:
+        attributes["gen_ai.request.model"] = record.model
+    if record.fanned_out:
+        attributes["gen_ai.request.choice.count"] = record.n
+    return attributes
+
+
+def _gen_ai_response(record: RequestRecord) -> dict[str, Any]:
+    """What a fan-out answered: its merged usage and each choice's finish reason."""
+    attributes: dict[str, Any] = {}
+    usage = record.usage
+    if usage is not None:
+        for key, name in (("prompt_tokens", "input"), ("completion_tokens", "output")):
+            value = usage.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                attributes[f"gen_ai.usage.{name}_tokens"] = value
+    reasons = [r for r in record.finish_reasons if r is not None]
+    if reasons:
+        attributes["gen_ai.response.finish_reasons"] = reasons
+    return attributes
+
+
+def _server_address(url: str) -> dict[str, Any]:
+    """``server.address`` and ``server.port`` of a replica's URL (its scheme's port if none)."""
+    parts = urlsplit(url)
+    attributes: dict[str, Any] = {}
+    if parts.hostname:
+        attributes["server.address"] = parts.hostname
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    if port is not None:
+        attributes["server.port"] = port
+    return attributes
 
 
 def _failure(exc: BaseException) -> BaseException | None:

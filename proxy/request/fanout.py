@@ -25,7 +25,13 @@ from proxy.config.models import Config, Upstream
 from proxy.core.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
 from proxy.core.plan import Plan
 from proxy.core.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
-from proxy.core.stitch import StreamError, StreamStitcher, error_event, stitch_json
+from proxy.core.stitch import (
+    StreamError,
+    StreamStitcher,
+    error_event,
+    finish_reasons,
+    stitch_json,
+)
 from proxy.http import HTTPClientError
 from proxy.observe.record import ChildRecord, RequestRecord
 from proxy.request.sink import Sink, client_sink
@@ -148,6 +154,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
     stitched = stitch_json(plan, bodies)
     usage = stitched.get("usage")
     fanout.record.usage = usage if isinstance(usage, dict) else None
+    fanout.record.finish_reasons = finish_reasons(stitched)
     return web.Response(
         body=orjson.dumps(stitched),
         content_type="application/json",
@@ -254,6 +261,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             finally:
                 streams.discard(mailbox)
                 fanout.record.usage = stitcher.usage()
+                fanout.record.finish_reasons = stitcher.finish_reasons()
                 fanout.record.chunks = stitcher.chunks
             await response.write_eof()
         except ConnectionError:  # the client is gone (at the head, mid-stream, at the end)

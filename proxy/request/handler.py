@@ -4,13 +4,21 @@ Everything that is not a fan-out (n missing/1, other paths, native-n upstreams) 
 (``proxy.request.passthrough``); a fan-out runs in ``proxy.request.fanout``. The handler owns the
 request's record (``proxy.observe.record``): every layer below reports to it, and its observers
 (metrics, spans, the log line) read it at the end. ``InFlight`` is what a drain waits for.
+
+What serves a config is a ``Generation``: the config, its ``Upstreams`` and the ``Handler`` bound
+to them. A reload (``Generations.replace``) makes a new one current: a request keeps the
+generation it began in to its end, and an old generation's upstreams (health checks, discovery,
+connection pool) are closed once its last request is over.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -33,6 +41,7 @@ from proxy.observe.clienterrors import ClientErrors, kind_of
 from proxy.observe.metrics import Metrics
 from proxy.observe.record import Observers, RequestRecord
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
+from proxy.request.models import MODELS_PATH, list_models, merges_models
 from proxy.request.passthrough import UPSTREAM_SERVER, pass_through
 from proxy.request.responses import SERVER, child_failed_response, error_response
 from proxy.upstream.service import Upstreams
@@ -80,6 +89,7 @@ class Handler:
         self.in_flight = in_flight
         self.client_errors = client_errors
         self.metrics = metrics
+        self.merges_models = merges_models(upstreams)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         record = RequestRecord(self.observers, request.method, request.path, request.headers)
@@ -102,6 +112,9 @@ class Handler:
             message = "malformed request line: no HTTP version"
             return error_response(InvalidRequest(message), close=True)
         path = request.rel_url.path
+        if self.merges_models and path == MODELS_PATH and request.method == "GET":
+            record.upstream = config.default_upstream
+            return await list_models(request, self.upstreams, record)
         fans_out = request.method == "POST" and path in config.fanout_paths
         body = await self._read_body(request)
         if isinstance(body, web.StreamResponse):
@@ -265,3 +278,100 @@ async def server_header(request: web.Request, response: web.StreamResponse) -> N
     pass-through keeps the upstream's own, when it sent one (``on_response_prepare``)."""
     if not request.get(UPSTREAM_SERVER, False):
         response.headers["Server"] = SERVER
+
+
+# A new generation's first health round is awaited this long at most before it takes requests,
+# so that a reload does not make /readyz fail while its checks are under way.
+_FIRST_HEALTH_SECONDS = 5.0
+
+
+@dataclass(eq=False)
+class Generation:
+    """One loaded config and what serves it; counts the requests that began in it."""
+
+    config: Config
+    upstreams: Upstreams
+    handler: Handler
+    requests: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+
+class Generations:
+    """The current generation, and the older ones whose requests are still running."""
+
+    def __init__(self, build: Callable[[Config], Generation], config: Config) -> None:
+        self._build = build
+        self.current = build(config)
+        self.retiring: list[Generation] = []
+        self._retirements: set[asyncio.Task[None]] = set()
+
+    @property
+    def config(self) -> Config:
+        return self.current.config
+
+    @property
+    def upstreams(self) -> Upstreams:
+        """The current generation's: where new requests go."""
+        return self.current.upstreams
+
+    def __iter__(self) -> Iterator[Generation]:
+        yield self.current
+        yield from self.retiring
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """Every generation's background loops, and the waits to close the old ones."""
+        own: set[asyncio.Task[None]] = set(self._retirements)
+        for generation in self:
+            own |= set(generation.upstreams.loops)
+        return own
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        generation = self.current  # read once: the request ends in the generation it began in
+        generation.requests += 1
+        generation.idle.clear()
+        try:
+            return await generation.handler.handle(request)
+        finally:
+            generation.requests -= 1
+            if generation.requests == 0:
+                generation.idle.set()
+
+    async def replace(self, config: Config) -> None:
+        """``config`` serves every request from now on, once its upstreams had a health round
+        (or ``_FIRST_HEALTH_SECONDS``); the generation it replaces retires."""
+        new = self._build(config)
+        try:
+            await new.upstreams.start()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_FIRST_HEALTH_SECONDS):
+                    await new.upstreams.health_checked.wait()
+        except BaseException:
+            await new.upstreams.close()
+            raise
+        old, self.current = self.current, new
+        self.retiring.append(old)
+        task = asyncio.create_task(self._retire(old))
+        self._retirements.add(task)
+        task.add_done_callback(self._retirements.discard)
+
+    async def retired(self) -> None:
+        """Until every old generation's last request ended and its upstreams were closed."""
+        await asyncio.gather(*self._retirements)
+
+    async def _retire(self, old: Generation) -> None:
+        await old.idle.wait()
+        await old.upstreams.close()
+        self.retiring.remove(old)
+
+    async def close(self) -> None:
+        """Every generation's upstreams closed (at shutdown: no request is left)."""
+        for task in list(self._retirements):
+            task.cancel()
+        await asyncio.gather(*self._retirements, return_exceptions=True)
+        # Idempotent: one whose retirement was cut short is closed again. The retired stay
+        # listed, so that a census after the shutdown still sees what they held.
+        for generation in [*self.retiring, self.current]:
+            await generation.upstreams.close()

@@ -8,7 +8,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.observe.metrics import Metrics
-from proxy.request.handler import InFlight
+from proxy.request.handler import Generations, InFlight
 from proxy.request.responses import SERVER
 from proxy.upstream.service import Upstreams
 
@@ -18,8 +18,13 @@ class Watched:
     """What the admin listener reports on: the proxy app's requests, upstreams and metrics."""
 
     in_flight: InFlight
-    upstreams: Upstreams
+    generations: Generations
     metrics: Metrics
+
+    @property
+    def upstreams(self) -> Upstreams:
+        """The current config's: a reload makes /readyz report on the new upstreams."""
+        return self.generations.upstreams
 
     @property
     def ready(self) -> bool:
@@ -29,9 +34,11 @@ class Watched:
 WATCHED = web.AppKey("watched", Watched)
 
 
-def build_admin_app(in_flight: InFlight, upstreams: Upstreams, metrics: Metrics) -> web.Application:
+def build_admin_app(
+    in_flight: InFlight, generations: Generations, metrics: Metrics
+) -> web.Application:
     app = web.Application()
-    app[WATCHED] = Watched(in_flight, upstreams, metrics)
+    app[WATCHED] = Watched(in_flight, generations, metrics)
     app.router.add_get("/livez", _livez)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/metrics", _metrics)

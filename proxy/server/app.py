@@ -1,5 +1,8 @@
 """The proxy's aiohttp application: the one handler on every path, the upstreams started and
 stopped with the app, the request record's observers, and the demo notice's header.
+
+What serves a config is a ``Generation`` (``proxy.request.handler``): the config, its
+``Upstreams`` and the handler bound to them, built here; a reload makes a new one current.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from proxy.observe.log import RequestLine
 from proxy.observe.metrics import MULTIPROCESS, Metrics, RequestMetrics
 from proxy.observe.record import Observer, Observers
 from proxy.observe.tracing import Tracing
-from proxy.request.handler import Handler, InFlight, server_header
+from proxy.request.handler import Generation, Generations, Handler, InFlight, server_header
 from proxy.server.connection import EveryPath
 from proxy.server.memory import Trimmer
 from proxy.upstream.discovery import Resolver
@@ -27,7 +30,7 @@ DEMO_HEADER = "X-N-Proxy-Demo"
 _SAMPLE_SECONDS = 1.0  # --workers: how often each worker writes its queue depths for /metrics
 
 # What an app serves with, for the process, the admin listener and tests to read.
-UPSTREAMS = web.AppKey("upstreams", Upstreams)
+GENERATIONS = web.AppKey("generations", Generations)
 IN_FLIGHT = web.AppKey("in_flight", InFlight)
 
 
@@ -51,33 +54,33 @@ def build_app(
         # (proxy.core.encoding).
         handler_args={"max_field_size": 65536, "auto_decompress": False},
     )
-    if metrics is None:
-        metrics = Metrics()
-    metrics.known(config)
+    served_metrics = metrics = metrics if metrics is not None else Metrics()
     in_flight = in_flight or InFlight()
-    upstreams = Upstreams(config, metrics, resolver)
-    app[UPSTREAMS] = upstreams
-    app[IN_FLIGHT] = in_flight
-    metrics.census = functools.partial(take_census, in_flight, upstreams)
+    client_errors = client_errors or ClientErrors(metrics)
     trimmer = Trimmer()
-    watching: list[Observer] = [RequestMetrics(metrics, config), RequestLine()]
-    if tracing is not None:
-        watching.insert(0, tracing)  # a span begins before the others see the request
-    handler = Handler(
-        config,
-        upstreams,
-        Observers(watching, large=trimmer.watch()),
-        in_flight,
-        client_errors or ClientErrors(metrics),
-        metrics,
-    )
+    large = trimmer.watch()
+
+    def build(config: Config) -> Generation:
+        served_metrics.known(config)
+        upstreams = Upstreams(config, served_metrics, resolver)
+        watching: list[Observer] = [RequestMetrics(served_metrics, config), RequestLine()]
+        if tracing is not None:
+            watching.insert(0, tracing)  # a span begins before the others see the request
+        observers = Observers(watching, large=large)
+        handler = Handler(config, upstreams, observers, in_flight, client_errors, served_metrics)
+        return Generation(config, upstreams, handler)
+
+    generations = Generations(build, config)
+    app[GENERATIONS] = generations
+    app[IN_FLIGHT] = in_flight
+    metrics.census = functools.partial(take_census, in_flight, generations)
     app.on_response_prepare.append(server_header)
     if notice is not None:
         app.on_response_prepare.append(functools.partial(_notice_header, notice))
-    app.cleanup_ctx.append(functools.partial(_serve, upstreams=upstreams, trimmer=trimmer))
+    app.cleanup_ctx.append(functools.partial(_serve, generations=generations, trimmer=trimmer))
     every = EveryPath("/")
     app.router.register_resource(every)
-    every.add_route("*", handler.handle)
+    every.add_route("*", generations.handle)
     return app
 
 
@@ -86,8 +89,9 @@ async def _notice_header(notice: str, request: web.Request, response: web.Stream
 
 
 async def _serve(
-    app: web.Application, upstreams: Upstreams, trimmer: Trimmer
+    app: web.Application, generations: Generations, trimmer: Trimmer
 ) -> AsyncIterator[None]:
+    upstreams = generations.upstreams
     await upstreams.start()
     sampler = asyncio.create_task(_sample(upstreams.metrics)) if MULTIPROCESS else None
     yield
@@ -95,30 +99,39 @@ async def _serve(
     if sampler is not None:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
-    await upstreams.close()
+    await generations.close()
 
 
-def take_census(in_flight: InFlight, upstreams: Upstreams) -> Census:
-    """The counts as they are now."""
-    counted = []
-    for upstream in upstreams.config.upstreams:
-        state = upstreams.state(upstream)
-        counted.append(
-            UpstreamCensus(
+def take_census(in_flight: InFlight, generations: Generations) -> Census:
+    """The counts as they are now, over every generation still serving: an upstream that two
+    generations name is counted once, with both generations' holdings."""
+    counted: dict[str, UpstreamCensus] = {}
+    connections = idle = 0
+    for generation in generations:
+        upstreams = generation.upstreams
+        connections += len(upstreams.connections.in_use)
+        idle += upstreams.connections.idle_connections()
+        for upstream in upstreams.config.upstreams:
+            state = upstreams.state(upstream)
+            outstanding = {replica.url: replica.outstanding for replica in state.replicas}
+            seen = counted.get(upstream.name)
+            if seen is not None:
+                for url, count in seen.outstanding.items():
+                    outstanding[url] = outstanding.get(url, 0) + count
+            counted[upstream.name] = UpstreamCensus(
                 upstream.name,
-                state.slots.in_use,
-                state.slots.queued,
-                state.exchanges,
-                {replica.url: replica.outstanding for replica in state.replicas},
+                state.slots.in_use + (seen.slots_held if seen else 0),
+                state.slots.queued + (seen.queued if seen else 0),
+                state.exchanges + (seen.exchanges if seen else 0),
+                outstanding,
             )
-        )
     return Census(
         requests=in_flight.requests,
         children=in_flight.fanouts.children,
         streams=len(in_flight.fanouts.streams),
-        connections=len(upstreams.connections.in_use),
-        idle=upstreams.connections.idle_connections(),
-        upstreams=tuple(counted),
+        connections=connections,
+        idle=idle,
+        upstreams=tuple(counted.values()),
     )
 
 

@@ -1,8 +1,13 @@
-"""Running the proxy and admin listeners, and draining them gracefully on SIGTERM or SIGINT.
+"""Running the proxy and admin listeners, reloading the config on SIGHUP, and draining them
+gracefully on SIGTERM or SIGINT.
 
 Drain: readiness fails at once; new connections are still served for ``drain_grace_seconds``
 (load balancers take a moment to notice); in-flight requests then get up to ``drain_seconds`` in
 all, after which fan-out streams are cut cleanly (one error event and ``[DONE]``).
+
+Reload: the file is read and validated again, as ``check-config`` does; a config that loads
+serves every new request (``proxy.server.app.Generations``) while the requests in flight end on
+the old one; one that does not is logged in one line naming its key, and the old one stays.
 """
 
 from __future__ import annotations
@@ -16,26 +21,40 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from proxy.config.models import Config
+from proxy.config.models import Config, ConfigError
 from proxy.observe.clienterrors import ClientErrors
 from proxy.observe.log import log_event
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import tracing_from_env
-from proxy.request.handler import InFlight
+from proxy.request.handler import Generations, InFlight
 from proxy.server.admin import build_admin_app
-from proxy.server.app import UPSTREAMS, build_app
+from proxy.server.app import GENERATIONS, build_app
 from proxy.server.connection import ClientConnection, ConnectionCap, ErrorPages, Listener
+from proxy.upstream.service import Upstreams
 
 _CUT_GRACE = 1.0  # seconds for cut streams to write their last event before sockets close
 _FLUSH_SECONDS = 5.0  # spans batched at shutdown get what is left of the drain, up to this
 _SPARE_FDS = 256  # beyond client and upstream connections: admin, logs, DNS, health checks
+# What a reload cannot change in a running process: the sockets are bound, the app's body limit
+# and the log handlers set. A reloaded file that changes them keeps the running values, and says
+# so; the rest (routes, upstreams, limits, headers, placement, timeouts...) takes effect.
+RESTART_KEYS = ("listen", "admin", "max_body_bytes", "log_format", "log_level")
+
+Loader = Callable[[], Config]  # reads and validates the config file again; raises ConfigError
 
 
 class Server:
     def __init__(
-        self, config: Config, *, reuse_port: bool = False, notice: str | None = None
+        self,
+        config: Config,
+        *,
+        reuse_port: bool = False,
+        notice: str | None = None,
+        loader: Loader | None = None,
     ) -> None:
+        """``loader``: how SIGHUP reloads the config (None: there is no file to read again)."""
         self.config = config
+        self.loader = loader
         self.reuse_port = reuse_port
         self.metrics = Metrics()
         self.tracing = tracing_from_env()
@@ -49,26 +68,33 @@ class Server:
             tracing=self.tracing,
             notice=notice,
         )
-        self.upstreams = app[UPSTREAMS]
+        self.generations: Generations = app[GENERATIONS]
         self._proxy = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=_CUT_GRACE
         )
         self._admin = web.AppRunner(
-            build_admin_app(self.in_flight, self.upstreams, self.metrics),
+            build_admin_app(self.in_flight, self.generations, self.metrics),
             access_log=None,
             shutdown_timeout=_CUT_GRACE,
         )
         self._proxy_site: Listener | None = None
+        self._cap: ConnectionCap | None = None
+        self._reloading = asyncio.Lock()
         self._drain_ends: float | None = None  # loop time by which the drain is to be over
         self.proxy_port = 0
         self.admin_port = 0
+
+    @property
+    def upstreams(self) -> Upstreams:
+        """The current config's upstreams."""
+        return self.generations.upstreams
 
     async def start(self) -> None:
         await self._proxy.setup()
         _raise_fd_limit(self.config)
         listen = self.config.listen
         errors = self.client_errors
-        cap = ConnectionCap(self.config, self.metrics, errors)
+        cap = self._cap = ConnectionCap(self.config, self.metrics, errors)
         connection = functools.partial(ClientConnection, cap)
         self._proxy_site = Listener(
             self._proxy, listen.host, listen.port, connection, self.reuse_port
@@ -81,6 +107,40 @@ class Server:
             pages = functools.partial(ErrorPages, errors)
             await Listener(self._admin, admin.host, admin.port, pages).start()
             self.admin_port = _port(self._admin)
+
+    async def reload(self) -> bool:
+        """Read and validate the config again (``loader``) and serve new requests with it; True
+        when it did. A failure leaves the running config as it was and is logged once, naming
+        the key. Reloads run one at a time; none during a drain."""
+        async with self._reloading:
+            if self.in_flight.draining:
+                log_event("config reload ignored: the proxy is draining")
+                return False
+            if self.loader is None:
+                log_event("config reload ignored: no --config file to read again")
+                return False
+            try:
+                loaded = self.loader()
+            except ConfigError as exc:
+                self.metrics.config_reloads.labels("failed").inc()
+                log_event("config reload failed; the running config is kept", error=str(exc))
+                return False
+            running = self.config
+            kept = [key for key in RESTART_KEYS if getattr(loaded, key) != getattr(running, key)]
+            config = loaded.model_copy(update={key: getattr(running, key) for key in kept})
+            await self.generations.replace(config)
+            self.config = config
+            if self._cap is not None:
+                self._cap.limit = config.max_connections
+                self._cap.header_seconds = config.client_timeouts.headers
+            self.metrics.config_reloads.labels("ok").inc()
+            fields: dict[str, object] = {
+                "upstreams": len(config.upstreams), "routes": len(config.routes)
+            }  # fmt: skip
+            if kept:
+                fields["restart_needed_for"] = ",".join(kept)
+            log_event("config reloaded", **fields)
+            return True
 
     async def drain(self) -> None:
         in_flight = self.in_flight
@@ -120,21 +180,35 @@ async def run(
     signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
     ready: Callable[[], None] | None = None,
 ) -> None:
-    """Serve until one of ``signals``, then drain and stop.
+    """Serve until one of ``signals``, reloading the config on each SIGHUP; then drain and stop.
 
     ``ready`` runs once the signals are ours: a banner printed before that would let a SIGTERM
     that follows it at once kill the process undrained (the default action).
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def reload() -> None:
+        # One running and one to follow: later SIGHUPs would read the same file. None once
+        # stopping (the handler stays: the default action of SIGHUP would end the process).
+        if not stop.is_set() and len(reloads) < 2:
+            task = loop.create_task(server.reload())
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, reload)
     if ready is not None:
         ready()
     try:
         await stop.wait()
         await server.drain()
     finally:
+        for task in reloads:
+            task.cancel()
+        await asyncio.gather(*reloads, return_exceptions=True)
         await server.close()
 
 

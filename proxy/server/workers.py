@@ -1,6 +1,7 @@
 """Several worker processes on one listening port (SO_REUSEPORT), to use more than one core.
 
-The parent only supervises: it forwards SIGTERM and SIGINT, waits while the workers drain (a
+The parent only supervises: it forwards SIGTERM and SIGINT (and SIGHUP: each worker reloads the
+config itself, ``proxy.server.process``), waits while the workers drain (a
 worker still there ``EXIT_MARGIN`` past ``drain_seconds`` is killed), and exits non-zero if a
 worker dies. Worker 0 alone serves the admin port; its ``/metrics`` adds up
 every worker through prometheus-client's multiprocess mode. The configured limits are the
@@ -19,13 +20,14 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 from types import FrameType
 
 from proxy.config.models import Config, ConfigError
 from proxy.observe.log import setup_logging
-from proxy.server.process import Server, install_uvloop, run
+from proxy.server.process import Loader, Server, install_uvloop, run
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 MiB = 1024 * 1024
@@ -152,13 +154,16 @@ def _share(total: int, index: int, count: int) -> int:
     return total // count + (1 if index < total % count else 0)
 
 
-def run_workers(config: Config, count: int) -> int:
+def run_workers(config: Config, count: int, loader: Loader | None = None) -> int:
+    """``loader`` (picklable: the workers are spawned) reads the config again on SIGHUP."""
     check_worker_count(config, count)
     metrics_dir = tempfile.mkdtemp(prefix="n-proxy-metrics-")
     os.environ[METRICS_DIR_ENV] = metrics_dir  # inherited by the spawned workers
     context = multiprocessing.get_context("spawn")
     workers = [
-        context.Process(target=_work, args=(config, index, count), name=f"n-proxy-worker-{index}")
+        context.Process(
+            target=_work, args=(config, index, count, loader), name=f"n-proxy-worker-{index}"
+        )
         for index in range(count)
     ]
     stopping_since: float | None = None
@@ -172,8 +177,15 @@ def run_workers(config: Config, count: int) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.pid, signal.SIGTERM)
 
+    def reload(signum: int, frame: FrameType | None) -> None:
+        for worker in workers:
+            if worker.pid is not None and worker.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGHUP)
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, reload)
     failed = False
     try:
         for worker in workers:
@@ -204,15 +216,25 @@ def announce(line: str) -> None:
     sys.stdout.flush()
 
 
-def _work(config: Config, index: int, count: int) -> None:
+def _work(config: Config, index: int, count: int, loader: Loader | None) -> None:
     config = worker_config(config, index, count)
+    reload: Callable[[], Config] | None = None
+    if loader is not None:
+        source = loader
+
+        def reload() -> Config:
+            return worker_config(source(), index, count)  # this worker's share, as at start
+
     setup_logging(config.log_format, config.log_level)
     install_uvloop()
     # The parent decides when to stop; a terminal's Ctrl-C reaches us through it as SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A SIGHUP the supervisor forwards before this worker serves must not end it (the default
+    # action); once it serves, the reload handler replaces this.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     async def serve() -> None:
-        server = Server(config, reuse_port=True)
+        server = Server(config, reuse_port=True, loader=reload)
         await server.start()
         where = f"http://{config.listen.host}:{server.proxy_port}"
         banner = f"n-proxy: worker {index} (pid {os.getpid()}) listening on {where}"

@@ -201,7 +201,7 @@ class Upstreams:
         self._states = {u.name: UpstreamState(u, metrics) for u in config.upstreams}
         for state in self._states.values():
             state.publish()
-        self._loops: list[asyncio.Task[None]] = []
+        self.loops: list[asyncio.Task[None]] = []
         self.connections = ConnectionPool()
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # between tries
         self.checked_health: dict[str, bool] = {}  # upstream name -> any replica passed
@@ -213,6 +213,11 @@ class Upstreams:
         ]
         self._default = config.upstream(config.default_upstream)
         self.routes_by_model = any(r.model is not None for r in config.routes)
+        # GET /v1/models asks each of these and merges their lists, when there are several:
+        # the default upstream first, then each upstream a route names, in config order.
+        named = [config.default_upstream, *(r.upstream for r in config.routes)]
+        self.model_lists = tuple(config.upstream(name) for name in dict.fromkeys(named))
+        self._required = [u.name for u in config.upstreams if u.readiness == "required"]
 
     async def start(self) -> None:
         """The service's own loops: the slot watchdog, each upstream's health checks and, where
@@ -220,12 +225,12 @@ class Upstreams:
         loops = [self._watch()]
         loops += [self._check_health(u) for u in self.config.upstreams]
         loops += [self._discover(u) for u in self.config.upstreams if u.discovery.dns]
-        self._loops = [asyncio.create_task(loop) for loop in loops]
+        self.loops = [asyncio.create_task(loop) for loop in loops]
 
     async def close(self) -> None:
-        for loop in self._loops:
+        for loop in self.loops:
             loop.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await asyncio.gather(*self.loops, return_exceptions=True)
         await self.connections.close()
 
     async def _check_health(self, upstream: Upstream) -> None:
@@ -239,7 +244,10 @@ class Upstreams:
 
     @property
     def ready(self) -> bool:
-        """Some upstream passed its last health check."""
+        """Every upstream whose ``readiness`` is required passed its last health check; with
+        none required, some upstream did."""
+        if self._required:
+            return all(self.checked_health.get(name, False) for name in self._required)
         return any(self.checked_health.values())
 
     def route(self, path: str, model: str | None) -> Upstream:

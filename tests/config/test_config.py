@@ -23,7 +23,7 @@ from proxy.config.models import (
     parse_config,
     single_upstream_config,
 )
-from proxy.server.app import UPSTREAMS
+from proxy.server.app import GENERATIONS
 from tests.support.servers import Backend, Servers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +107,11 @@ def test_minimal_config_takes_the_defaults() -> None:
     )
     assert config.max_n == 10
     assert config.max_body_bytes == 16 * 1024 * 1024
-    assert config.fanout_paths == ("/v1/chat/completions", "/v1/completions")
+    assert config.fanout_paths == (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/inference/v1/generate",
+    )
     assert config.listen == Listen(host="127.0.0.1", port=8080)
     assert config.admin is None
     assert config.routes == ()
@@ -137,7 +141,7 @@ async def test_no_section_of_a_running_proxys_config_can_be_changed(
     full = load_config(ROOT / "config" / "full.yaml", {"CHAT_API_KEY": "k"})
     at_backend = tuple(u.model_copy(update={"urls": (backend.url,)}) for u in full.upstreams)
     proxy = await servers.proxy(full.model_copy(update={"upstreams": at_backend}))
-    config = proxy.app[UPSTREAMS].config
+    config = proxy.app[GENERATIONS].upstreams.config
     sections = list(_sections(config, "config"))
     every_kind = {
         kind
@@ -303,7 +307,7 @@ def test_max_n_within_1_to_128_is_accepted(max_n: int) -> None:
         pytest.param(
             f"fanout_paths: [/v1/chat/completions, /v1/responses]\n{MINIMAL}",
             "fanout_paths[1]",
-            "neither a chat completions nor a completions path",
+            "neither a chat completions, a completions nor a generate path",
             id="fanout-path-of-unknown-kind",
         ),
         pytest.param(

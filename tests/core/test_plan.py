@@ -1,5 +1,5 @@
 """Tests for proxy.core.plan: literal request bodies in, literal children out
-(docs/behaviour.md#validation, #children, #best-of)."""
+(docs/behaviour.md#validation, #children, #best-of, #generate)."""
 
 from __future__ import annotations
 
@@ -544,6 +544,8 @@ def test_best_of_equal_to_n_keeps_the_clients_logprobs_untouched() -> None:
         ("/v1/completions", "completions"),
         ("/openai/v1/chat/completions", "chat"),
         ("/openai/v1/completions", "completions"),
+        ("/inference/v1/generate", "generate"),
+        ("/vllm/inference/v1/generate", "generate"),
         ("/v1/responses", None),
         ("/v1/embeddings", None),
         ("/v1/chat/completions/x", None),
@@ -553,8 +555,130 @@ def test_endpoint_is_decided_once_from_the_path(path: str, endpoint: str | None)
     assert endpoint_of(path) == endpoint
 
 
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "generate"])
 def test_plan_carries_its_endpoint(endpoint: Endpoint) -> None:
-    planned = plan_request({"prompt": "p", "n": 2}, "abc", 10, endpoint=endpoint)
+    body = {"prompt": "p", "n": 2, "sampling_params": {"n": 2}}
+    planned = plan_request(body, "abc", 10, endpoint=endpoint)
     assert planned is not None
     assert planned.endpoint == endpoint
+
+
+# --- generate: vLLM's token-in/token-out endpoint (docs/behaviour.md#generate) ---
+
+
+def generate(body: dict[str, Any], parent: str = "abc", max_n: int = 10) -> Plan | None:
+    return plan_request(body, parent, max_n, endpoint="generate")
+
+
+def generate_body(**params: Any) -> dict[str, Any]:
+    return {"model": "m", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3, **params}}
+
+
+def test_generate_children_take_n_and_seed_from_sampling_params_and_keep_the_rest() -> None:
+    features = {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 0}]}}
+    body = {
+        **generate_body(n=3, seed=5, temperature=0.8, logprobs=1),
+        "request_id": "rollout-7",
+        "features": features,
+        "priority": -2,
+        "kv_transfer_params": {"do_remote_prefill": True},
+        "stream": False,
+        "x_vendor": [1, {"deep": None}],
+        "n": 9,  # not generate's own n: a field like any other
+    }
+    original = orjson.loads(orjson.dumps(body))
+    p = planned(generate(body))
+    assert (p.endpoint, p.n, p.stream, p.prompts) == ("generate", 3, False, 1)
+    assert [c.index for c in p.children] == [0, 1, 2]
+    assert [c.request_id for c in p.children] == ["0_abc", "1_abc", "2_abc"]
+    rest = {k: v for k, v in body.items() if k not in ("sampling_params", "request_id")}
+    assert [orjson.loads(c.body) for c in p.children] == [
+        {
+            **rest,
+            "request_id": f"{i}_rollout-7",
+            "sampling_params": {"max_tokens": 3, "seed": 5 + i, "temperature": 0.8, "logprobs": 1},
+        }
+        for i in range(3)
+    ]
+    assert body == original  # the parent's body and its sampling_params are left as they were
+
+
+@pytest.mark.parametrize(
+    ("params", "seeds"),
+    [
+        pytest.param({}, [None, None], id="no-seed"),
+        pytest.param({"seed": -1}, [-1, -1], id="random-sentinel"),
+        pytest.param({"seed": 0}, [0, 1], id="zero"),
+        pytest.param({"seed": INT64_MAX - 1}, [INT64_MAX - 1, INT64_MAX], id="top-of-range"),
+    ],
+)
+def test_generate_child_seeds_follow_vllms_seed_plus_i(
+    params: dict[str, Any], seeds: list[int | None]
+) -> None:
+    p = planned(generate(generate_body(n=2, **params)))
+    sent = [orjson.loads(c.body)["sampling_params"] for c in p.children]
+    assert [s.get("seed") for s in sent] == seeds
+    assert all("n" not in s for s in sent)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(generate_body(), id="no-n"),
+        pytest.param(generate_body(n=None), id="null-n"),
+        pytest.param(generate_body(n=1), id="n-1"),
+        pytest.param({"token_ids": [1], "n": 4}, id="no-sampling-params"),
+        pytest.param({"token_ids": [1], "sampling_params": [{"n": 4}]}, id="not-an-object"),
+    ],
+)
+def test_generate_without_an_n_above_one_in_sampling_params_passes_through(
+    body: dict[str, Any],
+) -> None:
+    assert generate(body) is None
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        pytest.param({"n": True}, "n", id="true"),
+        pytest.param({"n": 2.5}, "n", id="float"),
+        pytest.param({"n": "3"}, "n", id="string"),
+        pytest.param({"n": 0}, "n", id="zero"),
+        pytest.param({"n": 11}, "n", id="over-max-n"),
+        pytest.param({"n": 2, "seed": INT64_MAX}, "seed", id="seed-plus-n-overflows"),
+        pytest.param({"n": 2, "seed": INT64_MIN - 1}, "seed", id="seed-below-int64"),
+        pytest.param({"n": 2, "seed": 1e19}, "seed", id="seed-past-64-bits-as-float"),
+    ],
+)
+def test_generate_validates_sampling_params_n_and_seed_as_the_other_kinds(
+    params: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        generate(generate_body(**params))
+    assert info.value.status == 400
+    error = orjson.loads(info.value.body())["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    # The same refusal as on a chat path, word for word.
+    chat_body = {"messages": [], **params}
+    with pytest.raises(InvalidRequest) as on_chat:
+        chat(chat_body)
+    assert on_chat.value.body() == info.value.body()
+
+
+def test_generate_keeps_a_kv_transfer_params_list_whole_for_every_child() -> None:
+    """vLLM's generate takes one kv_transfer_params object: nothing of it is the proxy's."""
+    kv = [{"a": 1}, {"b": 2}]
+    p = planned(generate({**generate_body(n=2), "kv_transfer_params": kv}))
+    assert [orjson.loads(c.body)["kv_transfer_params"] for c in p.children] == [kv, kv]
+
+
+def test_generate_stream_options_are_read_at_the_top_level() -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    p = planned(generate({**generate_body(n=2), "stream": True, "stream_options": options}))
+    assert (p.stream, p.include_usage, p.continuous_usage) == (True, True, True)
+
+
+def test_generate_children_are_capped_by_max_n_of_the_config() -> None:
+    assert planned(generate(generate_body(n=16), max_n=16)).n == 16
+    with pytest.raises(InvalidRequest):
+        generate(generate_body(n=17), max_n=16)

@@ -1,6 +1,6 @@
 """Tests for proxy.core.stitch: children's literal bodies and chunks in, one native-n answer out.
 
-docs/behaviour.md#json, #streaming, #usage, #errors (mid-stream) and #best-of.
+docs/behaviour.md#json, #streaming, #usage, #errors (mid-stream), #best-of and #generate.
 """
 
 from __future__ import annotations
@@ -791,3 +791,152 @@ def test_stream_usage_only_chunk_first_does_not_open_the_stream() -> None:
     s = StreamStitcher(plan(STREAM_WITH_USAGE))
     assert s.chunk(0, usage_chunk("chatcmpl-0_abc", 3, 1)) is None
     after_opening(s.chunk(1, chunk("chatcmpl-1_abc", 5, "b")), 2)
+
+
+# --- generate: vLLM's token-in/token-out endpoint (docs/behaviour.md#generate) ---
+
+
+def generate_plan(n: int = 2, **fields: Any) -> Plan:
+    body = {"token_ids": [1, 2], "sampling_params": {"n": n, "seed": 1}, **fields}
+    planned = plan_request(body, "abc", 10, endpoint="generate")
+    assert planned is not None
+    return planned
+
+
+def generate_choice(tokens: list[int], finish: str | None = "length") -> dict[str, Any]:
+    return {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": tokens,
+            "routed_experts": None, "logprobs": None}  # fmt: skip
+
+
+def generate_body(i: int, tokens: list[int], **extra: Any) -> dict[str, Any]:
+    """Child ``i``'s answer as vLLM's Python frontend sends it for n = 1."""
+    return {
+        "request_id": f"generate-tokens-{i}_abc",
+        "model": f"model-{i}",
+        "created": 1700000000 + i,
+        "usage": {**usage(2, len(tokens)), "prompt_tokens_details": {"cached_tokens": i}},
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+        "metrics": None,
+        "output_mode": "tokens",
+        "choices": [generate_choice(tokens)],
+        **extra,
+    }
+
+
+def test_stitch_json_gives_generate_the_python_frontends_native_n_body() -> None:
+    bodies = [generate_body(0, [5, 6, 7]), generate_body(1, [8, 9])]
+    stitched = stitch_json(generate_plan(), bodies)
+    assert stitched == {
+        "request_id": "generate-tokens-abc",
+        "model": "model-0",
+        "created": 1700000000,
+        "usage": {
+            "prompt_tokens": 2,
+            "completion_tokens": 5,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+        "metrics": None,
+        "output_mode": "tokens",
+        "choices": [
+            {**generate_choice([5, 6, 7]), "index": 0},
+            {**generate_choice([8, 9]), "index": 1},
+        ],
+    }
+    assert list(stitched) == list(bodies[0])  # child 0's fields, in its order: no id added
+
+
+def test_stitch_json_of_rust_frontend_generate_answers_adds_nothing_they_lack() -> None:
+    """vLLM's Rust frontend sends no usage, model or created: none appears."""
+    bodies = [
+        {"request_id": f"{i}_abc", "choices": [generate_choice([i])], "prompt_logprobs": None}
+        for i in range(3)
+    ]
+    stitched = stitch_json(generate_plan(3), bodies)
+    assert stitched == {
+        "request_id": "abc",
+        "choices": [{**generate_choice([i]), "index": i} for i in range(3)],
+        "prompt_logprobs": None,
+    }
+
+
+def generate_chunk(i: int, tokens: list[int], finish: str | None = None, **extra: Any) -> bytes:
+    choice = {**generate_choice(tokens, finish), "logprobs": None}
+    return orjson.dumps({"request_id": f"generate-tokens-{i}_abc", "usage": None,
+                         "output_mode": "tokens", "choices": [choice], **extra})  # fmt: skip
+
+
+def generate_usage_chunk(i: int, completion: int) -> bytes:
+    return orjson.dumps({"request_id": f"generate-tokens-{i}_abc", "usage": usage(2, completion),
+                         "output_mode": "tokens", "choices": []})  # fmt: skip
+
+
+def test_generate_stream_interleaves_chunks_with_index_and_request_id_rewritten() -> None:
+    s = StreamStitcher(generate_plan(3, stream=True))
+    sent = [
+        s.chunk(2, generate_chunk(2, [20])),  # no opening: vLLM's native n sends none
+        s.chunk(0, generate_chunk(0, [10])),
+        s.chunk(2, generate_chunk(2, [21], "length")),
+        s.chunk(1, generate_chunk(1, [30], "stop")),
+        s.chunk(0, generate_chunk(0, [11], "length")),
+    ]
+    events = [one_event(raw) for raw in sent]
+    assert [e["choices"][0]["index"] for e in events] == [2, 0, 2, 1, 0]
+    assert [e["choices"][0]["token_ids"] for e in events] == [[20], [10], [21], [30], [11]]
+    for event in events:
+        assert event["request_id"] == "generate-tokens-abc"
+        assert list(event) == ["request_id", "usage", "output_mode", "choices"]
+    assert all(s.finished(pos) for pos in range(3))
+    assert s.tail() == DONE  # usage was not asked for
+
+
+def test_generate_stream_holds_usage_back_and_ends_with_vllms_merged_usage_chunk() -> None:
+    s = StreamStitcher(generate_plan(stream=True, stream_options={"include_usage": True}))
+    for pos, tokens in ((0, [5, 6]), (1, [7])):
+        for token in tokens[:-1]:
+            assert s.chunk(pos, generate_chunk(pos, [token])) is not None
+        assert s.chunk(pos, generate_chunk(pos, tokens[-1:], "length")) is not None
+        assert s.chunk(pos, generate_usage_chunk(pos, len(tokens))) is None
+        assert s.chunk(pos, b"[DONE]") is None
+    assert sse(s.tail()) == [
+        {
+            "request_id": "generate-tokens-abc",
+            "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+            "output_mode": "tokens",
+            "choices": [],
+        },
+        "[DONE]",
+    ]
+
+
+def test_generate_stream_keeps_each_chunks_continuous_usage() -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    s = StreamStitcher(generate_plan(stream=True, stream_options=options))
+    first = one_event(s.chunk(1, generate_chunk(1, [4], usage=usage(2, 1))))
+    assert first["usage"] == usage(2, 1)
+    s.chunk(1, generate_chunk(1, [5], "length", usage=usage(2, 2)))
+    s.chunk(0, generate_chunk(0, [6], "length", usage=usage(2, 1)))
+    assert sse(s.tail())[0]["usage"] == usage(2, 3)
+
+
+def test_generate_stream_error_event_names_the_choice() -> None:
+    s = StreamStitcher(generate_plan(stream=True))
+    s.chunk(0, generate_chunk(0, [1]))
+    with pytest.raises(StreamError) as info:
+        s.chunk(1, orjson.dumps({"error": {"message": "boom", "type": "server_error"}}))
+    assert info.value.choice == 1
+
+
+def test_generate_stream_sends_the_prompts_token_ids_on_its_first_chunk_only() -> None:
+    """As vLLM's native n does with return_token_ids: each child sends them on its first."""
+    s = StreamStitcher(generate_plan(stream=True, return_token_ids=True))
+    prompt: dict[str, Any] = {"prompt_token_ids": [1, 2], "mm_placeholders": None}
+    first = one_event(s.chunk(1, generate_chunk(1, [4], **prompt)))
+    later = one_event(s.chunk(0, generate_chunk(0, [5], **prompt)))
+    assert (first["prompt_token_ids"], first["mm_placeholders"]) == ([1, 2], None)
+    assert "prompt_token_ids" not in later
+    assert "mm_placeholders" not in later
+    assert later["choices"][0]["token_ids"] == [5]

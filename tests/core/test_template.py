@@ -207,6 +207,44 @@ def test_templates_equal_the_full_path_on_completions_and_sorted_keys() -> None:
     assert fast == full
 
 
+def generate_stream(p: Plan, pos: int, tokens: list[int], **extra: Any) -> list[bytes]:
+    """Child ``pos``'s stream as vLLM's generate sends it: one token id a chunk."""
+    rid = f"generate-tokens-{p.children[pos].request_id}"
+
+    def step(token: int, finish: str | None = None) -> bytes:
+        choice = {"index": 0, "finish_reason": finish, "stop_reason": None, "token_ids": [token],
+                  "routed_experts": None, "sampling_mask": None, "weight_versions": None,
+                  "logprobs": None}  # fmt: skip
+        return orjson.dumps({"request_id": rid, "usage": None, "output_mode": "tokens",
+                             "choices": [choice], **extra})  # fmt: skip
+
+    completion = {"prompt_tokens": 3, "completion_tokens": len(tokens), "total_tokens": 3}
+    return [
+        *(step(t) for t in tokens[:-1]),
+        step(tokens[-1], "length"),
+        orjson.dumps(
+            {"request_id": rid, "usage": completion, "output_mode": "tokens", "choices": []}
+        ),
+        b"[DONE]",
+    ]
+
+
+def test_generate_token_chunks_are_stitched_from_templates_equal_to_the_full_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    body = {"token_ids": [1], "sampling_params": {"n": 3}, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    p = plan_request(body, "abc", 10, endpoint="generate")
+    assert p is not None
+    tokens = [[7 * pos + i for i in range(10)] for pos in range(3)]
+    steps = interleave([generate_stream(p, pos, tokens[pos]) for pos in range(3)])
+    fast, full = replay(p, steps)
+    assert fast == full
+    # The first two token chunks (the second teaches the template), the finishing one, the
+    # usage chunk and [DONE] take the full path; the other seven come from the template.
+    assert full_path_chunks(p, steps, monkeypatch) == 5 * 3
+
+
 def test_templates_equal_the_full_path_when_the_envelope_changes_mid_stream() -> None:
     p = plan({"n": 2, "stream": True})
     cid = f"chatcmpl-{p.children[0].request_id}"

@@ -338,3 +338,62 @@ def test_python_dash_m_runs_the_devserver_command() -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert result.stdout.startswith("usage: n-proxy-devserver")
+
+
+# --- vLLM's token-in/token-out generate route
+
+
+GENERATE = "/inference/v1/generate"
+
+
+def generate_body(seed: object, **params: Any) -> dict[str, Any]:
+    return {"model": "m", "token_ids": [3, 1, 4], "sampling_params": {"seed": seed, **params}}
+
+
+async def test_generate_is_deterministic_per_seed_and_streams_what_it_answers_whole(
+    session: aiohttp.ClientSession, server: Server
+) -> None:
+    base, _ = server
+    url = base + GENERATE
+    answers = [
+        (await post_json(session, url, generate_body(s, max_tokens=5)))[1] for s in (1, 1, 2)
+    ]
+    assert answers[0]["choices"] == answers[1]["choices"]
+    assert answers[0]["choices"] != answers[2]["choices"]
+    whole = answers[0]
+    assert whole["output_mode"] == "tokens"
+    assert whole["usage"]["prompt_tokens"] == 3
+    assert whole["usage"]["completion_tokens"] == 5
+    body = {**generate_body(1, max_tokens=5), "stream_options": {"include_usage": True}}
+    events, _ = await post_stream(session, url, body)
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == (
+        whole["choices"][0]["token_ids"]
+    )
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+    assert (usage["choices"], usage["usage"]) == ([], whole["usage"])
+
+
+async def test_generate_names_its_answer_after_the_request_id(
+    session: aiohttp.ClientSession, server: Server
+) -> None:
+    base, _ = server
+    url = base + GENERATE
+    _, by_header = await post_json(session, url, generate_body(1), {"X-Request-Id": "h"})
+    _, by_body = await post_json(session, url, {**generate_body(1), "request_id": "b"})
+    assert (by_header["request_id"], by_body["request_id"]) == (
+        "generate-tokens-h",
+        "generate-tokens-b",
+    )
+
+
+async def test_generate_with_native_n_answers_every_choice_with_seed_plus_i(
+    session: aiohttp.ClientSession, start: StartServer
+) -> None:
+    base, _ = await start(DevConfig(native_n=True))
+    url = base + GENERATE
+    _, both = await post_json(session, url, generate_body(7, n=2, max_tokens=4))
+    for i in range(2):
+        _, alone = await post_json(session, url, generate_body(7 + i, max_tokens=4))
+        assert both["choices"][i] == {**alone["choices"][0], "index": i}

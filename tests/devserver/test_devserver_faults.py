@@ -128,3 +128,56 @@ async def test_idle_forever_stream_is_aborted_when_the_client_gives_up(
     assert [line.startswith(b"data: {") for line in lines] == [True, False, True, False]
     response.close()
     await state.wait_for(lambda s: "idle" in s.aborted)
+
+
+# --- the same faults on vLLM's generate route
+
+GENERATE = "/inference/v1/generate"
+
+
+def generate_body(**fields: object) -> dict[str, object]:
+    return {"token_ids": [1, 2], "sampling_params": {"seed": 1, "max_tokens": 3}, **fields}
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"), [("status_400", 400), ("status_429", 429), ("status_500", 500)]
+)
+async def test_generate_status_faults_answer_before_any_token(
+    session: aiohttp.ClientSession, backend: Backend, fault: str, status: int
+) -> None:
+    body = generate_body(x_demo={"fault": fault})
+    got, error = await post_json(session, backend.url + GENERATE, body, {"X-Request-Id": "g"})
+    assert got == status
+    assert error["error"]["message"] == f"Injected fault {fault}"
+
+
+async def test_generate_mid_stream_faults(session: aiohttp.ClientSession, backend: Backend) -> None:
+    url = backend.url + GENERATE
+    demo = {"fault": "error_event", "after_tokens": 2}
+    events, _ = await post_stream(session, url, generate_body(x_demo=demo))
+    assert [len(e["choices"][0]["token_ids"]) for e in events[:2]] == [1, 1]
+    assert events[2]["error"]["type"] == "server_error"
+    assert len(events) == 3  # no [DONE] after an error event
+    async with session.post(
+        url, json=generate_body(stream=True, x_demo={"fault": "reset_mid_stream"})
+    ) as response:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+
+
+async def test_generate_abort_gzip_and_huge_line_faults(
+    session: aiohttp.ClientSession, backend: Backend
+) -> None:
+    url = backend.url + GENERATE
+    _, body = await post_json(session, url, generate_body(x_demo={"fault": "abort"}))
+    assert (body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]) == ("abort", 1)
+    async with session.post(url, json=generate_body(x_demo={"fault": "gzip"})) as response:
+        assert response.headers["Content-Encoding"] == "gzip"
+        assert len((await response.json())["choices"][0]["token_ids"]) == 3
+    events, raw = await post_stream(session, url, generate_body(x_demo={"fault": "huge_line"}))
+    assert [e["choices"][0]["routed_experts"] == HUGE_WORD for e in events[:3]] == [
+        False,
+        True,
+        False,
+    ]
+    assert len(raw) > len(HUGE_WORD)

@@ -8,7 +8,7 @@ import pytest
 
 from proxy.devserver.config import DevConfig
 from proxy.devserver.faults import Knobs
-from proxy.devserver.request import RequestError, parse_job
+from proxy.devserver.request import RequestError, parse_generate_job, parse_job
 
 MESSAGES = [{"role": "user", "content": "one two"}]
 
@@ -70,3 +70,50 @@ def test_headers_delay_holds_only_the_chosen_seeds_status_line() -> None:
     demo = {"headers_delay": 0.25, "only_seed": 7}
     assert parse_job(chat(seed=7, x_demo=demo), True, "r", DevConfig()).knobs.headers_delay == 0.25
     assert parse_job(chat(seed=8, x_demo=demo), True, "r", DevConfig()).knobs.headers_delay == 0.0
+
+
+# --- vLLM's generate route: n, seed, max_tokens and logprobs in sampling_params
+
+
+def generate(**params: Any) -> dict[str, Any]:
+    return {"token_ids": [5, 6, 7], "sampling_params": params}
+
+
+def test_generate_reads_sampling_params_and_counts_the_token_ids_as_the_prompt() -> None:
+    body = {**generate(seed=3, max_tokens=4, logprobs=2), "stream": True,
+            "stream_options": {"include_usage": True}, "x_demo": {"fault": "gzip"}}  # fmt: skip
+    job = parse_generate_job(body, "r", DevConfig())
+    assert (job.kind, job.prompt, job.prompt_tokens) == ("generate", "5 6 7", 3)
+    assert (job.seeds, job.max_tokens, job.top_logprobs) == ((3,), 4, 2)
+    assert (job.stream, job.include_usage, job.knobs.fault) == (True, True, "gzip")
+    native = DevConfig(native_n=True)
+    assert parse_generate_job(generate(n=3, seed=-1), "r", native).seeds == (-1, -1, -1)
+
+
+def test_generate_only_seed_looks_at_the_seed_in_sampling_params() -> None:
+    demo = {"fault": "status_429", "only_seed": 7}
+    hit = parse_generate_job({**generate(seed=7), "x_demo": demo}, "r", DevConfig())
+    missed = parse_generate_job({**generate(seed=8), "x_demo": demo}, "r", DevConfig())
+    assert (hit.knobs.fault, missed.knobs) == ("status_429", Knobs())
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (generate(n=2), "n", "Only n=1 is supported."),  # vLLM's Rust frontend, word for word
+        (generate(seed=1.5), "seed", None),
+        (generate(logprobs=21), "logprobs", None),
+        ({"token_ids": [], "sampling_params": {}}, "token_ids", None),
+        ({"token_ids": [1, -2], "sampling_params": {}}, "token_ids", None),
+        ({"token_ids": [1]}, "sampling_params", None),
+        ([], None, None),
+    ],
+)
+def test_generate_invalid_bodies_name_the_offending_field(
+    body: object, param: str | None, message: str | None
+) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse_generate_job(body, "r", DevConfig())
+    assert caught.value.param == param
+    if message is not None:
+        assert caught.value.message == message

@@ -17,7 +17,7 @@ import trustme
 from aiohttp import web
 
 from proxy.config.models import Config, Discovery, Upstream
-from proxy.server.app import UPSTREAMS, build_app
+from proxy.server.app import GENERATIONS, build_app
 
 Start = Callable[..., Awaitable[tuple[str, int]]]
 CHAT = "/v1/chat/completions"
@@ -102,7 +102,7 @@ async def test_https_upstream_is_served_by_the_proxys_own_pool(start_tls: Start)
             status, body = await _chat(url, n)
             assert status == 200, body
             assert len(body["choices"]) == n  # type: ignore[arg-type]
-        connections = runner.app[UPSTREAMS].connections
+        connections = runner.app[GENERATIONS].upstreams.connections
         assert connections.idle_connections() >= 1  # the TLS connections are the pool's own
         await asyncio.wait_for(upstream.health.wait(), 10)
         assert ("/health", f"{host}:{port}") in upstream.seen
@@ -129,7 +129,7 @@ async def test_a_replica_reached_by_address_verifies_the_configured_host_name(
     )
     runner, url = await _proxy(Config(upstreams=(source,)), resolver)
     try:
-        pool = runner.app[UPSTREAMS]
+        pool = runner.app[GENERATIONS].upstreams
         state = pool.state(source)
         await state.wait_for(lambda: state.replicas.urls == [f"https://{host}:{port}"], 10)
         got, body = await _chat(url, 2)

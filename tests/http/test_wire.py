@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from proxy.config.models import Timeouts, single_upstream_config
-from proxy.server.app import UPSTREAMS
+from proxy.server.app import GENERATIONS
 from tests.support.rawhttp import parse_raw
 from tests.support.rawupstream import (
     WAIT,
@@ -309,7 +309,7 @@ async def test_a_connection_answered_before_its_upload_was_written_is_never_reus
     runner, proxy_url = await start_proxy(single_upstream_config(url))
     try:
         port = int(proxy_url.rsplit(":", 1)[1])
-        pool = runner.app[UPSTREAMS].connections
+        pool = runner.app[GENERATIONS].upstreams.connections
         assert await _get(port, "/ok/warm") == (200, b"warm", True)
         smuggled = (
             b"POST /smuggled HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % SMUGGLED_PAD

@@ -39,6 +39,7 @@ TREES = {
     "llamacpp": DEPLOY / "kubernetes" / "overlays" / "llamacpp",
 }
 OVERLAYS = ("vllm", "llamacpp")
+COMPONENT_DIR = DEPLOY / "kubernetes" / "components" / "n-proxy-sidecar"
 # The schemas ship inside the kubernetes-validate wheel, one folder per minor version, so
 # validation needs no network and no cluster.
 KUBERNETES_VERSION = "1.32"
@@ -58,6 +59,7 @@ _KUSTOMIZATION_FIELDS = {
     "apiVersion",
     "kind",
     "resources",
+    "components",
     "configMapGenerator",
     "patches",
     "labels",
@@ -114,10 +116,13 @@ def configmap_hash(configmap: Manifest) -> str:
     return digest.translate(str.maketrans("013ae", "ghkmt"))
 
 
-def _accumulate(directory: Path) -> _Build:
+def _accumulate(directory: Path, build: _Build | None = None) -> _Build:
+    """One kustomization's layer; a Component's (``build`` given) works on what it is given."""
     spec = _load_one(directory / "kustomization.yaml")
     _expect_fields(spec, _KUSTOMIZATION_FIELDS, directory)
-    build = _Build()
+    component = build is not None
+    assert spec["kind"] == ("Component" if component else "Kustomization"), directory
+    build = build if build is not None else _Build()
     for entry in spec.get("resources", []):
         path = directory / entry
         if path.is_dir():
@@ -126,13 +131,28 @@ def _accumulate(directory: Path) -> _Build:
             build.generated |= layer.generated
         else:
             build.objects += [d for d in yaml.safe_load_all(path.read_text("utf-8")) if d]
-    # kustomize's order within a layer: generators, then patches, then labels.
+    # kustomize's order within a layer: generators, then the components in the order listed
+    # (each its own generators and patches), then patches, then labels.
     for generator in spec.get("configMapGenerator", []):
         _generate(directory, generator, build)
+    for entry in spec.get("components", []):
+        _accumulate((directory / entry).resolve(), build)
     for patch in spec.get("patches", []):
-        _expect_fields(patch, {"path"}, directory)
-        patch_doc = _load_one(directory / patch["path"])
-        _merge(_find(build.objects, patch_doc["kind"], patch_doc["metadata"]["name"]), patch_doc)
+        _expect_fields(patch, {"path", "target"}, directory)
+        patch_doc = yaml.safe_load((directory / patch["path"]).read_text("utf-8"))
+        if "target" not in patch:
+            name = patch_doc["metadata"]["name"]
+            _merge(_find(build.objects, patch_doc["kind"], name), patch_doc)
+            continue
+        _expect_fields(patch["target"], {"kind"}, directory)
+        for obj in [o for o in build.objects if o["kind"] == patch["target"]["kind"]]:
+            if isinstance(patch_doc, list):
+                _json_patch(obj, patch_doc)
+            else:  # strategic merge: the target says which objects, the patch's name is ignored
+                _merge(obj, {k: v for k, v in patch_doc.items() if k != "metadata"})
+                _merge(
+                    obj["metadata"], {k: v for k, v in patch_doc["metadata"].items() if k != "name"}
+                )
     for labels in spec.get("labels", []):
         _expect_fields(labels, {"pairs", "includeTemplates"}, directory)
         for obj in build.objects:
@@ -184,6 +204,25 @@ def _merge(target: Manifest, patch: Manifest) -> None:
             target[key] = merged + list(by_key.values())
         else:
             target[key] = copy.deepcopy(value)
+
+
+def _json_patch(target: Manifest, operations: list[Manifest]) -> None:
+    """RFC 6902, the one operation used: ``add`` (an object member set, or a list item inserted
+    at an index or appended with ``-``); its parent must exist, as the RFC has it."""
+    for operation in operations:
+        _expect_fields(operation, {"op", "path", "value"}, Path(operation["path"]))
+        assert operation["op"] == "add", operation
+        *parents, last = [
+            p.replace("~1", "/").replace("~0", "~") for p in operation["path"][1:].split("/")
+        ]
+        node: Any = target
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        value = copy.deepcopy(operation["value"])
+        if isinstance(node, list):
+            node.insert(len(node) if last == "-" else int(last), value)
+        else:
+            node[last] = value
 
 
 def _find(objects: list[Manifest], kind: str, name: str) -> Manifest:
@@ -631,19 +670,36 @@ def _dockerfile_directive(stage: int, keyword: str) -> str:
     return arguments
 
 
-def test_dockerfile_builds_wheels_then_installs_them_with_the_fast_extra() -> None:
+def test_dockerfile_builds_wheels_then_installs_them_with_the_fast_and_otel_extras() -> None:
     preamble, build, runtime = _dockerfile_stages()
     assert preamble == [("ARG", "PYTHON_IMAGE=python:3.12-slim-trixie")]
     assert build[0] == ("FROM", "${PYTHON_IMAGE} AS build")
     assert runtime[0] == ("FROM", "${PYTHON_IMAGE} AS runtime")
-    wheel = 'pip wheel --wheel-dir /wheels --constraint constraints.txt ".[fast]"'
+    wheel = 'pip wheel --wheel-dir /wheels --constraint constraints.txt ".[fast,otel]"'
     assert wheel in _dockerfile_directive(1, "RUN")
     install = _dockerfile_directive(2, "RUN")
     assert "--mount=type=bind,from=build,source=/wheels" in install
-    assert 'pip install --no-index --find-links /wheels "n-proxy[fast]"' in install
+    assert 'pip install --no-index --find-links /wheels "n-proxy[fast,otel]"' in install
     project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
     assert project["name"] == "n-proxy"
-    assert "fast" in project["optional-dependencies"]
+    assert {"fast", "otel"} <= set(project["optional-dependencies"])
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    [DEPLOY / "kubernetes" / "base" / "deployment.yaml", COMPONENT_DIR / "sidecar.yaml"],
+    ids=["base", "sidecar"],
+)
+def test_manifests_show_the_otel_environment_commented_out(manifest: Path) -> None:
+    """Tracing is one uncommenting away (the image has the otel extra), and off as shipped."""
+    text = manifest.read_text("utf-8")
+    commented = [line.strip() for line in text.splitlines() if line.strip().startswith("#")]
+    assert "# env:" in commented
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER"):
+        assert any(f"{{name: {name}," in line for line in commented), name
+    for doc in yaml.safe_load_all(text):
+        containers = doc["spec"]["template"]["spec"]["containers"]
+        assert all("env" not in c for c in containers if c["name"] == "n-proxy")
 
 
 def test_final_image_has_no_build_tools_and_a_numeric_non_root_user() -> None:
@@ -678,6 +734,8 @@ def test_build_context_holds_and_lets_in_every_copied_path() -> None:
         assert f"!{source}" in allowed
 
 
+IMAGE_EXTRAS = ("fast", "otel")  # what the Dockerfile installs beside the runtime dependencies
+
 # The image's Python: markers in the pinned packages' requirements are evaluated for it.
 _IMAGE_ENVIRONMENT = {
     "python_version": "3.12",
@@ -710,7 +768,8 @@ def test_constraints_pin_every_runtime_dependency_within_the_declared_ranges() -
     pins = _pins()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
     direct = [Requirement(r) for r in project["dependencies"]]
-    direct += [Requirement(r) for r in project["optional-dependencies"]["fast"]]
+    for extra in IMAGE_EXTRAS:
+        direct += [Requirement(r) for r in project["optional-dependencies"][extra]]
     for requirement in filter(_applies, direct):
         name = canonicalize_name(requirement.name)
         assert name in pins, f"{name} is not pinned"
@@ -723,9 +782,8 @@ def test_constraints_are_closed_under_the_pinned_packages_requirements() -> None
     Read from the installed metadata, which must be of the pinned versions to say anything."""
     pins = _pins()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))["project"]
-    todo = [
-        Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["fast"]
-    ]
+    extras = [r for extra in IMAGE_EXTRAS for r in project["optional-dependencies"][extra]]
+    todo = [Requirement(r) for r in project["dependencies"] + extras]
     reached: set[str] = set()
     while todo:
         requirement = todo.pop()
@@ -937,3 +995,278 @@ def test_gateway_workers_auto_fits_the_memory_limit(tmp_path: Path) -> None:
     (tmp_path / "memory.max").write_text(f"{_bytes(proxy['resources']['limits']['memory'])}\n")
     (tmp_path / "cpu.max").write_text("max 100000\n")
     assert auto_workers(tmp_path) == min(3, len(os.sched_getaffinity(0)))
+
+
+# --- The sidecar Component, on a Deployment that is not the project's -------------------------
+
+COMPONENT = COMPONENT_DIR
+FOREIGN = ROOT / "tests" / "meta" / "fixtures" / "sidecar"  # a text-generation server on :3000
+
+
+@functools.cache
+def rendered_sidecar() -> tuple[Manifest, ...]:
+    return tuple(render(FOREIGN))
+
+
+def _foreign(kind: str) -> Manifest:
+    return _one(rendered_sidecar(), kind)
+
+
+def _sidecar_containers() -> dict[str, Manifest]:
+    containers = _foreign("Deployment")["spec"]["template"]["spec"]["containers"]
+    return {c["name"]: c for c in containers}
+
+
+def test_sidecar_component_renders_onto_a_foreign_deployment_and_validates() -> None:
+    objects = rendered_sidecar()
+    assert sorted((o["kind"], o["metadata"]["name"][:14]) for o in objects) == [
+        ("ConfigMap", "n-proxy-config"),
+        ("Deployment", "textgen"),
+        ("Service", "textgen"),
+    ]
+    for obj in objects:
+        # strict: unknown fields (a misspelt key, a field of a newer release) are errors.
+        assert kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True) == "1.32"
+    # The server is kept as it was, and stays the first container (its preStop is patched by
+    # index); the proxy comes beside it.
+    original = _load_one(FOREIGN / "deployment.yaml")
+    (server,) = original["spec"]["template"]["spec"]["containers"]
+    patched = _sidecar_containers()
+    assert sorted(patched) == ["n-proxy", "server"]
+    assert {k: v for k, v in patched["server"].items() if k != "lifecycle"} == server
+    assert _foreign("Deployment")["spec"]["replicas"] == 2
+
+
+def test_sidecar_renderer_agrees_with_real_kustomize() -> None:
+    command = _real_kustomize()
+    if command is None:
+        pytest.skip("no kustomize v5 on PATH (standalone or in kubectl)")
+    out = subprocess.run(
+        [*command, str(FOREIGN)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+
+    def key(o: Manifest) -> tuple[str, str]:
+        return o["kind"], o["metadata"]["name"]
+
+    assert sorted(yaml.safe_load_all(out), key=key) == sorted(rendered_sidecar(), key=key)
+
+
+def test_sidecar_proxy_is_the_overlays_proxy_on_its_own_port_names() -> None:
+    proxy = copy.deepcopy(_sidecar_containers()["n-proxy"])
+    base = copy.deepcopy(_container(rendered("base"), "n-proxy"))
+    # Port names unique within any pod (the server may well have an "http" of its own).
+    assert [(p["name"], p["containerPort"]) for p in proxy.pop("ports")] == [
+        ("nproxy-http", 8080),
+        ("nproxy-admin", 8081),
+    ]
+    base.pop("ports")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert proxy[probe]["httpGet"]["port"] == "nproxy-admin"
+        base[probe]["httpGet"]["port"] = "nproxy-admin"
+    assert [m["name"] for m in proxy["volumeMounts"]] == ["n-proxy-config", "n-proxy-tmp"]
+    for mount, name in zip(base["volumeMounts"], ("n-proxy-config", "n-proxy-tmp"), strict=True):
+        mount["name"] = name
+    assert proxy == base  # image, args, probes, resources, user, mounts: as the overlays have them
+
+
+def test_sidecar_config_points_at_the_servers_port_and_loads(tmp_path: Path) -> None:
+    from proxy.config.models import load_config
+
+    configmap = _foreign("ConfigMap")
+    volumes = {v["name"]: v for v in _foreign("Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["n-proxy-config"]["configMap"] == {"name": configmap["metadata"]["name"]}
+    assert re.fullmatch(r"n-proxy-config-[a-z0-9]{10}", configmap["metadata"]["name"])
+    path = tmp_path / "config.yaml"
+    path.write_text(configmap["data"]["config.yaml"], "utf-8")
+    config = load_config(path)
+    (upstream,) = config.upstreams
+    server = _sidecar_containers()["server"]
+    assert upstream.urls == (f"http://127.0.0.1:{_flag(server['args'], '--port')}",)
+    assert upstream.readiness == "required"  # a dead server takes the pod out of the Service
+    proxy = _sidecar_containers()["n-proxy"]
+    assert _port_number(proxy, "nproxy-http") == config.listen.port
+    assert config.admin is not None
+    assert _port_number(proxy, "nproxy-admin") == config.admin.port
+    # The Component's own default loads too: a vLLM on its default port.
+    default = yaml.safe_load((COMPONENT / "config.yaml").read_text("utf-8"))
+    assert default["upstreams"][0]["urls"] == ["http://127.0.0.1:8000"]
+    load_config(COMPONENT / "config.yaml")
+
+
+def test_sidecar_service_sends_its_clients_to_the_proxy() -> None:
+    (port,) = _foreign("Service")["spec"]["ports"]
+    assert port == {"port": 80, "targetPort": "nproxy-http"}  # same port for clients
+    assert _port_number(_sidecar_containers()["n-proxy"], port["targetPort"]) == 8080
+
+
+def _sidecar_pre_stop() -> list[str]:
+    command: list[str] = _sidecar_containers()["server"]["lifecycle"]["preStop"]["exec"]["command"]
+    return command
+
+
+def test_sidecar_grace_period_holds_the_proxy_drain_then_the_server() -> None:
+    config = yaml.safe_load(_foreign("ConfigMap")["data"]["config.yaml"])
+    command = _sidecar_pre_stop()
+    assert command[:2] == ["sh", "-c"]
+    assert "http://127.0.0.1:8081/livez" in command[-1]
+    grace = _foreign("Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert (config["drain_seconds"], _wait_bound(command), grace) == (25, 30, 45)
+
+
+async def test_sidecar_pre_stop_returns_when_the_proxy_has_drained_and_exited(
+    make_backend: Any, tmp_path: Path
+) -> None:
+    """As the overlays' test: SIGTERM to a real proxy, the server's preStop started with it."""
+    backend = await make_backend()
+    admin = free_port()
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"upstreams: [{{name: a, url: '{backend.url}'}}]\n"
+        f"listen: {{port: 0}}\nadmin: {{port: {admin}}}\ndrain_grace_seconds: 1.5\n"
+    )
+    proxy = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "--config", str(path), stdout=subprocess.PIPE
+    )
+    pre_stop: asyncio.subprocess.Process | None = None
+    try:
+        assert proxy.stdout is not None
+        assert "listening" in (await asyncio.wait_for(proxy.stdout.readline(), 20)).decode()
+        signalled = time.monotonic()
+        proxy.send_signal(signal.SIGTERM)
+        pre_stop = await asyncio.create_subprocess_exec(*_runnable(_sidecar_pre_stop(), admin))
+        assert await asyncio.wait_for(proxy.wait(), 20) == 0
+        exited = time.monotonic()
+        assert await asyncio.wait_for(pre_stop.wait(), 10) == 0
+        done = time.monotonic()
+        assert done - signalled >= 1.5
+        assert done - exited < 2.5
+    finally:
+        for process in (proxy, pre_stop):
+            if process is not None and process.returncode is None:
+                process.kill()
+                await process.wait()
+
+
+async def test_sidecar_pre_stop_without_curl_wget_or_python_waits_its_bound(
+    tmp_path: Path,
+) -> None:
+    """A server image with none of the probes: the wait is the bound, never none at all."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("sh", "date", "sleep"):
+        found = shutil.which(tool)
+        if found is None:
+            pytest.skip(f"{tool} is needed to run the preStop command")
+        (tools / tool).symlink_to(found)
+    command = _runnable(_sidecar_pre_stop(), free_port(), bound=2)
+    started = time.monotonic()
+    pre_stop = await asyncio.create_subprocess_exec(*command, env={"PATH": str(tools)})
+    try:
+        assert await asyncio.wait_for(pre_stop.wait(), 15) == 0
+    finally:
+        if pre_stop.returncode is None:
+            pre_stop.kill()
+            await pre_stop.wait()
+    # Nothing listens on that admin port: with a probe it would return at once.
+    assert 1 <= time.monotonic() - started < 8
+
+
+def _server_side_merge(target: Manifest, patch: Manifest) -> None:
+    """The API server's strategic merge (``kubectl patch``): a list item the object lacks is
+    appended, where kustomize puts it first."""
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _server_side_merge(target[key], value)
+        elif isinstance(value, list) and key in _MERGE_KEYS and isinstance(target.get(key), list):
+            by_key = {item[_MERGE_KEYS[key]]: item for item in target[key]}
+            for item in value:
+                if item[_MERGE_KEYS[key]] in by_key:
+                    _server_side_merge(by_key[item[_MERGE_KEYS[key]]], item)
+                else:
+                    target[key].append(copy.deepcopy(item))
+        else:
+            target[key] = copy.deepcopy(value)
+
+
+def test_sidecar_patches_work_with_plain_kubectl_patch() -> None:
+    """What docs/operating.md has an operator run without kustomize: the strategic-merge patch
+    with the Deployment's name put in, then the JSON patches; the result validates and matches
+    the Component's, but for the container order and the ConfigMap's hash suffix."""
+    deployment = _load_one(FOREIGN / "deployment.yaml")
+    service = _load_one(FOREIGN / "service.yaml")
+    text = (COMPONENT / "sidecar.yaml").read_text("utf-8")
+    assert text.count("YOUR-DEPLOYMENT") == 2  # the name in the patch, and the usage comment
+    sidecar = yaml.safe_load(text.replace("YOUR-DEPLOYMENT", "textgen"))
+    _server_side_merge(deployment, sidecar)
+    _json_patch(deployment, yaml.safe_load((COMPONENT / "server-prestop.yaml").read_text()))
+    _json_patch(service, yaml.safe_load((COMPONENT / "service.yaml").read_text()))
+    assert deployment["metadata"]["name"] == "textgen"  # never renamed: the server would refuse
+    for obj in (deployment, service):
+        assert kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True) == "1.32"
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["server", "n-proxy"]
+    assert containers[0]["lifecycle"] == _sidecar_containers()["server"]["lifecycle"]
+    assert containers[1] == _sidecar_containers()["n-proxy"]
+    assert service == _foreign("Service")
+    (volume, _) = deployment["spec"]["template"]["spec"]["volumes"]
+    assert volume == {"name": "n-proxy-config", "configMap": {"name": "n-proxy-config"}}
+
+
+# --- The ServiceMonitor next to the PrometheusRule -----------------------------------------------
+
+# The ServiceMonitor fields used (Prometheus Operator's monitoring.coreos.com/v1 CRD); anything
+# else fails, as a misspelt key would be dropped by the operator without a word.
+_SERVICE_MONITOR_FIELDS = {
+    "": {"apiVersion", "kind", "metadata", "spec"},
+    "metadata": {"name", "labels"},
+    "spec": {"selector", "endpoints"},
+    "endpoint": {"port", "path", "interval", "scrapeTimeout"},
+}
+
+
+def _service_monitor() -> Manifest:
+    return _load_one(DEPLOY / "observability" / "servicemonitor.yaml")
+
+
+def test_service_monitor_uses_only_the_fields_of_its_crd() -> None:
+    monitor = _service_monitor()
+    assert (monitor["apiVersion"], monitor["kind"]) == (
+        "monitoring.coreos.com/v1",
+        "ServiceMonitor",
+    )
+    assert set(monitor) <= _SERVICE_MONITOR_FIELDS[""]
+    assert set(monitor["metadata"]) <= _SERVICE_MONITOR_FIELDS["metadata"]
+    assert set(monitor["spec"]) <= _SERVICE_MONITOR_FIELDS["spec"]
+    assert set(monitor["spec"]["selector"]) == {"matchLabels"}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert set(endpoint) <= _SERVICE_MONITOR_FIELDS["endpoint"]
+        interval, timeout = (
+            int(endpoint[k].removesuffix("s")) for k in ("interval", "scrapeTimeout")
+        )
+        assert timeout <= interval  # the operator rejects a timeout past the interval
+    rule = yaml.safe_load((DEPLOY / "observability" / "alerts.yaml").read_text("utf-8"))
+    assert monitor["metadata"]["labels"] == rule["metadata"]["labels"]  # one rule selector for both
+
+
+@pytest.mark.parametrize("tree", [*TREES, "gateway"])
+def test_service_monitor_scrapes_the_proxy_admin_port_and_nothing_else(tree: str) -> None:
+    objects = rendered_gateway() if tree == "gateway" else rendered(tree)
+    monitor = _service_monitor()["spec"]
+    selector = monitor["selector"]["matchLabels"]
+    selected = [
+        o
+        for o in objects
+        if o["kind"] == "Service" and selector.items() <= o["metadata"]["labels"].items()
+    ]
+    assert [s["metadata"]["name"] for s in selected] == ["n-proxy"]  # never the inference fleet
+    (endpoint,) = monitor["endpoints"]
+    ports = {p["name"]: p for p in selected[0]["spec"]["ports"]}
+    deployment = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "n-proxy"
+    ]
+    (proxy,) = [
+        c for c in deployment[0]["spec"]["template"]["spec"]["containers"] if c["name"] == "n-proxy"
+    ]
+    config = yaml.safe_load(_one(objects, "ConfigMap")["data"]["config.yaml"])
+    assert _port_number(proxy, ports[endpoint["port"]]["targetPort"]) == config["admin"]["port"]
+    assert endpoint["path"] == "/metrics"

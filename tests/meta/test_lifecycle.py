@@ -21,7 +21,7 @@ import threading
 
 import pytest
 
-from proxy.server.app import UPSTREAMS
+from proxy.server.app import GENERATIONS
 from proxy.devserver import DevConfig, start_devserver
 from proxy.config.models import Listen
 from proxy.request.fanout import Mailbox
@@ -41,7 +41,7 @@ async def test_clean_fanout(proxy, http):
 
 async def test_slot_left_held(proxy):
     (upstream,) = proxy.config.upstreams
-    proxy.app[UPSTREAMS].admit(upstream, 1)  # a place in line taken and never given back
+    proxy.pool.admit(upstream, 1)  # a place in line taken and never given back
 
 
 async def test_stream_left_unread(proxy, http):
@@ -55,7 +55,7 @@ async def test_stream_left_unread(proxy, http):
 
 async def test_fails_and_leaks(proxy):
     (upstream,) = proxy.config.upstreams
-    proxy.app[UPSTREAMS].admit(upstream, 1)
+    proxy.pool.admit(upstream, 1)
     assert False, "a failure of its own"
 
 
@@ -120,8 +120,8 @@ def test_slot_left_held_on_a_thread_s_loop(threaded):
     loop, runner = threaded
 
     async def admit():
-        (upstream,) = runner.app[UPSTREAMS].config.upstreams
-        runner.app[UPSTREAMS].admit(upstream, 1)
+        (upstream,) = runner.app[GENERATIONS].upstreams.config.upstreams
+        runner.app[GENERATIONS].upstreams.admit(upstream, 1)
 
     asyncio.run_coroutine_threadsafe(admit(), loop).result(30)
 

@@ -330,3 +330,64 @@ async def test_sigterm_exits_within_drain_seconds_while_the_collector_never_answ
     assert exited_after < DRAIN_SECONDS + EXIT_MARGIN
     (dropped,) = [json.loads(line) for line in log.splitlines() if "spans not sent" in line]
     assert dropped["level"] == "info"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_spans_carry_the_genai_attributes_of_a_fanned_out_chat(
+    http: aiohttp.ClientSession,
+    traced_proxy: str,
+    backend: Backend,
+    exporter: InMemorySpanExporter,
+    stream: bool,
+) -> None:
+    """The model, the operation, n, the merged usage and every choice's finish reason on the
+    server span; the model, the operation and the replica's address on each child's span."""
+    body: dict[str, object] = {
+        "model": "tiny-chat", "messages": MESSAGES, "n": 3, "max_tokens": 4, "stream": stream,
+    }  # fmt: skip
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with http.post(f"{traced_proxy}/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        raw = await r.read()
+    if stream:
+        lines = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: {")]
+        (usage,) = [p["usage"] for p in map(json.loads, lines) if p.get("usage")]
+    else:
+        usage = json.loads(raw)["usage"]
+    spans = exporter.get_finished_spans()
+    (server,) = by_kind(spans, SpanKind.SERVER)
+    assert server.attributes is not None
+    assert server.attributes["gen_ai.operation.name"] == "chat"
+    assert server.attributes["gen_ai.request.model"] == "tiny-chat"
+    assert server.attributes["gen_ai.request.choice.count"] == 3
+    assert server.attributes["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] > 0
+    assert server.attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"] > 0
+    assert server.attributes["gen_ai.response.finish_reasons"] == ("length",) * 3
+    children = by_kind(spans, SpanKind.CLIENT)
+    assert len(children) == 3
+    port = int(backend.url.rsplit(":", 1)[1])
+    for child in children:
+        assert child.attributes is not None
+        assert child.attributes["gen_ai.operation.name"] == "chat"
+        assert child.attributes["gen_ai.request.model"] == "tiny-chat"
+        assert (child.attributes["server.address"], child.attributes["server.port"]) == (
+            "127.0.0.1",
+            port,
+        )
+
+
+async def test_completions_span_names_the_text_completion_operation(
+    http: aiohttp.ClientSession, traced_proxy: str, exporter: InMemorySpanExporter
+) -> None:
+    body = {"model": "tiny", "prompt": "once", "n": 2, "max_tokens": 2}
+    async with http.post(f"{traced_proxy}/v1/completions", json=body) as r:
+        assert r.status == 200
+        answer = await r.json()
+    (server,) = by_kind(exporter.get_finished_spans(), SpanKind.SERVER)
+    assert server.attributes is not None
+    assert server.attributes["gen_ai.operation.name"] == "text_completion"
+    assert server.attributes["gen_ai.request.choice.count"] == 2
+    reasons = tuple(c["finish_reason"] for c in answer["choices"])
+    assert server.attributes["gen_ai.response.finish_reasons"] == reasons
+    assert server.attributes["gen_ai.usage.output_tokens"] == answer["usage"]["completion_tokens"]

@@ -26,7 +26,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config.models import Config, single_upstream_config
-from proxy.server.app import IN_FLIGHT, UPSTREAMS, build_app
+from proxy.server.app import GENERATIONS, IN_FLIGHT, build_app
 from tests.support.rawupstream import RawUpstream
 from tests.support.rig import MakeRig
 from tests.support.servers import Backend
@@ -260,7 +260,7 @@ async def test_clients_resetting_a_passthrough_stream_never_freeze_the_proxy(
         assert await answers(proxy.port), f"frozen after a reset at {moment}"
         upstream.close(stream)
     await proxy.run(lambda app: app[IN_FLIGHT].wait_idle())  # every handler ended
-    assert not await proxy.run(lambda app: idle(app[UPSTREAMS].connections.in_use))
+    assert not await proxy.run(lambda app: idle(app[GENERATIONS].upstreams.connections.in_use))
 
 
 # --- the client gone as the head is written ---------------------------------------------------
@@ -311,7 +311,7 @@ async def leave(port: int, method: str, path: str, body: bytes = b"") -> bytes:
 
 async def settled(app: web.Application) -> None:
     """Every handler ended and every upstream request let its connection, slot and replica go."""
-    pool = app[UPSTREAMS]
+    pool = app[GENERATIONS].upstreams
     await app[IN_FLIGHT].wait_idle()
     (upstream,) = pool.config.upstreams
     state = pool.state(upstream)
@@ -397,7 +397,7 @@ async def test_clients_closing_just_after_sending_a_fan_out_strand_nothing(
         writer.close()
         await writer.wait_closed()
 
-    pool = rig.app[UPSTREAMS]
+    pool = rig.app[GENERATIONS].upstreams
     (upstream,) = pool.config.upstreams
     state = pool.state(upstream)
     for wave in range(WAVES):

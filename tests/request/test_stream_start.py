@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from proxy.config.models import Config, single_upstream_config
-from proxy.server.app import UPSTREAMS
+from proxy.server.app import GENERATIONS
 from tests.request.test_fanout import CHAT, MESSAGES, direct_choice
 from tests.support.client import sse_payloads
 from tests.support.gate import Gate, gate_in_front
@@ -162,7 +162,7 @@ async def test_n6_above_max_concurrency_2_streams_every_choice_two_children_at_a
     assert_native_opening(chunks, 6)
     assert texts_of(chunks) == await expected_texts(http, backend, 6, 50)
     assert gate.peak == 2
-    slots = proxy.app[UPSTREAMS].state(proxy.config.upstreams[0]).slots
+    slots = proxy.app[GENERATIONS].upstreams.state(proxy.config.upstreams[0]).slots
     assert (slots.in_use, slots.queued) == (0, 0)
 
 

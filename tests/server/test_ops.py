@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config.models import Config, parse_config
-from proxy.server.app import UPSTREAMS
+from proxy.server.app import GENERATIONS
 from proxy.server.process import Server
-from tests.support.servers import Backend, Proxy
+from tests.support.servers import Backend, Proxy, Servers
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 MakeBackend = Callable[..., Awaitable[Backend]]
@@ -118,7 +118,7 @@ async def test_max_concurrency_queues_then_answers_429_with_retry_after(
         )
     )
     await backend.state.wait_for(lambda s: len(s.active) == 2)
-    slots = proxy.app[UPSTREAMS].state(proxy.config.upstreams[0]).slots
+    slots = proxy.app[GENERATIONS].upstreams.state(proxy.config.upstreams[0]).slots
     for _ in range(1000):  # bounded: until the third request is parked in the proxy's queue
         if slots.queued == 1:
             break
@@ -322,3 +322,28 @@ async def test_aborted_children_are_counted(
             values = samples(await r.text())
         assert values[("n_proxy_children_aborted_total", (("upstream", "u"),))] == 2
         await slow.state.wait_for(lambda s: not s.active)
+
+
+@pytest.mark.parametrize(("readiness", "ready"), [("required", False), ("optional", True)])
+async def test_readyz_fails_while_a_required_upstream_is_down(
+    http: aiohttp.ClientSession, servers: Servers, backend: Backend, readiness: str, ready: bool
+) -> None:
+    """A dead upstream marked required keeps the pod out of the Service though another passes;
+    an optional one (the default) does not."""
+    config = parse_config(
+        f"""
+admin: {{host: 127.0.0.1, port: 0}}
+listen: {{host: 127.0.0.1, port: 0}}
+upstreams:
+  - {{name: spare, url: "{backend.url}"}}
+  - {{name: primary, url: "http://127.0.0.1:9", readiness: {readiness}}}
+""",
+        env={},
+    )
+    server = await servers.server(config)
+    await asyncio.wait_for(server.upstreams.health_checked.wait(), 10)
+    async with http.get(url(server, "/readyz", admin=True)) as r:
+        assert r.status == (200 if ready else 503)
+        body = await r.json()
+    assert body["ready"] is ready
+    assert body["upstreams"] == {"spare": True, "primary": False}

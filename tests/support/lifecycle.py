@@ -39,7 +39,7 @@ from pytest_asyncio import is_async_test
 
 import proxy
 from proxy.observe.census import Census
-from proxy.server.app import IN_FLIGHT, UPSTREAMS, take_census
+from proxy.server.app import GENERATIONS, IN_FLIGHT, take_census
 from proxy.upstream.service import Upstreams
 
 # Generous for a loaded 2-core machine: a request that ends normally settles in milliseconds.
@@ -68,11 +68,11 @@ class LiveProxy:
         return f"proxy{where} (started in {self.started_by})"
 
     def census(self) -> Census:
-        return take_census(self.app[IN_FLIGHT], self.app[UPSTREAMS])
+        return take_census(self.app[IN_FLIGHT], self.app[GENERATIONS])
 
     def own_tasks(self) -> set[asyncio.Future[Any]]:
         """The pool's background loops: health checks, discovery, the slot watchdog."""
-        return set(self.app[UPSTREAMS]._loops)
+        return set(self.app[GENERATIONS].tasks())
 
 
 def _health_check(task: asyncio.Future[Any]) -> bool:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from proxy.config.models import Timeouts
 from proxy.devserver import DevState
-from proxy.server.app import IN_FLIGHT, UPSTREAMS
+from proxy.server.app import GENERATIONS, IN_FLIGHT
 from tests.support.client import Answer, post
 from tests.support.logs import LogCapture
 from tests.support.servers import Backend, Servers, proxy_config, with_upstream
@@ -82,7 +82,7 @@ class Rig:
         """After ``requests`` proxied requests: nothing held, running or open past the baseline."""
         await self.log.wait_for(requests, ANSWER_WITHIN)
         assert self.app[IN_FLIGHT].requests == 0
-        pool = self.app[UPSTREAMS]
+        pool = self.app[GENERATIONS].upstreams
         assert not pool.connections.in_use  # one here is a leaked child
         # Idle keep-alive connections are not leaks: close them, then everything they ran must end.
         await self.client.close()

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.config.models import Config, Upstream, single_upstream_config
 from proxy.devserver import DevConfig, DevState, start_devserver
 from proxy.observe.tracing import Tracing
-from proxy.server.app import UPSTREAMS, build_app
+from proxy.server.app import GENERATIONS, build_app
 from proxy.server.process import Server
 from proxy.upstream.discovery import Resolver
 from proxy.upstream.service import Upstreams
@@ -67,12 +67,12 @@ class Proxy:
 
     @property
     def pool(self) -> Upstreams:
-        return self.app[UPSTREAMS]
+        return self.app[GENERATIONS].upstreams
 
     @property
     def upstream(self) -> Upstream:
         """The first upstream (the only one, mostly)."""
-        return self.app[UPSTREAMS].config.upstreams[0]
+        return self.app[GENERATIONS].upstreams.config.upstreams[0]
 
     def usable(self) -> dict[str, bool]:
         """Each replica of the first upstream: whether children may go there now."""
@@ -84,7 +84,7 @@ class Proxy:
 
     def metric(self, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples whose labels include ``labels``, from /metrics' text."""
-        text = self.app[UPSTREAMS].metrics.render().decode()
+        text = self.app[GENERATIONS].upstreams.metrics.render().decode()
         total = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

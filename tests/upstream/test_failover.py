@@ -21,7 +21,7 @@ from aiohttp import web
 
 from proxy.config.models import Config, Eject, Upstream
 from proxy.core.sse import SSEDecoder
-from proxy.server.app import UPSTREAMS
+from proxy.server.app import GENERATIONS
 from proxy.upstream.discovery import Resolver
 from tests.support.client import post
 from tests.support.logs import LogCapture
@@ -72,7 +72,7 @@ def record_waits(proxy: Proxy, real: bool = False, draw: float = 0.0) -> Waits:
     """Record the proxy's waits; ``draw`` fixes the jitter (0: each wait is half its ceiling)."""
     waits = Waits(real=real)
     proxy.pool.sleep = waits
-    for upstream in proxy.app[UPSTREAMS].config.upstreams:
+    for upstream in proxy.app[GENERATIONS].upstreams.config.upstreams:
         proxy.pool.state(upstream).retry.draw = lambda: draw
     return waits
 
@@ -768,7 +768,7 @@ async def test_a_client_leaving_a_fallback_stream_gives_back_the_fallbacks_place
         Config(upstreams=(primary, Upstream(name="spare", urls=(spare.url,))))
     )
     record_waits(proxy)
-    other = proxy.pool.state(proxy.app[UPSTREAMS].config.upstream("spare"))
+    other = proxy.pool.state(proxy.app[GENERATIONS].upstreams.config.upstream("spare"))
     long = chat(2, stream=True, max_tokens=10_000, ignore_eos=True, x_demo={"token_delay": 0.05})
     async with http.post(proxy.url + CHAT, json=long) as stream:
         assert stream.status == 200

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from proxy.config.models import Config
 from proxy.core.errors import Overloaded
-from proxy.server.app import UPSTREAMS
+from proxy.server.app import GENERATIONS
 from proxy.upstream.state import Place, Slots
 from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
@@ -240,7 +240,7 @@ async def test_queued_n10_clients_leaving_at_once_give_every_slot_back(
     backend = await make_backend(token_delay=0.01)
     config = with_upstream(proxy_config(backend), max_concurrency=4, max_queue=10_000)
     proxy = await make_proxy(config)
-    slots = proxy.app[UPSTREAMS].state(proxy.config.upstreams[0]).slots
+    slots = proxy.app[GENERATIONS].upstreams.state(proxy.config.upstreams[0]).slots
     endless = {
         "model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True,
         "max_tokens": 10_000, "ignore_eos": True,
