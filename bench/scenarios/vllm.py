@@ -1,33 +1,102 @@
-"""vLLM's native n against n-proxy's fan-out on the same vLLM (its CPU build, N_PROXY_VLLM_PYTHON):
-tokens/s in a closed loop and n-proxy's CPU per token, then first token and whole stream."""
+"""vLLM's Python frontend with native n, n-proxy fanning out over it, and n-proxy fanning out over
+vLLM's Rust frontend (the server it was made for), on the same CPU engine and tiny model:
+tokens/s, time to first token, and the CPU each process spends per request, JSON and streams.
+
+One vLLM runs at a time (two would not fit the machine): each round runs the Python frontend
+and the Rust one in turn, the order reversed every other round. The Python frontend needs
+``N_PROXY_VLLM_PYTHON``; the Rust one also ``N_PROXY_VLLM_RUST`` (the vllm-rs binary, or
+``fetch``), and is left out, and said so, without it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
+import psutil
 
-from bench.procs import sample
 from bench.report import Row, table
 from bench.scenario import Context, Scenario
-from bench.stats import median, over, paired
+from bench.stats import median, over, paired, quartiles
 from bench.workload import HEADERS, client, read_stream, run_async
-from tests.support.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
+from tests.support.vllmserver import (
+    PYTHON_ENV,
+    RUST_ENV,
+    VllmServer,
+    build_model,
+    rust_frontend,
+    vllm_python,
+    vllm_rust_server,
+    vllm_server,
+)
 
 CHAT = "/v1/chat/completions"
-NATIVE = "native"
+NATIVE = "python native n"
+PYTHON_FANOUT = "n-proxy > python"
+RUST_FANOUT = "n-proxy > rust"
 REQUEST_SECONDS = 300
 TOKENS_RATIO = over("tokens_per_s")
+# Whose CPU is counted, by process: vLLM's frontends and engine, and n-proxy.
+ROLES = ("rust frontend", "python frontend", "engine", "n-proxy")
 
 
 @dataclass(frozen=True)
 class Route:
     name: str
     url: str
-    pids: tuple[int, ...]  # whose CPU is counted: vLLM's process tree, and n-proxy's
+    server: int  # vLLM's root process: the frontend (or the launcher) with the engine below
+    rust: bool
+    proxy: int | None  # n-proxy's process, when it is on the path
+
+
+def _roles(route: Route) -> dict[str, list[psutil.Process]]:
+    """The processes of each role. Under ``vllm serve`` with the Rust frontend the root is a
+    launcher that only waits, counted with the Python frontend's role (it is that process)."""
+    root = psutil.Process(route.server)
+    found: dict[str, list[psutil.Process]] = {role: [] for role in ROLES}
+    found["python frontend"].append(root)
+    for child in root.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            name = child.name()
+            if name == "vllm-rs":
+                found["rust frontend"].append(child)
+            elif name.startswith("VLLM::"):  # EngineCore and its Worker
+                found["engine"].append(child)
+    if route.proxy is not None:
+        proxy = psutil.Process(route.proxy)
+        found["n-proxy"] += [proxy, *proxy.children(recursive=True)]
+    return found
+
+
+def _cpu(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
+    """CPU seconds so far of each role (from /proc: other load on the machine is not in it)."""
+    out = {}
+    for role, procs in roles.items():
+        total = 0.0
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        out[role] = total
+    return out
+
+
+@contextlib.contextmanager
+def _counting(route: Route, requests: list[int]) -> Iterator[dict[str, float]]:
+    """CPU ms per request of each role over the block (``requests[0]``: how many it served)."""
+    roles = _roles(route)
+    before = _cpu(roles)
+    per_request: dict[str, float] = {}
+    yield per_request
+    after = _cpu(roles)
+    for role in ROLES:
+        if roles[role]:
+            per_request[role] = (after[role] - before[role]) / max(requests[0], 1) * 1e3
 
 
 def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
@@ -37,13 +106,13 @@ def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
 
 
 async def throughput(session: aiohttp.ClientSession, route: Route, n: int, ctx: Context) -> Row:
-    """Closed loop: generated tokens (usage.completion_tokens) per second, and the CPU each
-    process spent (from /proc: other load on the machine does not count in it)."""
-    o, tokens, requests = ctx.options, 0, 0
+    """JSON in a closed loop: generated tokens (usage.completion_tokens) per second, and the CPU
+    of each process per request."""
+    o, tokens, requests = ctx.options, 0, [0]
     deadline = time.perf_counter() + o.seconds
 
     async def worker(w: int) -> None:
-        nonlocal tokens, requests
+        nonlocal tokens
         seed = w * 1000
         while time.perf_counter() < deadline:
             seed += 1
@@ -52,72 +121,86 @@ async def throughput(session: aiohttp.ClientSession, route: Route, n: int, ctx: 
                 answer = await resp.json()
                 assert resp.status == 200, answer
             tokens += answer["usage"]["completion_tokens"]
-            requests += 1
+            requests[0] += 1
 
-    before = [sample(pid, tree=True).cpu_seconds for pid in route.pids]
-    started = time.perf_counter()
-    await asyncio.gather(*(worker(w) for w in range(o.concurrency[0])))
-    elapsed = time.perf_counter() - started  # the last requests end past the deadline
-    cpu = [
-        sample(pid, tree=True).cpu_seconds - b for pid, b in zip(route.pids, before, strict=True)
-    ]
-    # cpu_s: vLLM's tree, then n-proxy's when it is on the path.
-    return {"tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "requests_per_s": requests / elapsed, "cpu_s": cpu}  # fmt: skip
+    with _counting(route, requests) as cpu:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(o.concurrency[0])))
+        elapsed = time.perf_counter() - started  # the last requests end past the deadline
+    return {"mode": "json", "tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "requests": requests[0], "cpu_ms": cpu}  # fmt: skip
 
 
-async def streams(
-    session: aiohttp.ClientSession, url: str, n: int, max_tokens: int, reps: int
-) -> dict[str, list[float]]:
-    """One stream at a time: first token and whole stream, ms, for each rep."""
-    timings = [await read_stream(session, url + CHAT, _body(n, max_tokens, True, rep))
-               for rep in range(reps)]  # fmt: skip
+async def streams(session: aiohttp.ClientSession, route: Route, n: int, ctx: Context) -> Row:
+    """Streams one at a time: first token and whole stream (ms), tokens/s of each (every choice
+    runs to max_tokens), and the CPU of each process per stream."""
+    o = ctx.options
+    with _counting(route, [o.reps]) as cpu:
+        timings = [await read_stream(session, route.url + CHAT, _body(n, o.max_tokens, True, rep))
+                   for rep in range(o.reps)]  # fmt: skip
     if failed := [t.status for t in timings if t.status != 200]:
         raise RuntimeError(f"streams answered {failed}")
-    return {"first_token_ms": [t.first_token_at * 1e3 for t in timings],
-            "stream_ms": [t.end_at * 1e3 for t in timings]}  # fmt: skip
+    tokens = n * o.max_tokens
+    return {"mode": "stream", "first_token_ms": [t.first_token_at * 1e3 for t in timings],
+            "stream_ms": [t.end_at * 1e3 for t in timings],
+            "tokens_per_s": median(tokens / t.end_at for t in timings), "cpu_ms": cpu}  # fmt: skip
 
 
-async def _measure(ctx: Context, routes: list[Route]) -> list[Row]:
-    o, rows = ctx.options, []
+async def _measure(ctx: Context, routes: list[Route], turn: int) -> list[Row]:
+    rows = []
     async with client(REQUEST_SECONDS) as session:
-        for route in routes:  # warm-up: the first requests pay for lazy setup
-            await streams(session, route.url, 2, 8, 2)
-        for n in o.n:
-            for turn in range(o.rounds):
-                for route in routes if turn % 2 == 0 else routes[::-1]:
+        if ctx.options.warm_up:  # the first requests pay for lazy setup
+            for route in routes:
+                await read_stream(session, route.url + CHAT, _body(2, 8, True, 0))
+        for n in ctx.options.n:
+            for route in routes if turn % 2 == 0 else routes[::-1]:
+                for measure in (throughput, streams):
                     row: Row = {"n": n, "round": turn, "path": route.name}
-                    row |= await throughput(session, route, n, ctx)
-                    row |= await streams(session, route.url, n, o.max_tokens, o.reps)
-                    rows.append(row)
-                    rate = row["tokens_per_s"]
-                    print(
-                        f"  vllm n={n} round {turn} {route.name}: {rate:.0f} tokens/s", flush=True
-                    )
+                    rows.append(row | await measure(session, route, n, ctx))
+                rate = rows[-2]["tokens_per_s"]
+                print(f"  vllm n={n} round {turn} {route.name}: {rate:.0f} tokens/s", flush=True)
     return rows
 
 
+def _phase(ctx: Context, server: VllmServer, rust: bool, turn: int) -> list[Row]:
+    """One vLLM's turn in a round: its routes, n-proxy started in front of it and stopped."""
+    proxies = ctx.ready(ctx.proxies(server.url, "-rust" if rust else "-python"))
+    proxy = next(iter(proxies.values()))  # n-proxy (this checkout)
+    if rust:
+        routes = [Route(RUST_FANOUT, proxy.url, server.pid, True, proxy.pid)]
+    else:
+        routes = [Route(NATIVE, server.url, server.pid, False, None),
+                  Route(PYTHON_FANOUT, proxy.url, server.pid, False, proxy.pid)]  # fmt: skip
+    try:
+        return run_async(_measure(ctx, routes, turn))
+    finally:
+        ctx.fleet.stop(*proxies.values())
+
+
 def summarize(rows: list[Row]) -> list[Row]:
-    """Per n and path: median tokens/s over rounds, pooled medians of the stream timings, CPU ms
-    per 1,000 tokens over every round; ratios are over native (tokens/s paired by round)."""
+    """Per n, path and mode: tokens/s (median over rounds, and its range), the ratio over the
+    Python frontend's native n (paired by round), first token and whole stream (medians and
+    quartiles over every stream), and each process's CPU ms per request (median over rounds)."""
     out = []
-    for n in dict.fromkeys(r["n"] for r in rows):
-        at_n = [r for r in rows if r["n"] == n]
-        for path in dict.fromkeys(r["path"] for r in at_n):
-            mine = [r for r in at_n if r["path"] == path]
-            tokens = sum(r["tokens"] for r in mine)
-            row = {
-                "n": n,
-                "path": path,
-                "tokens_per_s": median(r["tokens_per_s"] for r in mine),
-                "tokens_per_s_ratio": median(paired(at_n, "path", path, NATIVE, TOKENS_RATIO)),
-                "vllm_cpu_ms_per_1k": sum(r["cpu_s"][0] for r in mine) / tokens * 1e6,
-            }
-            if path != NATIVE:
-                row["proxy_cpu_ms_per_1k"] = sum(r["cpu_s"][-1] for r in mine) / tokens * 1e6
-            for key in ("first_token_ms", "stream_ms"):
-                row[key] = median(x for r in mine for x in r[key])
-            out.append(row)
+    for mode in ("json", "stream"):
+        for n in dict.fromkeys(r["n"] for r in rows):
+            at = [r for r in rows if r["n"] == n and r["mode"] == mode]
+            for path in dict.fromkeys(r["path"] for r in at):
+                mine = [r for r in at if r["path"] == path]
+                rates = [r["tokens_per_s"] for r in mine]
+                row: Row = {"mode": mode, "n": n, "path": path, "tokens_per_s": median(rates),
+                            "tokens_per_s_range": [min(rates), max(rates)],
+                            "tokens_per_s_ratio": median(paired(at, "path", path, NATIVE,
+                                                                TOKENS_RATIO))}  # fmt: skip
+                for role in ROLES:
+                    values = [r["cpu_ms"][role] for r in mine if role in r["cpu_ms"]]
+                    if values:
+                        row[f"cpu_ms {role}"] = median(values)
+                if mode == "stream":
+                    for key in ("first_token_ms", "stream_ms"):
+                        q1, q2, q3 = quartiles(x for r in mine for x in r[key])
+                        row[key], row[key + "_iqr"] = q2, [q1, q3]
+                out.append(row)
     return out
 
 
@@ -125,32 +208,58 @@ def _run(ctx: Context) -> Row:
     python = vllm_python()
     if python is None:
         raise RuntimeError(f"{PYTHON_ENV} must name a Python with vllm-cpu installed")
+    binary = rust_frontend(python)
+    if binary is None:
+        ctx.skipped[RUST_FANOUT] = f"{RUST_ENV} is unset (the vllm-rs binary, or 'fetch')"
     model = build_model(python, ctx.work / "model")
-    with vllm_server(python, model, ctx.work / "vllm.log") as vllm:
-        up = ctx.ready(ctx.proxies(vllm.url))
-        routes = [Route(NATIVE, vllm.url, (vllm.pid,))]
-        routes += [Route(label, s.url, (vllm.pid, s.pid)) for label, s in up.items()]
-        rows = run_async(_measure(ctx, routes))
+    rows: list[Row] = []
+    for turn in range(ctx.options.rounds):
+        kinds = [False, True] if binary is not None else [False]
+        for rust in kinds if turn % 2 == 0 else kinds[::-1]:
+            log = ctx.work / f"vllm-{'rust' if rust else 'python'}-{turn}.log"
+            started = (
+                vllm_rust_server(python, model, binary, log)
+                if rust and binary is not None
+                else vllm_server(python, model, log)
+            )
+            with started as server:
+                rows += _phase(ctx, server, rust, turn)
     return {"runs": rows, "summary": summarize(rows)}
+
+
+def _span(pair: object, spec: str) -> str:
+    return "-" if not isinstance(pair, list) else "-".join(spec.format(v) for v in pair)
 
 
 def _render(data: Row) -> list[str]:
     o = data["options"]
+    summary = [
+        {**r, "range": _span(r.get("tokens_per_s_range"), "{:,.0f}"),
+         "ttft_iqr": _span(r.get("first_token_ms_iqr"), "{:.0f}")}
+        for r in data["summary"]
+    ]  # fmt: skip
+    cpu = [(f"CPU ms/request: {role}", f"cpu_ms {role}", "{:.1f}") for role in ROLES]
     return [
-        f"Closed loop at concurrency {o['concurrency'][0]}, non-streaming, {o['max_tokens']}"
-        f" tokens per choice, {o['seconds']:g} s per turn; then {o['reps']} streams one at a"
-        f" time; {o['rounds']} rounds, native and n-proxy taking turns. Ratio: over native,"
-        " paired by round.",
-        *table([("n", "n", ""), ("path", "path", ""), ("tokens/s", "tokens_per_s", "{:,.0f}"),
+        f"JSON: a closed loop at concurrency {o['concurrency'][0]}, {o['seconds']:g} s per turn;"
+        f" streams: {o['reps']} one at a time. {o['max_tokens']} tokens per choice"
+        f" (`ignore_eos`). {o['rounds']} rounds; in each, the Python frontend (native n, then"
+        " n-proxy fanning out over it) and the Rust frontend (n-proxy fanning out) take turns,"
+        " one vLLM at a time, the order reversed every other round. Tokens/s: median over rounds"
+        " (range); ratio: over the Python frontend's native n, paired by round; first token:"
+        " median (quartiles) over every stream; CPU: each process's, from /proc, per request,"
+        " median over rounds (the Rust frontend's launcher counts as its Python frontend).",
+        *table([("mode", "mode", ""), ("n", "n", ""), ("path", "path", ""),
+                ("tokens/s", "tokens_per_s", "{:,.0f}"), ("range", "range", ""),
                 ("ratio", "tokens_per_s_ratio", "{:.2f}"),
-                ("n-proxy CPU ms per 1k tokens", "proxy_cpu_ms_per_1k", "{:.0f}"),
-                ("first token ms", "first_token_ms", "{:.0f}"),
-                ("whole stream ms", "stream_ms", "{:.0f}")], data["summary"]),
+                ("first token ms", "first_token_ms", "{:.0f}"), ("quartiles", "ttft_iqr", ""),
+                ("whole stream ms", "stream_ms", "{:.0f}"), *cpu], summary),
     ]  # fmt: skip
 
 
 SCENARIO = Scenario(
-    "vllm", "vLLM's native n against n-proxy's fan-out", _run, _render,
-    full={"rounds": 3, "seconds": 8.0, "concurrency": (4,), "n": (1, 4, 8), "max_tokens": 64},
+    "vllm", "vLLM's Python frontend with native n, and n-proxy fanning out over it and over the"
+    " Rust frontend", _run, _render,
+    full={"rounds": 2, "seconds": 6.0, "concurrency": (4,), "n": (4, 8), "max_tokens": 32,
+          "reps": 5},
     smoke={"seconds": 1.0, "concurrency": (2,), "n": (2,), "max_tokens": 8},
 )  # fmt: skip

@@ -152,7 +152,7 @@ class SSEDecoder:
     After an `SSEError` the stream is unusable; drop the decoder. `close()` resets it.
     """
 
-    __slots__ = ("_data", "_data_bytes", "_event", "_id", "_limit", "_lines", "_retry")
+    __slots__ = ("_data", "_data_bytes", "_event", "_id", "_limit", "_lines", "_retry", "comment")
 
     def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._limit = max_event_bytes
@@ -164,6 +164,9 @@ class SSEDecoder:
         # on dispatch; httpx-sse does the same.
         self._id: str | None = None
         self._retry: int | None = None
+        # The last comment line read (a keep-alive such as vLLM's ``: keep-alive``), for a
+        # consumer that passes the server's pulse on; it sets this back to None once taken.
+        self.comment: bytes | None = None
 
     def feed_raw(self, chunk: bytes) -> list[RawEvent]:
         """``feed`` for a consumer that parses JSON: each event's raw data and type.
@@ -250,7 +253,8 @@ class SSEDecoder:
                 self._add_data(value, limit)
                 continue
             if line.startswith(b":"):
-                continue  # comment, e.g. a `: ping` keep-alive
+                self.comment = line  # e.g. a `: ping` keep-alive: no event
+                continue
             name, _, value = line.partition(b":")
             if value.startswith(b" "):
                 value = value[1:]

@@ -1,7 +1,7 @@
 """Stitching children's answers into the one a native-n server sends (docs/behaviour.md#json,
 #streaming, #best-of, #generate). Pure.
 
-``stitch_json`` merges whole bodies; ``StreamStitcher`` opens the stream by announcing every
+``stitch_json`` merges whole bodies; ``StreamStitcher`` opens a chat stream by announcing every
 choice in index order, rewrites SSE chunks one at a time, holds back each child's usage chunk and
 ``[DONE]``, and writes the single merged tail. Two parts of that have sections of their own:
 merging the children's usage (``merge_usage``), and the byte templates that stitch a child's
@@ -196,7 +196,8 @@ class StreamStitcher:
             self._usage_chunk = payload
 
     def _open(self, child: Child, first: dict[str, Any]) -> bytes:
-        """The first chunk with choices sets every chunk's id, created and model, and opens."""
+        """The first chunk with choices sets every chunk's id, created and model, and opens a
+        chat stream; a completions stream has no opening (neither vLLM frontend sends one)."""
         self._continuous = self._continuous or (
             isinstance(first.get("usage"), dict) and not _finishes(first["choices"])
         )
@@ -210,7 +211,7 @@ class StreamStitcher:
             "model": first.get("model"),
             "object": first.get("object"),
         }
-        return self._opening(first)
+        return self._opening(first) if self.plan.endpoint == "chat" else b""
 
     def _share_envelope(self, payload: dict[str, Any]) -> None:
         shared = self._shared or {}
@@ -247,28 +248,23 @@ class StreamStitcher:
         return announced
 
     def _opening(self, first: dict[str, Any]) -> bytes:
-        """One empty chunk per choice in index order 0..n-1, before any other
-        (docs/behaviour.md#opening).
+        """One role chunk per choice in index order 0..n-1, before any other chunk of a chat
+        stream (docs/behaviour.md#opening).
 
         The openai SDK's stream helper finds a choice by its list position, so choice i must
-        first appear after choices 0..i-1; vLLM's native n opens chat streams this way. For
-        completions the empty ``text`` does the same at no cost to any client.
+        first appear after choices 0..i-1; vLLM's native n opens chat streams this way.
         """
-        body: dict[str, Any] = {"text": ""}
         envelope = {k: first[k] for k in _ENVELOPE if k in first}
         envelope.update(self._shared or {})
-        if self.plan.endpoint == "chat":
-            choices = first["choices"]
-            sample = choices[0] if isinstance(choices[0], dict) else {}
-            delta = sample.get("delta")
-            role = delta.get("role") if isinstance(delta, dict) else None
-            body = {
-                "delta": {"role": role if isinstance(role, str) else "assistant", "content": ""}
-            }
-            if isinstance(delta, dict) and "role" in delta:
-                # vLLM's role chunk carries the prompt (null unless asked for): the same for
-                # every choice, so each opening chunk carries it, as vLLM's own opening does.
-                envelope.update({k: first[k] for k in _PROMPT_FIELDS if k in first})
+        choices = first["choices"]
+        sample = choices[0] if isinstance(choices[0], dict) else {}
+        delta = sample.get("delta")
+        role = delta.get("role") if isinstance(delta, dict) else None
+        body = {"delta": {"role": role if isinstance(role, str) else "assistant", "content": ""}}
+        if isinstance(delta, dict) and "role" in delta:
+            # vLLM's role chunk carries the prompt (null unless asked for): the same for every
+            # choice, so each opening chunk carries it, as vLLM's own opening does.
+            envelope.update({k: first[k] for k in _PROMPT_FIELDS if k in first})
         usage = first.get("usage")
         if self._continuous and isinstance(usage, dict):
             # vLLM's continuous usage on a role chunk: the prompt, nothing generated yet.

@@ -226,6 +226,9 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                     events = decoder.feed_raw(data)
                     if events:
                         mailbox.put_nowait((pos, events))
+                    elif decoder.comment is not None:  # only a read with no event looks
+                        mailbox.put_nowait((pos, decoder.comment))
+                        decoder.comment = None
 
                 await response.relay(feed, mailbox.full, mailbox.room)
                 await mailbox.put((pos, decoder.close_raw()))
@@ -293,7 +296,7 @@ async def _merge(
     plan = stitcher.plan
     running = len(plan.children)
     write, full, drain = sink
-    keepalive = PingTimer(mailbox, seconds)
+    keepalive = PingTimer(mailbox, seconds, running)
 
     async def send(data: bytes) -> None:
         write(data)  # counted on the record by the sink
@@ -304,6 +307,7 @@ async def _merge(
     try:
         while running:
             out: list[bytes] = []
+            pulse: bytes | None = None  # a child's comment, to pass on when nothing else goes
             try:
                 items = await mailbox.take()
                 if items is None:
@@ -312,18 +316,21 @@ async def _merge(
                 if not items:
                     raise StreamError(None, mailbox.cut_reason or "cut")
                 for pos, item in items:
-                    if item is None:
-                        running -= 1
-                        if not stitcher.finished(pos):
-                            index = plan.children[pos].index
-                            raise StreamError(index, "stream ended before finishing")
-                    elif isinstance(item, BaseException):
-                        raise StreamError(plan.children[pos].index, _reason(item))
-                    else:
+                    if isinstance(item, list):
                         for data, event in item:
                             chunk = stitcher.chunk(pos, data, event)
                             if chunk is not None:
                                 out.append(chunk)
+                    elif item is None:
+                        running -= 1
+                        if not stitcher.finished(pos):
+                            index = plan.children[pos].index
+                            raise StreamError(index, "stream ended before finishing")
+                    elif isinstance(item, bytes):
+                        if keepalive.heard(pos) and pulse is None:
+                            pulse = item + b"\n\n" if len(item) <= MAX_COMMENT_BYTES else PING
+                    else:
+                        raise StreamError(plan.children[pos].index, _reason(item))
             except StreamError as error:
                 out.append(error_event(error))
                 await send(b"".join(out))
@@ -332,6 +339,10 @@ async def _merge(
                 if record.first_chunk_at is None:
                     record.first_chunk_at = time.perf_counter()
                 await send(out[0] if len(out) == 1 else b"".join(out))
+            elif pulse is not None:
+                write(pulse)  # stamped by ``heard``: a ``send`` would stamp it later
+                if full():
+                    await drain()
         await send(stitcher.tail())
     finally:
         keepalive.close()
@@ -383,8 +394,10 @@ async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> int:
 
 # ---- the hand-off between a stream's child tasks and its one writer
 
-Item = list[RawEvent] | BaseException | None  # events, a failure, or None: the child ended cleanly
+# A child's events, a comment line it sent, a failure, or None: the child ended cleanly.
+Item = list[RawEvent] | bytes | BaseException | None
 PING = b": keep-alive\n\n"  # an SSE comment: load balancers see bytes, clients ignore it
+MAX_COMMENT_BYTES = 1024  # a child's comment passed on as it is; a longer one as ``PING``
 
 
 def _wake(future: asyncio.Future[None] | None) -> None:
@@ -465,23 +478,38 @@ class Mailbox:
 
 
 class PingTimer:
-    """Pings the mailbox after ``seconds`` with nothing written (0: never).
+    """Pings the mailbox after ``seconds`` with nothing written (0: never), and decides which of
+    the children's own comments reach the client (docs/behaviour.md#keep-alive).
 
     One timer per stream, moved on lazily when it fires: a write costs a clock read, not a
-    timer of its own.
+    timer of its own. A child's comment passes when nothing was written since that child's
+    previous one (or since the stream began): with every child pulsing at the server's
+    interval and nothing else to send, the client gets one comment per interval, not one per
+    child; once chunks flow, none.
     """
 
-    def __init__(self, mailbox: Mailbox, seconds: float) -> None:
+    def __init__(self, mailbox: Mailbox, seconds: float, children: int) -> None:
         self._mailbox = mailbox
         self._seconds = seconds
         self._loop = asyncio.get_running_loop()
         self._written_at = self._loop.time()
+        self._heard = [self._written_at] * children  # each child's previous comment
         self._timer: asyncio.TimerHandle | None = None
         if seconds:
             self._timer = self._loop.call_at(self._written_at + seconds, self._check)
 
     def wrote(self) -> None:
         self._written_at = self._loop.time()
+
+    def heard(self, pos: int) -> bool:
+        """Child ``pos`` sent a comment: True when the client should get one now, which the
+        caller then writes (or chunks in its place); it counts as written at this moment."""
+        now = self._loop.time()
+        quiet = self._written_at <= self._heard[pos]
+        self._heard[pos] = now
+        if quiet:
+            self._written_at = now  # the same instant: this child's next comment may pass too
+        return quiet
 
     def _check(self) -> None:
         now = self._loop.time()

@@ -111,44 +111,61 @@ class Handler:
             # An HTTP/0.9-style request line ("GET /"): nothing of it goes upstream.
             message = "malformed request line: no HTTP version"
             return error_response(InvalidRequest(message), close=True)
-        body = await self._read_body(request)
-        if isinstance(body, web.StreamResponse):
-            return body
-        record.bytes_in = len(body)
         path = request.rel_url.path
         if self.merges_models and path == MODELS_PATH and request.method == "GET":
             record.upstream = config.default_upstream
             return await list_models(request, self.upstreams, record)
         fans_out = request.method == "POST" and path in config.fanout_paths
+        body = await self._read_body(request)
+        if isinstance(body, web.StreamResponse):
+            if fans_out and not body.prepared:  # a 413: the answer of a fan-out request too
+                body.headers["X-Request-Id"] = _error_request_id(request, b"")
+            return body
+        record.bytes_in = len(body)
         endpoint = endpoint_of(path) if fans_out else None
         if endpoint is not None:
             record.route = path
+        passing = False  # a pass-through's answers are the upstream's, its errors unnamed
         try:
             upstream, plan, record.model = self._decide(request, endpoint, body)
             record.upstream = upstream.name
             if plan is None:
+                passing = True
                 return await pass_through(request, self.upstreams, upstream, body, record)
-            record.fanned_out = True
-            record.n = plan.best_of or plan.n
-            record.request_id = plan.parent_id
-            record.relayed = plan.stream
-            fanout = Fanout(
-                upstreams=self.upstreams,
-                upstream=upstream,
-                plan=plan,
-                config=config,
-                path_qs=request.rel_url.raw_path_qs,
-                headers=child_headers(request.headers, upstream.headers),
-                record=record,
-                fanouts=self.in_flight.fanouts,
+            return await self._fan_out(request, record, upstream, plan)
+        except (ProxyError, ChildFailed) as exc:
+            response = (
+                error_response(exc) if isinstance(exc, ProxyError) else child_failed_response(exc)
             )
-            if plan.stream:
-                return await respond_stream(fanout, request)
-            return await respond_json(fanout)
-        except ProxyError as exc:
-            return error_response(exc)
-        except ChildFailed as exc:
-            return child_failed_response(exc)
+            if endpoint is not None and not passing:
+                # Every answer of a fan-out carries the parent's id, errors included
+                # (docs/behaviour.md#headers), as its stitched 200s and the servers' own do.
+                response.headers["X-Request-Id"] = record.request_id or _error_request_id(
+                    request, body
+                )
+            return response
+
+    async def _fan_out(
+        self, request: web.Request, record: RequestRecord, upstream: Upstream, plan: Plan
+    ) -> web.StreamResponse:
+        config = self.config
+        record.fanned_out = True
+        record.n = plan.best_of or plan.n
+        record.request_id = plan.parent_id
+        record.relayed = plan.stream
+        fanout = Fanout(
+            upstreams=self.upstreams,
+            upstream=upstream,
+            plan=plan,
+            config=config,
+            path_qs=request.rel_url.raw_path_qs,
+            headers=child_headers(request.headers, upstream.headers),
+            record=record,
+            fanouts=self.in_flight.fanouts,
+        )
+        if plan.stream:
+            return await respond_stream(fanout, request)
+        return await respond_json(fanout)
 
     async def _read_body(self, request: web.Request) -> bytes | web.StreamResponse:
         """The whole request body, or the answer that ends the request instead (413, 408)."""
@@ -237,6 +254,16 @@ async def _answer_and_close(request: web.Request, exc: ProxyError) -> web.Respon
     await response.write_eof()
     request.protocol.force_close()
     return response
+
+
+def _error_request_id(request: web.Request, body: bytes) -> str:
+    """The id of a fan-out request refused before it had a plan: the client's (header, else a
+    plain JSON body's ``request_id``) or a fresh one, as its children would have had."""
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    return _parent_id(request, parsed if isinstance(parsed, dict) else {})
 
 
 def _parent_id(request: web.Request, body: dict[str, object]) -> str:

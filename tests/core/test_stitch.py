@@ -385,9 +385,8 @@ def test_stream_list_of_prompts_uses_choice_index_p_times_n_plus_i() -> None:
     text = b'{"id":"cmpl-%s","object":"text_completion","created":3,"model":"m",' + (
         b'"choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}]}'
     )
-    indices = [after_opening(s.chunk(3, text % p.children[3].request_id.encode()), 4)]
-    indices += [
-        one_event(s.chunk(pos, text % p.children[pos].request_id.encode())) for pos in (0, 2, 1)
+    indices = [
+        one_event(s.chunk(pos, text % p.children[pos].request_id.encode())) for pos in (3, 0, 2, 1)
     ]
     assert [e["choices"][0]["index"] for e in indices] == [3, 0, 2, 1]
     assert {e["id"] for e in indices} == {"cmpl-abc"}
@@ -768,18 +767,24 @@ def test_stream_vllm_role_chunks_with_prompt_fields_give_exactly_vllms_opening(
     assert s.chunks == 2
 
 
-def test_stream_completions_open_with_an_empty_text_per_choice_in_index_order() -> None:
-    p = plan({"prompt": ["a", "b"], "n": 2, "stream": True}, completions=True)
+def test_stream_completions_have_no_opening_only_the_childrens_chunks() -> None:
+    """Neither vLLM frontend opens a completions stream with empty choices
+    (docs/behaviour.md#opening); with continuous usage each chunk keeps its own prompt's."""
+    p = plan(
+        {"prompt": ["a", "b c d"], "n": 2, "stream": True,
+         "stream_options": {"continuous_usage_stats": True}},
+        completions=True,
+    )  # fmt: skip
     s = StreamStitcher(p)
     text = b'{"id":"cmpl-1","object":"text_completion","created":3,"model":"m",' + (
-        b'"choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}]}'
+        b'"choices":[{"index":0,"text":"t","logprobs":null,"finish_reason":null}],'
+        b'"usage":{"prompt_tokens":%d,"completion_tokens":1,"total_tokens":%d}}'
     )
-    *opening, own = sse(s.chunk(2, text) or b"")
-    assert [c["choices"] for c in opening] == [
-        [{"index": i, "text": "", "logprobs": None, "finish_reason": None}] for i in range(4)
-    ]
-    assert {c["object"] for c in opening} == {"text_completion"}
+    own = one_event(s.chunk(2, text % (4, 5)))
     assert own["choices"][0] == {"index": 2, "text": "t", "logprobs": None, "finish_reason": None}
+    assert own["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    assert one_event(s.chunk(0, text % (2, 3)))["usage"]["prompt_tokens"] == 2
+    assert s.chunks == 2
 
 
 def test_stream_usage_only_chunk_first_does_not_open_the_stream() -> None:

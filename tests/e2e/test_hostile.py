@@ -380,9 +380,12 @@ def test_any_json_body_gets_an_openai_4xx_or_a_well_formed_answer_never_a_5xx(
         payloads = sse_payloads(reply.body)
         assert payloads[-1] == "[DONE]"
         assert payloads.count("[DONE]") == 1
-        # Every choice announced in index order before any other chunk (docs/behaviour.md#opening).
-        opening, rest = payloads[: len(children)], payloads[len(children) : -1]
-        assert [p["choices"][0]["index"] for p in opening] == list(range(len(children)))
+        rest = payloads[:-1]
+        if path == CHAT:
+            # Every choice announced in index order before any other chunk; a completions
+            # stream has no opening (docs/behaviour.md#opening).
+            opening, rest = rest[: len(children)], rest[len(children) :]
+            assert [p["choices"][0]["index"] for p in opening] == list(range(len(children)))
         choices = [c for p in rest for c in p["choices"] if c["finish_reason"] is None]
         usage_chunks = [p for p in payloads[:-1] if not p["choices"]]
         options = body.get("stream_options")

@@ -568,6 +568,41 @@ def test_vllm_overlay_serves_a_model_on_one_gpu() -> None:
     assert mounts == {"cache": "/root/.cache", "dshm": "/dev/shm"}
 
 
+def test_vllm_overlay_runs_the_rust_frontend_and_the_sidecar_fans_out() -> None:
+    """The server n-proxy is for: vLLM's Rust frontend refuses n > 1, so the upstream is not
+    native_n and both OpenAI paths fan out."""
+    objects = rendered("vllm")
+    inference = _container(objects, "inference")
+    env = {e["name"]: e.get("value") for e in inference["env"]}
+    assert env["VLLM_USE_RUST_FRONTEND"] == "1"
+    assert env["VLLM_RUST_FRONTEND_PATH"] == "auto"
+    assert inference["command"] == ["vllm", "serve"]  # only `serve` honours the variable
+    # Flags the Rust frontend refuses to start with.
+    assert not {"--enable-force-include-usage", "--enable-per-request-metrics"} & set(
+        inference["args"]
+    )
+    config = _proxy_config(objects)
+    (upstream,) = config["upstreams"]
+    assert upstream["native_n"] is False
+    assert config["fanout_paths"] == ["/v1/chat/completions", "/v1/completions"]
+
+
+def test_vllm_overlay_shows_a_python_frontend_as_a_valid_native_n_upstream() -> None:
+    from proxy.config.models import Upstream
+
+    text = (TREES["vllm"] / "config.yaml").read_text("utf-8")
+    start = text.index("  # - name: vllm-python")
+    lines = []
+    for line in text[start:].splitlines():
+        if not line.startswith("  # "):
+            break
+        lines.append(line.removeprefix("  # "))
+    (example,) = yaml.safe_load("\n".join(lines))
+    upstream = Upstream.model_validate(example)
+    assert upstream.native_n is True
+    assert upstream.urls == ("http://127.0.0.1:8001",)
+
+
 def test_llamacpp_overlay_serves_the_gguf_from_a_read_only_model_volume() -> None:
     objects = rendered("llamacpp")
     inference = _container(objects, "inference")

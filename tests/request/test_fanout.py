@@ -216,6 +216,91 @@ async def test_stream_continuous_usage_keeps_each_childs_own_usage(
     assert chunks[-1]["usage"]["completion_tokens"] == 8
 
 
+async def test_completions_stream_is_exactly_each_childs_chunks_without_an_opening(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend
+) -> None:
+    """No empty ``text`` per choice opens a completions stream (neither vLLM frontend sends
+    one); with continuous usage every chunk keeps its own prompt's count
+    (docs/behaviour.md#opening)."""
+    prompts = ["one two", "three four five six"]
+    body: dict[str, Any] = {
+        "model": "m", "prompt": prompts, "n": 2, "seed": 3, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }  # fmt: skip
+    status, raw, _ = await post(http, proxy.url + COMPLETIONS, body, "c1")
+    assert status == 200, raw
+    per_choice: dict[int, list[Any]] = {}
+    for chunk in sse_payloads(raw)[:-1]:
+        for choice in chunk["choices"]:
+            per_choice.setdefault(choice["index"], []).append((choice, chunk["usage"]))
+    for p, prompt in enumerate(prompts):
+        for i in range(2):
+            child = {**body, "prompt": prompt, "seed": 3 + i}
+            del child["n"]
+            direct_status, direct, _ = await post(http, backend.url + COMPLETIONS, child)
+            assert direct_status == 200, direct
+            expected = [
+                ({**choice, "index": p * 2 + i}, chunk["usage"])
+                for chunk in sse_payloads(direct)[:-1]
+                for choice in chunk["choices"]
+            ]
+            assert per_choice[p * 2 + i] == expected
+            prompt_tokens = len(prompt.split()) + 1  # the demo backend's count
+            assert {u["prompt_tokens"] for _, u in per_choice[p * 2 + i]} == {prompt_tokens}
+
+
+def completion_chunk(rid: str, text: str, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    chunk = {"id": f"cmpl-{rid}", "object": "text_completion", "created": 1, "model": "m",
+             "choices": [choice]}  # fmt: skip
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+async def test_childrens_keepalive_comments_reach_a_quiet_stream_one_at_a_time(
+    http: aiohttp.ClientSession, servers: Servers
+) -> None:
+    """A queued fan-out shows the server's pulse (vLLM's --sse-keep-alive-interval): a child's
+    comment passes when nothing was written since that child's previous one, so two children
+    pulsing together give one, and one after chunks is dropped (docs/behaviour.md#keep-alive;
+    the rule itself: tests/request/test_mailbox.py)."""
+    go = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        rid = request.headers["X-Request-Id"]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b": pulse\n\n")  # both at once: one reaches the client
+        await go.wait()
+        # Chunks go out with it (or just before it): this comment is not needed, and dropped.
+        await response.write(completion_chunk(rid, "a") + b": pulse\n\n")
+        await response.write(completion_chunk(rid, "", "stop") + b"data: [DONE]\n\n")
+        return response
+
+    upstream = await servers.upstream(answer)
+    # n-proxy's own keep-alive off: every comment the client sees is a child's.
+    config = single_upstream_config(upstream.url).model_copy(update={"sse_keepalive_seconds": 0})
+    proxy = await servers.proxy(config)
+    body = {"model": "m", "prompt": "p", "n": 2, "stream": True}
+    async with (
+        asyncio.timeout(WAIT),
+        http.post(proxy.url + COMPLETIONS, json=body, headers={"X-Request-Id": "k"}) as response,
+    ):
+        assert response.status == 200
+
+        async def frame() -> bytes:
+            async with asyncio.timeout(10):
+                return await response.content.readuntil(b"\n\n")
+
+        assert await frame() == b": pulse\n\n"
+        go.set()
+        rest = await response.read()
+    assert not rest.startswith(b":")  # no other comment came
+    assert b"\n:" not in rest
+    payloads = sse_payloads(rest)
+    assert payloads[-1] == "[DONE]"
+    assert sorted(c["choices"][0]["index"] for c in payloads[:-1]) == [0, 0, 1, 1]
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -285,6 +370,47 @@ async def test_child_400_non_streaming_relays_status_and_body(
     status, raw, _ = await post(http, proxy.url + CHAT, body)
     assert status == 400
     assert orjson.loads(raw)["error"]["type"] == "invalid_request_error"
+
+
+ERRORS: dict[str, tuple[dict[str, Any], int]] = {
+    "child-400": ({"n": 2, "seed": 0, "x_demo": {"only_seed": 1, "fault": "status_400"}}, 400),
+    "child-500-stream": (
+        {"n": 2, "seed": 0, "stream": True, "x_demo": {"fault": "status_500"}},
+        500,
+    ),
+    "invalid-n": ({"n": 0}, 400),
+    "invalid-seed": ({"n": 3, "seed": 2**63 - 2}, 400),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+@pytest.mark.parametrize("named_by", ["header", "body"])
+async def test_a_fanout_ending_in_an_error_carries_the_parents_request_id(
+    http: aiohttp.ClientSession, proxy: Proxy, name: str, named_by: str
+) -> None:
+    fields, expected = ERRORS[name]
+    body = {"model": "m", "messages": MESSAGES, **fields}
+    if named_by == "body":
+        body["request_id"] = "e-body"
+    status, raw, headers = await post(
+        http, proxy.url + CHAT, body, "e-head" if named_by == "header" else None
+    )
+    assert status == expected, raw
+    assert "error" in orjson.loads(raw)
+    assert headers["X-Request-Id"] == ("e-head" if named_by == "header" else "e-body")
+
+
+async def test_a_fanout_error_without_a_client_id_carries_a_fresh_one(
+    http: aiohttp.ClientSession, make_proxy: Any
+) -> None:
+    proxy = await make_proxy(single_upstream_config("http://127.0.0.1:9"))
+    for body in ({"model": "m", "messages": MESSAGES, "n": 2}, b"{not json"):
+        status, _, headers = await post(http, proxy.url + CHAT, body)
+        assert status in (400, 502)
+        assert len(headers["X-Request-Id"]) == 32
+    status, _, headers = await post(http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES})
+    assert status == 502
+    assert "X-Request-Id" not in headers  # a pass-through's error names nothing it was not sent
 
 
 async def test_child_reset_mid_stream_sends_one_error_event_then_done(

@@ -50,7 +50,7 @@ async def test_a_cancelled_putter_leaves_no_waiter_behind() -> None:
 
 async def test_ping_timer_pings_only_after_the_quiet_period() -> None:
     box = Mailbox(4)
-    timer = PingTimer(box, 0.05)
+    timer = PingTimer(box, 0.05, 1)
     try:
         taking = asyncio.create_task(box.take())
         assert await asyncio.wait_for(taking, 2) is None  # nothing written: the ping came
@@ -60,12 +60,27 @@ async def test_ping_timer_pings_only_after_the_quiet_period() -> None:
 
 async def test_ping_timer_off_never_pings() -> None:
     box = Mailbox(4)
-    timer = PingTimer(box, 0)
+    timer = PingTimer(box, 0, 1)
     try:
         taking = asyncio.create_task(box.take())
         done, _ = await asyncio.wait({taking}, timeout=0.1)
         assert not done
         taking.cancel()
         await asyncio.gather(taking, return_exceptions=True)
+    finally:
+        timer.close()
+
+
+async def test_childrens_comments_pass_one_per_quiet_interval_and_none_once_chunks_flow() -> None:
+    """Two children pulsing together give the client one comment per round, not two; a
+    child's comment after a write since its previous one is dropped
+    (docs/behaviour.md#keep-alive)."""
+    timer = PingTimer(Mailbox(4), 0, 2)
+    try:
+        rounds = [(timer.heard(0), timer.heard(1)) for _ in range(3)]
+        assert rounds == [(True, False), (True, False), (True, False)]
+        timer.wrote()  # chunks went out
+        assert (timer.heard(0), timer.heard(1)) == (False, False)
+        assert (timer.heard(1), timer.heard(0)) == (True, False)  # quiet again: one passes
     finally:
         timer.close()
