@@ -44,10 +44,7 @@ from tests.support.servers import Proxy
 from tests.support.vllmserver import (
     PYTHON_ENV,
     RUST_ENV,
-    build_model,
-    rust_frontend,
     vllm_python,
-    vllm_rust_server,
 )
 
 PYTHON = vllm_python()
@@ -169,16 +166,9 @@ def tally() -> Iterator[None]:
     print(f"\ntest_vllm_rust: {dict(TALLY)}")
 
 
-@pytest.fixture(scope="module")
-def rust_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    assert PYTHON is not None
-    binary = rust_frontend(PYTHON)
-    assert binary is not None
-    assert binary.exists(), f"{RUST_ENV}: no binary at {binary}"
-    model = build_model(PYTHON, tmp_path_factory.mktemp("vllm-model"))
-    log = model.parent / "vllm-rust.log"
-    with vllm_rust_server(PYTHON, model, binary, log) as server:
-        yield server.url
+@pytest.fixture
+def rust_url(vllm_rust_url: str) -> str:
+    return vllm_rust_url  # tests/backends/conftest.py: one Rust frontend for the session
 
 
 async def _proxy_for(make_proxy: Callable[[Config], Awaitable[Proxy]], url: str) -> str:

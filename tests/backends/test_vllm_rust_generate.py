@@ -5,8 +5,8 @@ Through n-proxy, each choice of an ``n = k`` request must be the Rust frontend's
 answer for ``seed + i``: the same token ids, logprobs, finish and stop reasons; and the Rust
 frontend's own refusal of ``n > 1`` is what n-proxy exists to lift.
 
-The Rust frontend is started by the ``vllm_rust_url`` fixture of the Rust-frontend suite (its
-base URL, with ``/inference/v1/generate`` served); without that fixture these tests are skipped
+The Rust frontend is the session's ``vllm_rust_url`` (tests/backends/conftest.py), with
+``/inference/v1/generate`` served; unless its opt-in variables are set these tests are skipped
 with the reason.
 """
 
@@ -23,7 +23,7 @@ from proxy.config.models import Config, single_upstream_config
 from tests.support.client import post, sse_payloads
 from tests.support.servers import Proxy
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300), pytest.mark.http_timeout(120)]
+pytestmark = [pytest.mark.vllm_rust, pytest.mark.timeout(300), pytest.mark.http_timeout(120)]
 
 GENERATE = "/inference/v1/generate"
 PROMPT = [60, 61, 62, 63, 64]  # within the tiny model's vocabulary
@@ -32,13 +32,8 @@ N = 4
 
 
 @pytest.fixture
-def rust_url(request: pytest.FixtureRequest) -> str:
-    try:
-        url = request.getfixturevalue("vllm_rust_url")
-    except pytest.FixtureLookupError:
-        pytest.skip("needs the vllm_rust_url fixture of the vLLM Rust-frontend suite (opt-in)")
-    assert isinstance(url, str)
-    return url
+def rust_url(vllm_rust_url: str) -> str:
+    return vllm_rust_url  # tests/backends/conftest.py; skipped with its reason unless opted in
 
 
 def body(n: int | None, seed: int, **fields: Any) -> dict[str, Any]:

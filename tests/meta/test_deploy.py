@@ -584,7 +584,11 @@ def test_vllm_overlay_runs_the_rust_frontend_and_the_sidecar_fans_out() -> None:
     config = _proxy_config(objects)
     (upstream,) = config["upstreams"]
     assert upstream["native_n"] is False
-    assert config["fanout_paths"] == ["/v1/chat/completions", "/v1/completions"]
+    assert config["fanout_paths"] == [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/inference/v1/generate",
+    ]
 
 
 def test_vllm_overlay_shows_a_python_frontend_as_a_valid_native_n_upstream() -> None:
