@@ -135,7 +135,7 @@ class Context:
                 self.fleet.stop(server)
                 continue
             up[name] = server
-            if self.tools.py_spy and server.name == PROXY:
+            if self.tools.py_spy and name == PROXY:  # server.name has a suffix (manystream)
                 out = self.work / "profile.txt"
                 self.stack.enter_context(PySpy(self.tools.py_spy, server.pid, out))
         return up
