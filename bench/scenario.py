@@ -12,10 +12,9 @@ from typing import Any
 
 from bench.load import Loader, Tool
 from bench.procs import Fleet, Server, settle, wait_ready
-from bench.profile import PySpy
+from bench.profile import recording
 from bench.report import Row, Target
 from bench.stack import PROXY_CONFIG, start_proxy
-from bench.stats import rotated
 
 PROXY = "n-proxy"
 BASELINE = "baseline"
@@ -23,10 +22,6 @@ BASELINE = "baseline"
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
-
-
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(text.split(","))
 
 
 def _option(default: Any, help: str, parse: Callable[[str], Any] | None = None) -> Any:
@@ -51,7 +46,7 @@ class Options:
     workers: int = _option(2, "passthrough: also n-proxy with --workers N (1: not)")
     steps_ms: tuple[int, ...] = _option((50, 20), "manystream: the pacer's decode steps", _ints)
     retry_on: tuple[str, ...] = _option(("connect", "reset"), "llamacpp: n-proxy's retry_on",
-                                        _words)  # fmt: skip
+                                        lambda text: tuple(text.split(",")))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -137,7 +132,7 @@ class Context:
             up[name] = server
             if self.tools.py_spy and name == PROXY:  # server.name has a suffix (manystream)
                 out = self.work / "profile.txt"
-                self.stack.enter_context(PySpy(self.tools.py_spy, server.pid, out))
+                self.stack.enter_context(recording(self.tools.py_spy, server.pid, out))
         return up
 
     def rounds(
@@ -149,8 +144,9 @@ class Context:
         server is idle; a row each, with the contender (under ``label``) and the case."""
         names, rows = list(contenders), []
         for turn in range(self.options.rounds):
+            k = turn % len(names) if names else 0
             for case in ({"round": turn, **c} for c in cases):
-                for name in rotated(names, turn):
+                for name in names[k:] + names[:k]:
                     settle(self.fleet.servers)
                     rows.append({label: name, **case, **one(name, case)})
         return rows
