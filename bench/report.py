@@ -1,5 +1,5 @@
-"""Every scenario's report: the stamp (commit, date, machine, command), Markdown tables, targets
-checked against their goals, and the JSON and Markdown files written."""
+"""Every scenario's report: the stamp (commit, date, machine, command), Markdown tables, and targets
+checked against their goals."""
 
 import datetime
 import math
@@ -8,11 +8,9 @@ import platform
 import re
 import subprocess
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 Row = dict[str, Any]
@@ -131,17 +129,3 @@ def target(what: str, value: Any, op: str, bound: float, fmt: str) -> Target:
         return Target(what, goal, "not measured", None)
     ok = float(value) <= bound if op == "<=" else float(value) >= bound
     return Target(what, goal, fmt.format(value), ok)
-
-
-def targets_table(targets: Sequence[Target]) -> list[str]:
-    columns = [("target", "what", ""), ("goal", "goal", ""), ("measured", "measured", "")]
-    rows = [{**asdict(t), "verdict": t.verdict} for t in targets]
-    return table([*columns, ("verdict", "verdict", "")], rows)
-
-
-def write(out: Path, stem: str, results: Row, text: str) -> None:
-    """The JSON (NaN, a moment not measured, as null) and the Markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
-    (out / f"{stem}.json").write_bytes(orjson.dumps(results, default=str, option=options))
-    (out / f"{stem}.md").write_text(text)
