@@ -4,7 +4,6 @@ smoke run's tool)."""
 
 import asyncio
 import hashlib
-import http.client
 import json
 import subprocess
 import sys
@@ -112,17 +111,6 @@ class Loader:
             "wrk", raw["requests"] - raw["status"], errors, raw["duration_us"] / 1e6,
             *(raw[p] / 1000 for p in ("p50", "p90", "p99", "max")),
         )  # fmt: skip
-
-
-def post(base_url: str, request: Request, timeout: float = 30.0) -> tuple[int, bytes]:
-    """One blocking POST, for checking a contender's answer before timing it."""
-    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout)
-    try:
-        conn.request("POST", request.path, request.body, HEADERS)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
 
 
 async def generate(

@@ -1,8 +1,6 @@
 """The servers under test as child processes: start, wait until ready, sample, stop; their
 counters and the machine's read by psutil (Linux: from /proc)."""
 
-from __future__ import annotations
-
 import contextlib
 import ctypes
 import http.client
@@ -14,6 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import psutil
 
@@ -138,25 +137,21 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 server.process.kill()
                 server.process.wait(STOP_TIMEOUT)
-            _keep_tail(server.log)
+            # The proxy logs a line per request: keep only the end, where a crash would show.
+            with contextlib.suppress(OSError), server.log.open("r+b") as log:
+                if log.seek(0, os.SEEK_END) > LOG_TAIL_BYTES:
+                    log.seek(-LOG_TAIL_BYTES, os.SEEK_END)
+                    tail = log.read()
+                    log.seek(0)
+                    log.truncate(log.write(tail))
             with contextlib.suppress(ValueError):
                 self.servers.remove(server)
 
-    def __enter__(self) -> Fleet:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop(*self.servers)
-
-
-def _keep_tail(log: Path, size: int = LOG_TAIL_BYTES) -> None:
-    """The proxy logs a line per request: keep only the end, where a crash would show."""
-    with contextlib.suppress(OSError):
-        if log.stat().st_size > size:
-            with log.open("rb") as f:
-                f.seek(-size, os.SEEK_END)
-                tail = f.read()
-            log.write_bytes(tail)
 
 
 def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:

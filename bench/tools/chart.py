@@ -1,8 +1,6 @@
 """The results chart: ``python -m bench.tools.chart latest.json latest.png`` (the driver draws it
 after a run when bench/.work/venv has matplotlib, which is not a project dependency)."""
 
-from __future__ import annotations
-
 import json
 import sys
 from pathlib import Path
