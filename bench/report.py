@@ -2,6 +2,7 @@
 checked against their goals."""
 
 import datetime
+import functools
 import math
 import os
 import platform
@@ -29,13 +30,10 @@ def version(argv: Sequence[str]) -> str:
 
 def commit(tree: Path = ROOT) -> str:
     """The commit a tree is at, marked dirty when its proxy/ has uncommitted changes."""
-
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", *argv], cwd=tree, capture_output=True, text=True).stdout
-
+    git = functools.partial(subprocess.run, cwd=tree, capture_output=True, text=True)
     try:
-        head = git("rev-parse", "--short", "HEAD").strip()
-        dirty = git("status", "--porcelain", "proxy").strip()
+        head = git(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        dirty = git(["git", "status", "--porcelain", "proxy"]).stdout.strip()
     except OSError:
         return "unknown"
     return f"{head}{'+dirty' if dirty else ''}" if head else "unknown"

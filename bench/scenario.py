@@ -118,21 +118,19 @@ class Context:
         --profile, py-spy starts recording n-proxy once it is up."""
         up: dict[str, Server] = {}
         for name, server in servers.items():
-            if any(server is seen for seen in up.values()):  # one server, two contenders
-                up[name] = server
-                continue
-            try:
-                wait_ready(server)
-            except RuntimeError as exc:
-                if name not in optional:
-                    raise
-                self.skipped[name] = f"did not start: {exc}"[:300]
-                self.fleet.stop(server)
-                continue
+            if not any(server is seen for seen in up.values()):  # one server, two contenders
+                try:
+                    wait_ready(server)
+                except RuntimeError as exc:
+                    if name not in optional:
+                        raise
+                    self.skipped[name] = f"did not start: {exc}"[:300]
+                    self.fleet.stop(server)
+                    continue
+                if self.tools.py_spy and name == PROXY:  # server.name has a suffix (manystream)
+                    out = self.work / "profile.txt"
+                    self.stack.enter_context(recording(self.tools.py_spy, server.pid, out))
             up[name] = server
-            if self.tools.py_spy and name == PROXY:  # server.name has a suffix (manystream)
-                out = self.work / "profile.txt"
-                self.stack.enter_context(recording(self.tools.py_spy, server.pid, out))
         return up
 
     def rounds(
