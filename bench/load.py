@@ -48,7 +48,8 @@ def _lua(request: Request) -> str:
     body = request.body.decode()
     if "]==]" in body:
         raise ValueError("request body cannot be quoted as a Lua long string")
-    # wrk calls done() once with the merged statistics of every thread; latency is in µs.
+    # wrk calls done() once with the merged statistics of every thread, in µs; the result line
+    # has LoadResult's fields, as the Python generator's has.
     return f"""
 wrk.method = "POST"
 wrk.path = "{request.path}"
@@ -56,26 +57,15 @@ wrk.headers["Content-Type"] = "{HEADERS["Content-Type"]}"
 wrk.headers["Authorization"] = "{HEADERS["Authorization"]}"
 wrk.body = [==[{body}]==]
 done = function(summary, latency, requests)
-  local e = summary.errors
+  local e = summary.errors  -- wrk counts non-2xx answers in both `requests` and `status`
   io.write(string.format(
-    '{_MARK}{{"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,'
-    .. '"status":%d,"timeout":%d,"p50":%d,"p90":%d,"p99":%d,"max":%d}}\\n',
-    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max))
+    '{_MARK}{{"tool":"wrk","requests":%d,"errors":%d,"seconds":%f,'
+    .. '"p50_ms":%f,"p90_ms":%f,"p99_ms":%f,"max_ms":%f}}\\n',
+    summary.requests - e.status, e.connect + e.read + e.write + e.status + e.timeout,
+    summary.duration / 1e6, latency:percentile(50) / 1e3, latency:percentile(90) / 1e3,
+    latency:percentile(99) / 1e3, latency.max / 1e3))
 end
 """
-
-
-def _marked(argv: list[str], timeout: float) -> dict[str, Any]:
-    """Run a load tool; the JSON of its result line."""
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    for line in out.stdout.splitlines():
-        if line.startswith(_MARK):
-            parsed: dict[str, Any] = json.loads(line[len(_MARK) :])
-            return parsed
-    raise RuntimeError(
-        f"{' '.join(argv)}: no result line\n{out.stdout[-1000:]}{out.stderr[-1000:]}"
-    )
 
 
 @dataclass(frozen=True)
@@ -89,28 +79,27 @@ class Loader:
 
     def run(self, base_url: str, request: Request, concurrency: int) -> LoadResult:
         self.work.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256(request.body).hexdigest()[:12]
+        digest, url = hashlib.sha256(request.body).hexdigest()[:12], base_url + request.path
         if self.tool == "python":
             body = self.work / f"body-{digest}.json"
             body.write_bytes(request.body)
-            argv = [sys.executable, "-m", "bench.load", base_url + request.path, str(body)]
-            return LoadResult(
-                **_marked([*argv, str(concurrency), str(self.seconds)], self.seconds + 60)
-            )
-        assert self.wrk is not None, "the wrk tool needs the wrk binary"
-        script = self.work / f"wrk-{digest}.lua"
-        script.write_text(_lua(request))
-        seconds = max(1, round(self.seconds))  # wrk takes whole seconds
-        # One thread: it keeps up with these servers and leaves the cores to them.
-        argv = [self.wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "-s", str(script)]
-        argv += [f"--timeout={WRK_TIMEOUT_SECONDS}s", base_url + request.path]
-        raw = _marked(argv, seconds + WRK_TIMEOUT_SECONDS + 30)
-        # wrk counts non-2xx answers in both `requests` and `status`.
-        errors = sum(raw[k] for k in ("connect", "read", "write", "status", "timeout"))
-        return LoadResult(
-            "wrk", raw["requests"] - raw["status"], errors, raw["duration_us"] / 1e6,
-            *(raw[p] / 1000 for p in ("p50", "p90", "p99", "max")),
-        )  # fmt: skip
+            argv = [sys.executable, "-m", "bench.load", url, str(body), str(concurrency)]
+            argv, timeout = [*argv, str(self.seconds)], self.seconds + 60
+        else:
+            assert self.wrk is not None, "the wrk tool needs the wrk binary"
+            script = self.work / f"wrk-{digest}.lua"
+            script.write_text(_lua(request))
+            seconds = max(1, round(self.seconds))  # wrk takes whole seconds
+            # One thread: it keeps up with these servers and leaves the cores to them.
+            argv = [self.wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "-s", str(script)]
+            argv += [f"--timeout={WRK_TIMEOUT_SECONDS}s", url]
+            timeout = seconds + WRK_TIMEOUT_SECONDS + 30
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        for line in out.stdout.splitlines():
+            if line.startswith(_MARK):
+                return LoadResult(**json.loads(line.removeprefix(_MARK)))
+        tail = out.stdout[-1000:] + out.stderr[-1000:]
+        raise RuntimeError(f"{' '.join(argv)}: no result line\n{tail}")
 
 
 async def generate(
