@@ -196,13 +196,10 @@ def finish(results: Row, out: Path, stem: str, chart_python: Path | None) -> int
         drawn = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         if drawn.returncode:
             print(f"bench: no chart: {drawn.stderr[-500:]}", flush=True)
-    print(f"\n== targets (results in {out / stem}.md)")
-    for t in targets:
-        print(f"  {t.verdict:<4}  {t.what}: {t.measured} (goal {t.goal})")
-    for what, why in results["skipped"].items():
-        print(f"  left out {what}: {why}")
-    for name, error in results["errors"].items():
-        print(f"  ERROR {name}: {error}")
+    lines = [f"  {t.verdict:<4}  {t.what}: {t.measured} (goal {t.goal})" for t in targets]
+    lines += [f"  left out {what}: {why}" for what, why in results["skipped"].items()]
+    lines += [f"  ERROR {name}: {error}" for name, error in results["errors"].items()]
+    print(f"\n== targets (results in {out / stem}.md)", *lines, sep="\n")
     return 1 if results["errors"] else 0
 
 

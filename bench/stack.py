@@ -117,16 +117,9 @@ def start_backend(
 
 
 def start_proxy(
-    fleet: Fleet,
-    work: Path,
-    upstream: str,
-    name: str = "n-proxy",
-    *,
-    workers: int = 1,
-    checkout: Path | None = None,
-    config: str = PROXY_CONFIG,
-    env: Mapping[str, str] | None = None,
-) -> Server:
+    fleet: Fleet, work: Path, upstream: str, name: str = "n-proxy", *, workers: int = 1,
+    checkout: Path | None = None, config: str = PROXY_CONFIG, env: Mapping[str, str] | None = None,
+) -> Server:  # fmt: skip
     """``workers`` > 1 uses the proxy's ``--workers``.
 
     ``config``: YAML in which ``{url}`` stands for ``upstream``. ``checkout``: another tree of
