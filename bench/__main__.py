@@ -88,8 +88,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _find(name: str, places: list[Path]) -> str | None:
-    found = [str(p) for p in places if os.access(p, os.X_OK)]
-    return shutil.which(name) or next(iter(found), None)
+    return shutil.which(name) or next((str(p) for p in places if os.access(p, os.X_OK)), None)
 
 
 def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:

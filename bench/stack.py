@@ -91,12 +91,8 @@ litellm_settings:
 """
 
 # Keep LiteLLM off the network: the cost map ships with the package, no usage is reported.
-LITELLM_ENV = {
-    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-    "LITELLM_TELEMETRY": "False",
-    "LITELLM_LOG": "ERROR",
-    "NO_PROXY": "127.0.0.1,localhost",
-}
+LITELLM_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False",
+               "LITELLM_LOG": "ERROR", "NO_PROXY": "127.0.0.1,localhost"}  # fmt: skip
 
 
 def _launch(

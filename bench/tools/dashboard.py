@@ -54,29 +54,28 @@ scrape_configs:
 def collect(prometheus: str, seconds: float, workers: int) -> dict[str, Any]:
     """The demo backend, n-proxy and Prometheus as processes of their own; the load from here,
     with twice the clients in the middle third (the queue fills, then drains)."""
-    home = Path(tempfile.mkdtemp(prefix="n-proxy-dashboard-"))
     admin, prom = free_port(), free_port()
-    (home / "prometheus.yml").write_text(_PROMETHEUS_CONFIG.format(admin=admin))
-    prometheus_argv = [prometheus, f"--config.file={home / 'prometheus.yml'}",
-                       f"--storage.tsdb.path={home / 'data'}",
-                       f"--web.listen-address=127.0.0.1:{prom}"]  # fmt: skip
-    try:
-        with Fleet(home / "logs") as fleet:
-            backend = start_backend(fleet, token_delay=0.02)
-            wait_ready(backend)
-            proxy = start_proxy(fleet, home, backend.url, config=_PROXY_CONFIG.format(admin=admin))
-            wait_ready(proxy)
-            wait_ready(fleet.launch("prometheus", prometheus_argv, prom, "/-/ready"))
-            mix = [(proxy.url + path, orjson.dumps(body)) for path, body in _MIX]
-            start, sent = time.time(), 0
-            for clients in (workers // 2, workers, workers // 2):
-                latencies, errors, _ = run_async(generate(mix, clients, seconds / 3))
-                sent += len(latencies) + errors
-            time.sleep(3)  # the last scrapes
-            panels = _panels(f"http://127.0.0.1:{prom}/api/v1/query_range", start, time.time())
-            return {"seconds": seconds, "workers": workers, "requests": sent, "panels": panels}
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="n-proxy-dashboard-", ignore_cleanup_errors=True) as tmp,
+        Fleet(Path(tmp) / "logs") as fleet,  # stopped before the folder goes
+    ):
+        config = Path(tmp) / "prometheus.yml"
+        config.write_text(_PROMETHEUS_CONFIG.format(admin=admin))
+        argv = [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
+                f"--web.listen-address=127.0.0.1:{prom}"]  # fmt: skip
+        backend = start_backend(fleet, token_delay=0.02)
+        wait_ready(backend)
+        proxy = start_proxy(fleet, Path(tmp), backend.url, config=_PROXY_CONFIG.format(admin=admin))
+        wait_ready(proxy)
+        wait_ready(fleet.launch("prometheus", argv, prom, "/-/ready"))
+        mix = [(proxy.url + path, orjson.dumps(body)) for path, body in _MIX]
+        start, sent = time.time(), 0
+        for clients in (workers // 2, workers, workers // 2):
+            latencies, errors, _ = run_async(generate(mix, clients, seconds / 3))
+            sent += len(latencies) + errors
+        time.sleep(3)  # the last scrapes
+        panels = _panels(f"http://127.0.0.1:{prom}/api/v1/query_range", start, time.time())
+    return {"seconds": seconds, "workers": workers, "requests": sent, "panels": panels}
 
 
 def _panels(query_range: str, start: float, end: float) -> list[dict[str, Any]]:
