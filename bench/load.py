@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,31 +25,12 @@ MAX_REQUESTS_PER_SECOND = 200_000  # a bound on the Python generator's loop, far
 QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))
 
 
-@dataclass(frozen=True)
-class LoadResult:
-    tool: str
-    requests: int  # completed with a 2xx status
-    errors: int  # non-2xx, connection errors and timeouts
-    seconds: float
-    p50_ms: float
-    p90_ms: float
-    p99_ms: float
-    max_ms: float
-
-    @property
-    def rps(self) -> float:
-        return self.requests / self.seconds if self.seconds > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "rps": self.rps}
-
-
 def _lua(request: Request) -> str:
     body = request.body.decode()
     if "]==]" in body:
         raise ValueError("request body cannot be quoted as a Lua long string")
     # wrk calls done() once with the merged statistics of every thread, in µs; the result line
-    # has LoadResult's fields, as the Python generator's has.
+    # has the fields of the Python generator's (Loader.run says which).
     return f"""
 wrk.method = "POST"
 wrk.path = "{request.path}"
@@ -77,7 +58,10 @@ class Loader:
     work: Path
     wrk: str | None = None
 
-    def run(self, base_url: str, request: Request, concurrency: int) -> LoadResult:
+    def run(self, base_url: str, request: Request, concurrency: int) -> dict[str, Any]:
+        """``tool``, ``requests`` (answered with a 2xx status), ``errors`` (other statuses,
+        connection errors, timeouts), ``seconds``, ``rps`` and the latency quantiles
+        ``p50_ms``, ``p90_ms``, ``p99_ms`` and ``max_ms``."""
         self.work.mkdir(parents=True, exist_ok=True)
         digest, url = hashlib.sha256(request.body).hexdigest()[:12], base_url + request.path
         if self.tool == "python":
@@ -97,7 +81,8 @@ class Loader:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         for line in out.stdout.splitlines():
             if line.startswith(_MARK):
-                return LoadResult(**json.loads(line.removeprefix(_MARK)))
+                found: dict[str, Any] = json.loads(line.removeprefix(_MARK))
+                return {**found, "rps": found["requests"] / max(found["seconds"], 1e-9)}
         tail = out.stdout[-1000:] + out.stderr[-1000:]
         raise RuntimeError(f"{' '.join(argv)}: no result line\n{tail}")
 

@@ -78,10 +78,8 @@ class Server:
                 parts.append((cpu.user + cpu.system, rss, fds, io.read_chars, io.write_chars))
         if not parts:
             raise psutil.NoSuchProcess(self.pid)
-        cpu_seconds, rss, fds, read, written = (sum(column) for column in zip(*parts, strict=True))
-        return ProcSample(
-            time.monotonic(), cpu_seconds, int(rss), int(fds), int(read), int(written)
-        )
+        cpu_seconds, *counts = (sum(column) for column in zip(*parts, strict=True))
+        return ProcSample(time.monotonic(), cpu_seconds, *(int(count) for count in counts))
 
 
 def wait_ready(server: Server, timeout: float = READY_TIMEOUT) -> None:

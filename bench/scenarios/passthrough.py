@@ -66,11 +66,11 @@ def measure(
         watch = CpuWatch(ctx.fleet.servers)
         result = ctx.loader.run(targets[name].url, request(name, case), case["concurrency"])
         cpu = watch.stop()
-        us = 1e6 / result.rps if result.rps else 0.0
+        us = 1e6 / result["rps"] if result["rps"] else 0.0
         upstream = backend(name) if backend else targets[DIRECT]
         own, behind = (cpu.by_server.get(s.name, 0.0) for s in (targets[name], upstream))
         row = {
-            **result.to_json(), "cores": own, "backend_cores": behind,
+            **result, "cores": own, "backend_cores": behind,
             "cpu_us_per_req": own * us, "backend_cpu_us_per_req": behind * us,
             "other_load_cores": cpu.foreign, "steal_cores": cpu.steal,
         }  # fmt: skip
