@@ -53,6 +53,11 @@ def _framed(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+def chunk(at: float) -> bytes:
+    """One paced chunk, stamped with its send time ``at``."""
+    return _PREFIX + b"%.6f}\n\n" % at
+
+
 class Pacer:
     """The one timer: every ``step`` seconds, one chunk to every open stream."""
 
@@ -64,7 +69,7 @@ class Pacer:
         self._loop.call_at(self._next, self._tick)
 
     def _tick(self) -> None:
-        framed = _framed(_PREFIX + b"%.6f}\n\n" % time.monotonic())
+        framed = _framed(chunk(time.monotonic()))
         alive = []
         for transport, left in self.streams:
             if transport.is_closing():

@@ -1,8 +1,6 @@
 """What a scenario is (a plugin of ``python -m bench``) and what the driver hands it: its options,
 the tools found, and a Context that starts n-proxy (and the baseline beside it) and the servers."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -47,21 +45,6 @@ class Options:
     steps_ms: tuple[int, ...] = _option((50, 20), "manystream: the pacer's decode steps", _ints)
     retry_on: tuple[str, ...] = _option(("connect", "reset"), "llamacpp: n-proxy's retry_on",
                                         lambda text: tuple(text.split(",")))  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """``run`` measures and returns what goes into the JSON (its ``summary`` included), ``render``
-    turns that into Markdown lines, ``targets`` checks it against the goals. ``full`` and
-    ``smoke`` are its Options defaults: a real run, and a tiny one of seconds for CI."""
-
-    name: str
-    title: str
-    run: Callable[[Context], Row]
-    render: Callable[[Row], list[str]]
-    targets: Callable[[Row], list[Target]] = lambda _: []
-    full: Mapping[str, Any] = field(default_factory=dict)
-    smoke: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -148,3 +131,18 @@ class Context:
                     settle(self.fleet.servers)
                     rows.append({label: name, **case, **one(name, case)})
         return rows
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """``run`` measures and returns what goes into the JSON (its ``summary`` included), ``render``
+    turns that into Markdown lines, ``targets`` checks it against the goals. ``full`` and
+    ``smoke`` are its Options defaults: a real run, and a tiny one of seconds for CI."""
+
+    name: str
+    title: str
+    run: Callable[[Context], Row]
+    render: Callable[[Row], list[str]]
+    targets: Callable[[Row], list[Target]] = lambda _: []
+    full: Mapping[str, Any] = field(default_factory=dict)
+    smoke: Mapping[str, Any] = field(default_factory=dict)
