@@ -136,12 +136,9 @@ class Fleet:
                 server.process.kill()
                 server.process.wait(STOP_TIMEOUT)
             # The proxy logs a line per request: keep only the end, where a crash would show.
-            with contextlib.suppress(OSError), server.log.open("r+b") as log:
-                if log.seek(0, os.SEEK_END) > LOG_TAIL_BYTES:
-                    log.seek(-LOG_TAIL_BYTES, os.SEEK_END)
-                    tail = log.read()
-                    log.seek(0)
-                    log.truncate(log.write(tail))
+            with contextlib.suppress(OSError):
+                if server.log.stat().st_size > LOG_TAIL_BYTES:
+                    server.log.write_bytes(server.log.read_bytes()[-LOG_TAIL_BYTES:])
             with contextlib.suppress(ValueError):
                 self.servers.remove(server)
 
