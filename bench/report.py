@@ -43,34 +43,27 @@ def stamp(command: str, load: str, versions: list[str], baseline: Path | None, n
     """What a result was measured with: printed at the top of its report, kept in its JSON."""
     names = re.findall(r"^model name\s*: (.*)$", Path("/proc/cpuinfo").read_text(), re.M)
     return {
-        "command": command,
-        "commit": commit(),
+        "command": command, "commit": commit(),
         "baseline": f"{baseline} at {commit(baseline)}" if baseline else None,
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpus": os.cpu_count(),
-        "cpu_model": names[0] if names else "unknown",
-        "kernel": platform.release(),
-        "python": platform.python_version(),
+        "cpus": os.cpu_count(), "cpu_model": names[0] if names else "unknown",
+        "kernel": platform.release(), "python": platform.python_version(),
         "load_average": os.getloadavg()[0],  # at the start: other work on a shared machine
-        "load": load,
-        "versions": versions,
-        "note": note,
-    }
+        "load": load, "versions": versions, "note": note,
+    }  # fmt: skip
 
 
 def header(title: str, meta: Row) -> list[str]:
     tools = ", ".join([f"load generator: {meta['load']}", *meta["versions"]])
     lines = [
-        f"# {title}",
-        "",
-        f"Command: `{meta['command']}`  ",
+        f"# {title}", "", f"Command: `{meta['command']}`  ",
         f"n-proxy at commit {meta['commit']}"
         + (f"; baseline {meta['baseline']}" if meta.get("baseline") else "")
         + f"; started {meta['started']}, took {meta.get('seconds', 0):.0f} s  ",
         f"Machine: {meta['cpus']} x {meta['cpu_model']}, Linux {meta['kernel']}, Python"
         f" {meta['python']}; {tools}; load average {meta.get('load_average', 0):.1f} at the"
         " start. Everything on 127.0.0.1.",
-    ]
+    ]  # fmt: skip
     return lines + (["", meta["note"]] if meta.get("note") else [])
 
 

@@ -30,7 +30,7 @@ def check(name: str, server: Server, request: Request) -> int:
     try:
         with urlopen(UrlRequest(server.url + request.path, request.body, HEADERS), timeout=30) as r:
             status, raw = r.status, r.read()
-    except HTTPError as error:
+    except HTTPError as error:  # not 2xx
         status, raw = error.code, error.read()
     if sent.get("stream"):
         events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line[:7] == b"data: {"]

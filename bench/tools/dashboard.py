@@ -132,11 +132,9 @@ def render(data: dict[str, Any], png: Path) -> None:
             ax.legend(fontsize=6, loc="upper left", frameon=False, ncol=2)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(
-        f"n-proxy dashboard: {data['requests']} requests from {data['workers']} clients over"
-        f" {data['seconds']:g} s (demo backend, one dead replica of two); x: seconds",
-        fontsize=9,
-    )
+    fig.suptitle(f"n-proxy dashboard: {data['requests']} requests from {data['workers']} clients"
+                 f" over {data['seconds']:g} s (demo backend, one dead replica of two); x: seconds",
+                 fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(png, dpi=72)
     from PIL import Image  # type: ignore[import-not-found, unused-ignore]  # matplotlib's dependency
