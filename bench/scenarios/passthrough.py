@@ -157,10 +157,9 @@ def _run(ctx: Context) -> Row:
         contenders[FORWARDER] = start_forwarder(ctx.fleet, backend)
     contenders.update(ctx.proxies(backend.url))
     workers = f"{PROXY} x{ctx.options.workers}"
-    if ctx.options.workers > 1:
-        contenders[workers] = start_proxy(
-            ctx.fleet, ctx.work, backend.url, workers, workers=ctx.options.workers
-        )
+    count = ctx.options.workers
+    if count > 1:
+        contenders[workers] = start_proxy(ctx.fleet, ctx.work, backend.url, workers, workers=count)
     if ctx.tools.litellm:
         contenders["litellm"] = start_litellm(ctx.fleet, ctx.work, ctx.tools.litellm, backend)
     up = ctx.ready(contenders, {"nginx", FORWARDER, workers, "litellm"})
