@@ -18,14 +18,18 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from bench import profile
 from bench.procs import Fleet
-from bench.report import ROOT, Row, header, stamp, targets_table, version, write
+from bench.report import ROOT, Row, header, stamp, table, version
 from bench.scenario import Context, Options, Scenario, Tools
 from bench.scenarios import NAMES, SUITE, load
 
 RESULTS = ROOT / "bench" / "results"
 WORK = ROOT / "bench" / ".work"  # where bench/run --install-tools puts LiteLLM, matplotlib, py-spy
+TARGET_COLUMNS = [("target", "what", ""), ("goal", "goal", ""), ("measured", "measured", ""),
+                  ("verdict", "verdict", "")]  # fmt: skip
 FDS = 65536  # 1,000 open streams need a few thousand descriptors in proxy, backend and client
 
 
@@ -84,8 +88,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _find(name: str, places: list[Path]) -> str | None:
-    found = [str(p) for p in places if os.access(p, os.X_OK)]
-    return shutil.which(name) or next(iter(found), None)
+    return shutil.which(name) or next((str(p) for p in places if os.access(p, os.X_OK)), None)
 
 
 def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:
@@ -108,21 +111,12 @@ def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:
     return chosen, versions
 
 
-def options(scenario: Scenario, args: argparse.Namespace) -> Options:
-    """The scenario's defaults, then its smoke ones with --smoke, then what was asked for."""
-    chosen: dict[str, Any] = dict(scenario.full)
-    if args.smoke:
-        chosen |= {"rounds": 1, "reps": 2, "warm_up": False, **scenario.smoke}
-    given = {f.name: getattr(args, f.name) for f in fields(Options)}
-    return Options(**chosen | {k: v for k, v in given.items() if v is not None})
-
-
 def render(results: Row) -> str:
     """The whole report: the stamp, every target, then each scenario's section."""
     scenarios = [load(name) for name in results["scenarios"] if name in results]
     out = header("n-proxy benchmark: " + ", ".join(results["scenarios"]), results["meta"])
-    if targets := [t for s in scenarios for t in s.targets(results[s.name])]:
-        out += ["", "## Targets", *targets_table(targets)]
+    if results["targets"]:
+        out += ["", "## Targets", *table(TARGET_COLUMNS, results["targets"])]
     if results["skipped"]:
         out += ["", "Left out: " + "; ".join(f"{k}: {v}" for k, v in results["skipped"].items())]
     for s in scenarios:
@@ -141,11 +135,15 @@ def run(
     print(f"== {scenario.name}", flush=True)
     started = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
-    try:
-        chosen = options(scenario, args)
+    try:  # the scenario's defaults, then its smoke ones with --smoke, then what was asked for
+        chosen: dict[str, Any] = dict(scenario.full)
+        if args.smoke:
+            chosen |= {"rounds": 1, "reps": 2, "warm_up": False, **scenario.smoke}
+        given = {f.name: getattr(args, f.name) for f in fields(Options)}
+        options = Options(**chosen | {k: v for k, v in given.items() if v is not None})
         with Fleet(work / "logs") as fleet, contextlib.ExitStack() as stack:
-            ctx = Context(chosen, found, args, fleet, work, stack, results["skipped"])
-            data = {"options": asdict(chosen), **scenario.run(ctx)}
+            ctx = Context(options, found, args, fleet, work, stack, results["skipped"])
+            data = {"options": asdict(options), **scenario.run(ctx)}
         if (spots := work / "profile.txt").exists():
             data["profile"] = profile.hot_spots(spots)
         results[scenario.name] = data
@@ -187,20 +185,20 @@ def finish(results: Row, out: Path, stem: str, chart_python: Path | None) -> int
     """Targets checked, the report written (and the chart, when matplotlib is at hand)."""
     targets = [t for n in results["scenarios"] if n in results for t in load(n).targets(results[n])]
     results["targets"] = [{**asdict(t), "verdict": t.verdict} for t in targets]
-    write(out, stem, results, render(results))
+    out.mkdir(parents=True, exist_ok=True)  # the JSON with NaN (a moment not measured) as null
+    options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
+    (out / f"{stem}.json").write_bytes(orjson.dumps(results, default=str, option=options))
+    (out / f"{stem}.md").write_text(render(results))
     if chart_python and {"passthrough", "fanout"} & set(results):
         files = [f"{out / stem}.json", f"{out / stem}.png"]
         argv = [str(chart_python), "-m", "bench.tools.chart", *files]
         drawn = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         if drawn.returncode:
             print(f"bench: no chart: {drawn.stderr[-500:]}", flush=True)
-    print(f"\n== targets (results in {out / stem}.md)")
-    for t in targets:
-        print(f"  {t.verdict:<4}  {t.what}: {t.measured} (goal {t.goal})")
-    for what, why in results["skipped"].items():
-        print(f"  left out {what}: {why}")
-    for name, error in results["errors"].items():
-        print(f"  ERROR {name}: {error}")
+    lines = [f"  {t.verdict:<4}  {t.what}: {t.measured} (goal {t.goal})" for t in targets]
+    lines += [f"  left out {what}: {why}" for what, why in results["skipped"].items()]
+    lines += [f"  ERROR {name}: {error}" for name, error in results["errors"].items()]
+    print(f"\n== targets (results in {out / stem}.md)", *lines, sep="\n")
     return 1 if results["errors"] else 0
 
 

@@ -4,13 +4,12 @@ smoke run's tool)."""
 
 import asyncio
 import hashlib
-import http.client
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,30 +25,12 @@ MAX_REQUESTS_PER_SECOND = 200_000  # a bound on the Python generator's loop, far
 QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))
 
 
-@dataclass(frozen=True)
-class LoadResult:
-    tool: str
-    requests: int  # completed with a 2xx status
-    errors: int  # non-2xx, connection errors and timeouts
-    seconds: float
-    p50_ms: float
-    p90_ms: float
-    p99_ms: float
-    max_ms: float
-
-    @property
-    def rps(self) -> float:
-        return self.requests / self.seconds if self.seconds > 0 else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "rps": self.rps}
-
-
 def _lua(request: Request) -> str:
     body = request.body.decode()
     if "]==]" in body:
         raise ValueError("request body cannot be quoted as a Lua long string")
-    # wrk calls done() once with the merged statistics of every thread; latency is in µs.
+    # wrk calls done() once with the merged statistics of every thread, in µs; the result line
+    # has the fields of the Python generator's (Loader.run says which).
     return f"""
 wrk.method = "POST"
 wrk.path = "{request.path}"
@@ -57,26 +38,15 @@ wrk.headers["Content-Type"] = "{HEADERS["Content-Type"]}"
 wrk.headers["Authorization"] = "{HEADERS["Authorization"]}"
 wrk.body = [==[{body}]==]
 done = function(summary, latency, requests)
-  local e = summary.errors
+  local e = summary.errors  -- wrk counts non-2xx answers in both `requests` and `status`
   io.write(string.format(
-    '{_MARK}{{"requests":%d,"duration_us":%d,"connect":%d,"read":%d,"write":%d,'
-    .. '"status":%d,"timeout":%d,"p50":%d,"p90":%d,"p99":%d,"max":%d}}\\n',
-    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max))
+    '{_MARK}{{"tool":"wrk","requests":%d,"errors":%d,"seconds":%f,'
+    .. '"p50_ms":%f,"p90_ms":%f,"p99_ms":%f,"max_ms":%f}}\\n',
+    summary.requests - e.status, e.connect + e.read + e.write + e.status + e.timeout,
+    summary.duration / 1e6, latency:percentile(50) / 1e3, latency:percentile(90) / 1e3,
+    latency:percentile(99) / 1e3, latency.max / 1e3))
 end
 """
-
-
-def _marked(argv: list[str], timeout: float) -> dict[str, Any]:
-    """Run a load tool; the JSON of its result line."""
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    for line in out.stdout.splitlines():
-        if line.startswith(_MARK):
-            parsed: dict[str, Any] = json.loads(line[len(_MARK) :])
-            return parsed
-    raise RuntimeError(
-        f"{' '.join(argv)}: no result line\n{out.stdout[-1000:]}{out.stderr[-1000:]}"
-    )
 
 
 @dataclass(frozen=True)
@@ -88,41 +58,33 @@ class Loader:
     work: Path
     wrk: str | None = None
 
-    def run(self, base_url: str, request: Request, concurrency: int) -> LoadResult:
+    def run(self, base_url: str, request: Request, concurrency: int) -> dict[str, Any]:
+        """``tool``, ``requests`` (answered with a 2xx status), ``errors`` (other statuses,
+        connection errors, timeouts), ``seconds``, ``rps`` and the latency quantiles
+        ``p50_ms``, ``p90_ms``, ``p99_ms`` and ``max_ms``."""
         self.work.mkdir(parents=True, exist_ok=True)
-        digest = hashlib.sha256(request.body).hexdigest()[:12]
+        digest, url = hashlib.sha256(request.body).hexdigest()[:12], base_url + request.path
         if self.tool == "python":
             body = self.work / f"body-{digest}.json"
             body.write_bytes(request.body)
-            argv = [sys.executable, "-m", "bench.load", base_url + request.path, str(body)]
-            return LoadResult(
-                **_marked([*argv, str(concurrency), str(self.seconds)], self.seconds + 60)
-            )
-        assert self.wrk is not None, "the wrk tool needs the wrk binary"
-        script = self.work / f"wrk-{digest}.lua"
-        script.write_text(_lua(request))
-        seconds = max(1, round(self.seconds))  # wrk takes whole seconds
-        # One thread: it keeps up with these servers and leaves the cores to them.
-        argv = [self.wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "-s", str(script)]
-        argv += [f"--timeout={WRK_TIMEOUT_SECONDS}s", base_url + request.path]
-        raw = _marked(argv, seconds + WRK_TIMEOUT_SECONDS + 30)
-        # wrk counts non-2xx answers in both `requests` and `status`.
-        errors = sum(raw[k] for k in ("connect", "read", "write", "status", "timeout"))
-        return LoadResult(
-            "wrk", raw["requests"] - raw["status"], errors, raw["duration_us"] / 1e6,
-            *(raw[p] / 1000 for p in ("p50", "p90", "p99", "max")),
-        )  # fmt: skip
-
-
-def post(base_url: str, request: Request, timeout: float = 30.0) -> tuple[int, bytes]:
-    """One blocking POST, for checking a contender's answer before timing it."""
-    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=timeout)
-    try:
-        conn.request("POST", request.path, request.body, HEADERS)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
+            argv = [sys.executable, "-m", "bench.load", url, str(body), str(concurrency)]
+            argv, timeout = [*argv, str(self.seconds)], self.seconds + 60
+        else:
+            assert self.wrk is not None, "the wrk tool needs the wrk binary"
+            script = self.work / f"wrk-{digest}.lua"
+            script.write_text(_lua(request))
+            seconds = max(1, round(self.seconds))  # wrk takes whole seconds
+            # One thread: it keeps up with these servers and leaves the cores to them.
+            argv = [self.wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "-s", str(script)]
+            argv += [f"--timeout={WRK_TIMEOUT_SECONDS}s", url]
+            timeout = seconds + WRK_TIMEOUT_SECONDS + 30
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        for line in out.stdout.splitlines():
+            if line.startswith(_MARK):
+                found: dict[str, Any] = json.loads(line.removeprefix(_MARK))
+                return {**found, "rps": found["requests"] / max(found["seconds"], 1e-9)}
+        tail = out.stdout[-1000:] + out.stderr[-1000:]
+        raise RuntimeError(f"{' '.join(argv)}: no result line\n{tail}")
 
 
 async def generate(

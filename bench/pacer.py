@@ -54,6 +54,7 @@ def _framed(data: bytes) -> bytes:
 
 
 def chunk(at: float) -> bytes:
+    """One paced chunk, stamped with its send time ``at``."""
     return _PREFIX + b"%.6f}\n\n" % at
 
 
@@ -146,11 +147,10 @@ async def serve(port: int, step: float | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.pacer", description=__doc__)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--step", type=float, help="seconds between chunks of a stream")
-    parser.add_argument("--canned", action="store_true", help="the canned answer, no streams")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--step", type=float, help="seconds between chunks of a stream")
+    what.add_argument("--canned", action="store_true", help="the canned answer, no streams")
     args = parser.parse_args()
-    if (args.step is None) == (not args.canned):
-        parser.error("one of --step and --canned")
     with contextlib.suppress(KeyboardInterrupt):
         run_async(serve(args.port, args.step))
 

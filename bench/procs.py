@@ -1,8 +1,6 @@
 """The servers under test as child processes: start, wait until ready, sample, stop; their
 counters and the machine's read by psutil (Linux: from /proc)."""
 
-from __future__ import annotations
-
 import contextlib
 import ctypes
 import http.client
@@ -14,6 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import psutil
 
@@ -36,22 +35,6 @@ class ProcSample:
     fds: int
     read_bytes: int  # /proc/PID/io rchar: uvloop reads sockets with read(2), so this counts them
     written_bytes: int
-
-
-def sample(pid: int, tree: bool = False) -> ProcSample:
-    """Counters of ``pid``, or summed over it and every process below it when ``tree``
-    (``--workers`` and nginx fork their workers as children)."""
-    root = psutil.Process(pid)
-    parts = []
-    for each in [root, *(root.children(recursive=True) if tree else [])]:
-        with contextlib.suppress(psutil.NoSuchProcess), each.oneshot():  # a worker gone meanwhile
-            cpu, io = each.cpu_times(), each.io_counters()
-            rss, fds = each.memory_info().rss, each.num_fds()
-            parts.append((cpu.user + cpu.system, rss, fds, io.read_chars, io.write_chars))
-    if not parts:
-        raise psutil.NoSuchProcess(pid)
-    cpu_seconds, rss, fds, read, written = (sum(column) for column in zip(*parts, strict=True))
-    return ProcSample(time.monotonic(), cpu_seconds, int(rss), int(fds), int(read), int(written))
 
 
 def free_port() -> int:
@@ -84,7 +67,19 @@ class Server:
         return self.process.pid
 
     def sample(self) -> ProcSample:
-        return sample(self.pid, self.tree)
+        """Its counters, summed over it and every process below it when ``tree`` (``--workers``
+        and nginx fork their workers as children)."""
+        root = psutil.Process(self.pid)
+        parts = []
+        for each in [root, *(root.children(recursive=True) if self.tree else [])]:
+            with contextlib.suppress(psutil.NoSuchProcess), each.oneshot():  # a worker gone
+                cpu, io = each.cpu_times(), each.io_counters()
+                rss, fds = each.memory_info().rss, each.num_fds()
+                parts.append((cpu.user + cpu.system, rss, fds, io.read_chars, io.write_chars))
+        if not parts:
+            raise psutil.NoSuchProcess(self.pid)
+        cpu_seconds, *counts = (sum(column) for column in zip(*parts, strict=True))
+        return ProcSample(time.monotonic(), cpu_seconds, *(int(count) for count in counts))
 
 
 def wait_ready(server: Server, timeout: float = READY_TIMEOUT) -> None:
@@ -140,25 +135,18 @@ class Fleet:
             except subprocess.TimeoutExpired:
                 server.process.kill()
                 server.process.wait(STOP_TIMEOUT)
-            _keep_tail(server.log)
+            # The proxy logs a line per request: keep only the end, where a crash would show.
+            with contextlib.suppress(OSError):
+                if server.log.stat().st_size > LOG_TAIL_BYTES:
+                    server.log.write_bytes(server.log.read_bytes()[-LOG_TAIL_BYTES:])
             with contextlib.suppress(ValueError):
                 self.servers.remove(server)
 
-    def __enter__(self) -> Fleet:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop(*self.servers)
-
-
-def _keep_tail(log: Path, size: int = LOG_TAIL_BYTES) -> None:
-    """The proxy logs a line per request: keep only the end, where a crash would show."""
-    with contextlib.suppress(OSError):
-        if log.stat().st_size > size:
-            with log.open("rb") as f:
-                f.seek(-size, os.SEEK_END)
-                tail = f.read()
-            log.write_bytes(tail)
 
 
 def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:
@@ -184,21 +172,6 @@ def _cpu_seconds(servers: Sequence[Server]) -> dict[str, float]:
     return cpu
 
 
-def _machine_seconds() -> tuple[float, float, float]:
-    """CPU seconds since boot over all cores: in processes, in interrupts, stolen by the host.
-
-    Interrupt time is mostly the kernel moving our own loopback packets; steal is the hypervisor
-    running other machines on our cores.
-    """
-    t = psutil.cpu_times()
-    return t.user + t.nice + t.system, t.irq + t.softirq, t.steal
-
-
-def _own_and_children_seconds() -> float:
-    """CPU of this process plus its finished children (wrk, the Python load generator)."""
-    return sum(psutil.Process().cpu_times()[:4])  # user, system, children's user and system
-
-
 @dataclass(frozen=True)
 class CpuUse:
     """CPU used during one measurement, in cores (CPU seconds per wall second)."""
@@ -218,18 +191,26 @@ class CpuWatch:
 
     def __init__(self, servers: Sequence[Server]) -> None:
         self._servers = list(servers)
-        self._by_server = _cpu_seconds(self._servers)
-        self._start = (time.monotonic(), _machine_seconds(), _own_and_children_seconds())
+        self._start, self._by_server = self._now(), _cpu_seconds(self._servers)
+
+    @staticmethod
+    def _now() -> tuple[float, float, float, float, float]:
+        """Wall time, then CPU seconds: since boot over all cores in processes, in interrupts
+        (mostly the kernel moving our own loopback packets) and stolen by the hypervisor for
+        other machines; of this process plus its finished children (wrk, the Python load
+        generator: user, system, children's user and system)."""
+        t = psutil.cpu_times()
+        harness = sum(psutil.Process().cpu_times()[:4])
+        return time.monotonic(), t.user + t.nice + t.system, t.irq + t.softirq, t.steal, harness
 
     def stop(self) -> CpuUse:
-        wall = max(time.monotonic() - self._start[0], 1e-9)
-        machine, interrupts, steal = (
-            (now - then) / wall
-            for now, then in zip(_machine_seconds(), self._start[1], strict=True)
+        now, then = self._now(), self._start
+        wall = max(now[0] - then[0], 1e-9)
+        machine, interrupts, steal, harness = (
+            (a - b) / wall for a, b in zip(now[1:], then[1:], strict=True)
         )
-        harness = (_own_and_children_seconds() - self._start[2]) / wall
-        now, then = _cpu_seconds(self._servers), self._by_server
-        by_server = {name: (now[name] - then[name]) / wall for name in now if name in then}
+        after, before = _cpu_seconds(self._servers), self._by_server
+        by_server = {name: (after[name] - before[name]) / wall for name in after if name in before}
         servers = sum(by_server.values())
         foreign = max(0.0, machine - servers - harness)
         return CpuUse(wall, machine, servers, harness, foreign, interrupts, steal, by_server)

@@ -1,12 +1,12 @@
 """py-spy on n-proxy while a scenario runs (``--profile``), and its hot spots: functions ranked by
 the samples in which they are on top (self) and anywhere on the stack (total)."""
 
-from __future__ import annotations
-
+import contextlib
 import re
 import signal
 import subprocess
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,29 +16,22 @@ _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]*?)(?::(?P<line>\d+))?\)$")
 _SITE_PACKAGES = re.compile(r".*/site-packages/")
 
 
-class PySpy:
-    """``with PySpy(py_spy, pid, out):`` records the process until the block ends."""
-
-    def __init__(self, py_spy: str, pid: int, out: Path) -> None:
-        self.out = out
-        self._argv = [py_spy, "record", "--pid", str(pid), "--rate", str(RATE_HZ), "--format",
-                      "raw", "--nonblocking", "--output", str(out)]  # fmt: skip
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> PySpy:
-        with self.out.with_suffix(".log").open("wb") as log:
-            self._process = subprocess.Popen(self._argv, stdout=log, stderr=subprocess.STDOUT)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._process is None:
-            return
-        self._process.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+@contextlib.contextmanager
+def recording(py_spy: str, pid: int, out: Path) -> Iterator[None]:
+    """``with recording(py_spy, pid, out):`` records the process until the block ends."""
+    argv = [py_spy, "record", "--pid", str(pid), "--rate", str(RATE_HZ), "--format", "raw",
+            "--nonblocking", "--output", str(out)]  # fmt: skip
+    with out.with_suffix(".log").open("wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
         try:
-            self._process.wait(30)
+            process.wait(30)
         except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait(5)
+            process.kill()
+            process.wait(5)
 
 
 def _function(frame: str) -> str:

@@ -1,18 +1,17 @@
-"""Every scenario's report: the stamp (commit, date, machine, command), Markdown tables, targets
-checked against their goals, and the JSON and Markdown files written."""
+"""Every scenario's report: the stamp (commit, date, machine, command), Markdown tables, and targets
+checked against their goals."""
 
 import datetime
+import functools
 import math
 import os
 import platform
 import re
 import subprocess
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
 Row = dict[str, Any]
@@ -31,13 +30,10 @@ def version(argv: Sequence[str]) -> str:
 
 def commit(tree: Path = ROOT) -> str:
     """The commit a tree is at, marked dirty when its proxy/ has uncommitted changes."""
-
-    def git(*argv: str) -> str:
-        return subprocess.run(["git", *argv], cwd=tree, capture_output=True, text=True).stdout
-
+    git = functools.partial(subprocess.run, cwd=tree, capture_output=True, text=True)
     try:
-        head = git("rev-parse", "--short", "HEAD").strip()
-        dirty = git("status", "--porcelain", "proxy").strip()
+        head = git(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        dirty = git(["git", "status", "--porcelain", "proxy"]).stdout.strip()
     except OSError:
         return "unknown"
     return f"{head}{'+dirty' if dirty else ''}" if head else "unknown"
@@ -47,34 +43,27 @@ def stamp(command: str, load: str, versions: list[str], baseline: Path | None, n
     """What a result was measured with: printed at the top of its report, kept in its JSON."""
     names = re.findall(r"^model name\s*: (.*)$", Path("/proc/cpuinfo").read_text(), re.M)
     return {
-        "command": command,
-        "commit": commit(),
+        "command": command, "commit": commit(),
         "baseline": f"{baseline} at {commit(baseline)}" if baseline else None,
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpus": os.cpu_count(),
-        "cpu_model": names[0] if names else "unknown",
-        "kernel": platform.release(),
-        "python": platform.python_version(),
+        "cpus": os.cpu_count(), "cpu_model": names[0] if names else "unknown",
+        "kernel": platform.release(), "python": platform.python_version(),
         "load_average": os.getloadavg()[0],  # at the start: other work on a shared machine
-        "load": load,
-        "versions": versions,
-        "note": note,
-    }
+        "load": load, "versions": versions, "note": note,
+    }  # fmt: skip
 
 
 def header(title: str, meta: Row) -> list[str]:
     tools = ", ".join([f"load generator: {meta['load']}", *meta["versions"]])
     lines = [
-        f"# {title}",
-        "",
-        f"Command: `{meta['command']}`  ",
+        f"# {title}", "", f"Command: `{meta['command']}`  ",
         f"n-proxy at commit {meta['commit']}"
         + (f"; baseline {meta['baseline']}" if meta.get("baseline") else "")
         + f"; started {meta['started']}, took {meta.get('seconds', 0):.0f} s  ",
         f"Machine: {meta['cpus']} x {meta['cpu_model']}, Linux {meta['kernel']}, Python"
         f" {meta['python']}; {tools}; load average {meta.get('load_average', 0):.1f} at the"
         " start. Everything on 127.0.0.1.",
-    ]
+    ]  # fmt: skip
     return lines + (["", meta["note"]] if meta.get("note") else [])
 
 
@@ -131,17 +120,3 @@ def target(what: str, value: Any, op: str, bound: float, fmt: str) -> Target:
         return Target(what, goal, "not measured", None)
     ok = float(value) <= bound if op == "<=" else float(value) >= bound
     return Target(what, goal, fmt.format(value), ok)
-
-
-def targets_table(targets: Sequence[Target]) -> list[str]:
-    columns = [("target", "what", ""), ("goal", "goal", ""), ("measured", "measured", "")]
-    rows = [{**asdict(t), "verdict": t.verdict} for t in targets]
-    return table([*columns, ("verdict", "verdict", "")], rows)
-
-
-def write(out: Path, stem: str, results: Row, text: str) -> None:
-    """The JSON (NaN, a moment not measured, as null) and the Markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
-    (out / f"{stem}.json").write_bytes(orjson.dumps(results, default=str, option=options))
-    (out / f"{stem}.md").write_text(text)

@@ -1,8 +1,6 @@
 """What a scenario is (a plugin of ``python -m bench``) and what the driver hands it: its options,
 the tools found, and a Context that starts n-proxy (and the baseline beside it) and the servers."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -12,10 +10,9 @@ from typing import Any
 
 from bench.load import Loader, Tool
 from bench.procs import Fleet, Server, settle, wait_ready
-from bench.profile import PySpy
+from bench.profile import recording
 from bench.report import Row, Target
 from bench.stack import PROXY_CONFIG, start_proxy
-from bench.stats import rotated
 
 PROXY = "n-proxy"
 BASELINE = "baseline"
@@ -23,10 +20,6 @@ BASELINE = "baseline"
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
-
-
-def _words(text: str) -> tuple[str, ...]:
-    return tuple(text.split(","))
 
 
 def _option(default: Any, help: str, parse: Callable[[str], Any] | None = None) -> Any:
@@ -51,22 +44,7 @@ class Options:
     workers: int = _option(2, "passthrough: also n-proxy with --workers N (1: not)")
     steps_ms: tuple[int, ...] = _option((50, 20), "manystream: the pacer's decode steps", _ints)
     retry_on: tuple[str, ...] = _option(("connect", "reset"), "llamacpp: n-proxy's retry_on",
-                                        _words)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """``run`` measures and returns what goes into the JSON (its ``summary`` included), ``render``
-    turns that into Markdown lines, ``targets`` checks it against the goals. ``full`` and
-    ``smoke`` are its Options defaults: a real run, and a tiny one of seconds for CI."""
-
-    name: str
-    title: str
-    run: Callable[[Context], Row]
-    render: Callable[[Row], list[str]]
-    targets: Callable[[Row], list[Target]] = lambda _: []
-    full: Mapping[str, Any] = field(default_factory=dict)
-    smoke: Mapping[str, Any] = field(default_factory=dict)
+                                        lambda text: tuple(text.split(",")))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -123,21 +101,19 @@ class Context:
         --profile, py-spy starts recording n-proxy once it is up."""
         up: dict[str, Server] = {}
         for name, server in servers.items():
-            if any(server is seen for seen in up.values()):  # one server, two contenders
-                up[name] = server
-                continue
-            try:
-                wait_ready(server)
-            except RuntimeError as exc:
-                if name not in optional:
-                    raise
-                self.skipped[name] = f"did not start: {exc}"[:300]
-                self.fleet.stop(server)
-                continue
+            if not any(server is seen for seen in up.values()):  # one server, two contenders
+                try:
+                    wait_ready(server)
+                except RuntimeError as exc:
+                    if name not in optional:
+                        raise
+                    self.skipped[name] = f"did not start: {exc}"[:300]
+                    self.fleet.stop(server)
+                    continue
+                if self.tools.py_spy and name == PROXY:  # server.name has a suffix (manystream)
+                    out = self.work / "profile.txt"
+                    self.stack.enter_context(recording(self.tools.py_spy, server.pid, out))
             up[name] = server
-            if self.tools.py_spy and name == PROXY:  # server.name has a suffix (manystream)
-                out = self.work / "profile.txt"
-                self.stack.enter_context(PySpy(self.tools.py_spy, server.pid, out))
         return up
 
     def rounds(
@@ -149,8 +125,24 @@ class Context:
         server is idle; a row each, with the contender (under ``label``) and the case."""
         names, rows = list(contenders), []
         for turn in range(self.options.rounds):
+            k = turn % len(names) if names else 0
             for case in ({"round": turn, **c} for c in cases):
-                for name in rotated(names, turn):
+                for name in names[k:] + names[:k]:
                     settle(self.fleet.servers)
                     rows.append({label: name, **case, **one(name, case)})
         return rows
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """``run`` measures and returns what goes into the JSON (its ``summary`` included), ``render``
+    turns that into Markdown lines, ``targets`` checks it against the goals. ``full`` and
+    ``smoke`` are its Options defaults: a real run, and a tiny one of seconds for CI."""
+
+    name: str
+    title: str
+    run: Callable[[Context], Row]
+    render: Callable[[Row], list[str]]
+    targets: Callable[[Row], list[Target]] = lambda _: []
+    full: Mapping[str, Any] = field(default_factory=dict)
+    smoke: Mapping[str, Any] = field(default_factory=dict)

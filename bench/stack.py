@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from bench.pacer import BODY, HEALTH_PATH
 from bench.procs import Fleet, Server, free_port
@@ -23,6 +24,7 @@ upstreams:
 drain_seconds: 1
 """
 
+_NGINX_TEMP = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
 # One worker, as n-proxy has one by default, and one server: a reverse proxy (HTTP/1.1 upstream
 # connections kept alive, responses not buffered) or the canned upstream (``_CANNED``).
 _NGINX = """\
@@ -34,11 +36,7 @@ events {{ worker_connections 8192; }}
 http {{
     access_log off;
     keepalive_requests {keepalive_requests};
-    client_body_temp_path {work}/body;
-    proxy_temp_path {work}/proxy;
-    fastcgi_temp_path {work}/fastcgi;
-    uwsgi_temp_path {work}/uwsgi;
-    scgi_temp_path {work}/scgi;
+{temp_paths}
     upstream backend {{
         server 127.0.0.1:{upstream_port};
         keepalive 256;
@@ -93,78 +91,74 @@ litellm_settings:
 """
 
 # Keep LiteLLM off the network: the cost map ships with the package, no usage is reported.
-LITELLM_ENV = {
-    "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-    "LITELLM_TELEMETRY": "False",
-    "LITELLM_LOG": "ERROR",
-    "NO_PROXY": "127.0.0.1,localhost",
-}
+LITELLM_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False",
+               "LITELLM_LOG": "ERROR", "NO_PROXY": "127.0.0.1,localhost"}  # fmt: skip
+
+
+def _launch(
+    fleet: Fleet, name: str, argv: list[str], ready: str = "/health", **options: Any
+) -> Server:
+    """Every server but nginx is started this way: on a free port, given as ``--port``; launched
+    only (the caller waits, ``wait_ready``, so the servers boot side by side)."""
+    port = free_port()
+    return fleet.launch(name, [*argv, "--port", str(port)], port, ready, **options)
 
 
 def start_backend(
     fleet: Fleet, *, native_n: bool = False, name: str = "backend", token_delay: float = 0.0
 ) -> Server:
-    """The devserver, launched only: the caller waits (``wait_ready``), so the servers boot side
-    by side."""
-    port = free_port()
-    argv = [sys.executable, "-m", "bench.stack", "--port", str(port)]
-    argv += ["--token-delay", str(token_delay)]
-    if native_n:
-        argv.append("--native-n")
-    return fleet.launch(name, argv, port, "/health")
+    """The demo backend on uvloop (this module as a script)."""
+    argv = [sys.executable, "-m", "bench.stack", "--token-delay", str(token_delay)]
+    return _launch(fleet, name, argv + ["--native-n"] * native_n)
 
 
 def start_proxy(
-    fleet: Fleet,
-    work: Path,
-    upstream: str,
-    name: str = "n-proxy",
-    *,
-    workers: int = 1,
-    checkout: Path | None = None,
-    config: str = PROXY_CONFIG,
-    env: Mapping[str, str] | None = None,
-) -> Server:
-    """Launched only, like the backend; ``workers`` > 1 uses the proxy's ``--workers``.
+    fleet: Fleet, work: Path, upstream: str, name: str = "n-proxy", *, workers: int = 1,
+    checkout: Path | None = None, config: str = PROXY_CONFIG, env: Mapping[str, str] | None = None,
+) -> Server:  # fmt: skip
+    """``workers`` > 1 uses the proxy's ``--workers``.
 
     ``config``: YAML in which ``{url}`` stands for ``upstream``. ``checkout``: another tree of
     n-proxy (a baseline, with its own ``.venv``), run beside this one so that before and after
     are measured in the same run. ``OTEL_*`` from the bench's environment is cleared (tracing
     is asked for with ``env``), so both trees run alike unless told otherwise.
     """
-    port = free_port()
     path = work / f"{name}.yaml"
     path.write_text(config.replace("{url}", upstream))
     python = str(checkout / ".venv" / "bin" / "python") if checkout else sys.executable
     argv = [python, "-m", "proxy", "--config", str(path), "--host", "127.0.0.1"]
-    argv += ["--port", str(port)] + (["--workers", str(workers)] if workers > 1 else [])
+    argv += ["--workers", str(workers)] if workers > 1 else []
     clean = {k: "" for k in os.environ if k.startswith("OTEL_")}
-    return fleet.launch(
-        name, argv, port, "/health", env={**clean, **(env or {})}, cwd=checkout, tree=workers > 1
-    )
+    env = {**clean, **(env or {})}
+    return _launch(fleet, name, argv, env=env, cwd=checkout, tree=workers > 1)
 
 
 def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Server:
-    """The 20-line aiohttp forwarder (``bench/forwarder.py``), plain aiohttp: launched only.
+    """The 20-line aiohttp forwarder (``bench/forwarder.py``), plain aiohttp; ``lean``: the same
+    forwarder on n-proxy's own upstream client (``--lean``)."""
+    argv = [sys.executable, "-m", "bench.forwarder", "--upstream", upstream.url]
+    name = "lean forwarder" if lean else "aiohttp forwarder"
+    return _launch(fleet, name, argv + ["--lean"] * lean)
 
-    ``lean``: the same forwarder on n-proxy's own upstream client (``--lean``).
-    """
-    port = free_port()
-    argv = [sys.executable, "-m", "bench.forwarder", "--port", str(port)]
-    argv += ["--upstream", upstream.url] + (["--lean"] if lean else [])
-    return fleet.launch("lean forwarder" if lean else "aiohttp forwarder", argv, port, "/health")
+
+def start_pacer(fleet: Fleet, step: float | None, name: str) -> Server:
+    """``bench.pacer``: paced streams of a chunk every ``step`` seconds, or (None) the canned
+    answer."""
+    argv = [sys.executable, "-m", "bench.pacer"]
+    return _launch(fleet, name, argv + (["--step", str(step)] if step else ["--canned"]))
 
 
 def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server | None = None) -> Server:
     """nginx as a reverse proxy in front of ``upstream``, or without one as the canned upstream;
-    launched only."""
+    launched only, on a port its config names."""
     home, port = work / ("nginx" if upstream else "nginx-canned"), free_port()
-    for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+    for sub in _NGINX_TEMP:
         (home / sub).mkdir(parents=True, exist_ok=True)
     canned = _CANNED.format(health=HEALTH_PATH, path=CHAT_PATH, body=BODY.decode())
     (home / "nginx.conf").write_text(_NGINX.format(
         work=home, port=port, upstream_port=upstream.port if upstream else port,  # canned: unused
         keepalive_requests=1000 if upstream else 100_000_000,
+        temp_paths="\n".join(f"    {t}_temp_path {home}/{t};" for t in _NGINX_TEMP),
         locations=_PROXY if upstream else canned))  # fmt: skip
     argv = [nginx, "-p", str(home), "-c", str(home / "nginx.conf"), "-g", "daemon off;"]
     name = "nginx" if upstream else "canned nginx"
@@ -172,27 +166,18 @@ def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server | None = 
 
 
 def start_canned(fleet: Fleet, work: Path, nginx: str | None) -> Server:
-    """The canned upstream (``bench.pacer.BODY``): nginx, or ``bench.pacer --canned`` without it.
-
-    Launched only. Named "canned nginx" or "canned python", so a report says which it was.
-    """
-    if nginx is not None:
-        return start_nginx(fleet, work, nginx)
-    port = free_port()
-    argv = [sys.executable, "-m", "bench.pacer", "--canned", "--port", str(port)]
-    return fleet.launch("canned python", argv, port, HEALTH_PATH)
+    """The canned upstream (``bench.pacer.BODY``): nginx, or ``bench.pacer --canned`` without it;
+    named "canned nginx" or "canned python", so a report says which it was."""
+    return start_nginx(fleet, work, nginx) if nginx else start_pacer(fleet, None, "canned python")
 
 
 def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> Server:
-    """One uvicorn worker; launched only (it takes seconds to import)."""
-    port = free_port()
+    """One uvicorn worker (it takes seconds to import)."""
     config = work / "litellm.yaml"
     config.write_text(_LITELLM_CONFIG.format(model=MODEL, url=upstream.url, key=BENCH_KEY))
-    argv = [litellm, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--num_workers", "1"]
-    return fleet.launch(
-        "litellm", argv, port, "/health/liveliness", env=LITELLM_ENV, cwd=work, tree=True
-    )
+    argv = [litellm, "--config", str(config), "--host", "127.0.0.1", "--num_workers", "1"]
+    return _launch(fleet, "litellm", argv, "/health/liveliness", env=LITELLM_ENV, cwd=work,
+                   tree=True)  # fmt: skip
 
 
 if __name__ == "__main__":  # the demo backend, as ``n-proxy-devserver`` serves it, on uvloop

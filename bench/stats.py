@@ -52,12 +52,6 @@ def percentile(ascending: Sequence[float], q: float) -> float:
     return ascending[rank - 1]
 
 
-def rotated(items: Sequence[str], turn: int) -> list[str]:
-    """A different order each round, so no contender always runs first (or last)."""
-    k = turn % len(items) if items else 0
-    return [*items[k:], *items[:k]]
-
-
 def paired(
     rows: Sequence[Row], field: str, mine: object, base: object, value: Pairing
 ) -> list[float]:

@@ -115,6 +115,7 @@ def raw_post(path: str, body: bytes, *, close: bool = False) -> bytes:
 
 
 OnEvents = Callable[[float, bytes], None]
+_IGNORE: OnEvents = lambda now, block: None  # noqa: E731
 OPEN_BATCH = 100  # connections opened at once: a listen backlog is not the thing measured
 MAX_HEAD = 65536
 
@@ -125,7 +126,7 @@ class RawStream(asyncio.Protocol):
     time.monotonic()). ``flowing`` is done at the first run, or when none will come (``error``
     then says why); ``ended`` when the connection closes; ``events`` counts them."""
 
-    def __init__(self, request: bytes, on_events: OnEvents = lambda now, block: None) -> None:
+    def __init__(self, request: bytes, on_events: OnEvents = _IGNORE) -> None:
         loop = asyncio.get_running_loop()
         self.request, self.on_events = request, on_events
         self.flowing: asyncio.Future[None] = loop.create_future()
@@ -166,11 +167,7 @@ class RawStream(asyncio.Protocol):
 
 
 async def open_raw(
-    port: int,
-    request: bytes,
-    count: int = 1,
-    on_events: OnEvents = lambda now, block: None,
-    rcvbuf: int = 0,
+    port: int, request: bytes, count: int = 1, on_events: OnEvents = _IGNORE, rcvbuf: int = 0
 ) -> list[RawStream]:
     """``count`` RawStreams to 127.0.0.1:``port``, opened OPEN_BATCH at a time; ``rcvbuf``: each
     socket's receive buffer, set before it connects (0: the kernel's default)."""

@@ -8,7 +8,7 @@ from bench.scenario import PROXY, Context, Scenario
 from bench.scenarios.passthrough import measure
 from bench.stack import start_backend
 from bench.stats import grouped, median, medians, over, paired, ratio
-from bench.workload import Request, chat_request
+from bench.workload import chat_request
 
 NATIVE = "native"
 GOAL_N = 8
@@ -24,13 +24,10 @@ def _run(ctx: Context) -> Row:
     cases = [{"n": n, "stream": s, "concurrency": c} for s in (False, True) for n in ctx.options.n]
     # The backend that does the generating: the n=1 one behind n-proxy, or native.
     data = measure(
-        ctx, targets, _request, cases, lambda name: native if name == NATIVE else backend
-    )
+        ctx, targets, lambda name, case: chat_request(case["n"], stream=case["stream"]), cases,
+        lambda name: native if name == NATIVE else backend,
+    )  # fmt: skip
     return {"runs": data["runs"], "summary": summarize(data["runs"])}
-
-
-def _request(name: str, case: Row) -> Request:
-    return chat_request(case["n"], stream=case["stream"])
 
 
 def summarize(rows: Sequence[Row]) -> list[Row]:

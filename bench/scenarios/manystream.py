@@ -8,16 +8,16 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import cast
 
 import orjson
 
-from bench.procs import CpuWatch, Server, free_port
+from bench.load import QUANTILES
+from bench.procs import CpuWatch, Server
 from bench.report import ROOT, Row, say, table
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import DIRECT, FORWARDER
-from bench.stack import start_forwarder, start_nginx
+from bench.stack import start_forwarder, start_nginx, start_pacer
 from bench.stats import grouped, median, medians, minus, paired, percentile
 from bench.workload import CHAT_PATH, chat_body, open_raw, raw_post, run_async
 
@@ -26,7 +26,6 @@ RAMP_LIMIT = 15.0  # seconds for every stream to get its first chunk
 CLIENT_TIMEOUT = 120.0
 WARMUP = 1.0  # seconds of flowing streams before the window, at most as long as the window
 MEDIANS = ("cpu_us_per_chunk", "proxy_cores", "delivered", "p50_ms", "p99_ms")
-QUANTILES = (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))
 
 
 async def _client(
@@ -70,27 +69,23 @@ async def _client(
     print("result " + json.dumps(result), flush=True)
 
 
-@dataclass(frozen=True)
-class Contender:
-    name: str
-    server: Server
-    n: int = 1
-
-
-def measure(contender: Contender, streams: int, step: float, warmup: float, seconds: float) -> Row:
-    """One client process against one contender; the contender's CPU over the client's window."""
-    argv = [sys.executable, "-m", "bench.scenarios.manystream", str(contender.server.port)]
-    argv += [str(max(streams // contender.n, 1)), str(contender.n), str(step), str(warmup)]
-    process = subprocess.Popen([*argv, str(seconds)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+def measure(
+    server: Server, n: int, streams: int, step: float, warmup: float, seconds: float
+) -> Row:
+    """One client process of ``streams`` / ``n`` requests of ``n`` choices against one contender;
+    the contender's CPU over the client's window."""
+    argv = [sys.executable, "-m", "bench.scenarios.manystream", str(server.port)]
+    argv += [str(max(streams // n, 1)), str(n), str(step), str(warmup), str(seconds)]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert process.stdout is not None
-    watch, before, after, result = None, None, None, cast(Row, {})
+    watch, result = None, cast(Row, {})
     deadline = time.monotonic() + CLIENT_TIMEOUT
     try:
         for line in process.stdout:
             if line.startswith("start"):
-                before, watch = contender.server.sample(), CpuWatch([contender.server])
+                watch = CpuWatch([server])
             elif line.startswith("end") and watch is not None:
-                after, result["cpu"] = contender.server.sample(), watch.stop().__dict__
+                result["cpu"] = watch.stop().__dict__
             elif line.startswith("result "):
                 result.update(json.loads(line[7:]))
                 result |= {f"{q}_ms": v for q, v in result.pop("latency_ms").items()}
@@ -101,32 +96,30 @@ def measure(contender: Contender, streams: int, step: float, warmup: float, seco
         if process.poll() is None:
             process.kill()
             process.wait()
-    if before is not None and after is not None and result.get("chunks"):
-        cpu = after.cpu_seconds - before.cpu_seconds
-        result["proxy_cores"] = cpu / (after.at - before.at)
-        result["cpu_us_per_chunk"] = cpu / result["chunks"] * 1e6
+    if "cpu" in result and result.get("chunks"):
+        result["proxy_cores"] = cores = result["cpu"]["servers"]
+        result["cpu_us_per_chunk"] = cores * result["cpu"]["wall_seconds"] / result["chunks"] * 1e6
     return result
 
 
 def _step(ctx: Context, step: float) -> list[Row]:
     """Every contender in front of one pacer of ``step`` seconds, every --streams, in rounds."""
-    port, ms, o = free_port(), f"{step * 1000:.0f}ms", ctx.options
-    argv = [sys.executable, "-m", "bench.pacer", "--port", str(port), "--step", str(step)]
-    pacer = ctx.fleet.launch(f"pacer-{ms}", argv, port, "/health")
+    ms, o = f"{step * 1000:.0f}ms", ctx.options
+    pacer = start_pacer(ctx.fleet, step, f"pacer-{ms}")
     servers = {DIRECT: pacer, **ctx.proxies(pacer.url, f"-{ms}")}
     if ctx.tools.nginx:
         servers["nginx"] = start_nginx(ctx.fleet, ctx.work, ctx.tools.nginx, pacer)
     if ctx.wants("forwarder"):
         servers[FORWARDER] = start_forwarder(ctx.fleet, pacer)
     up = ctx.ready(servers)
-    contenders = {k: Contender(k, up[k]) for k in (DIRECT, "nginx", FORWARDER) if k in up}
+    contenders = {k: (up[k], 1) for k in (DIRECT, "nginx", FORWARDER) if k in up}
     for label in (PROXY, BASELINE):
         for n in (1, 4) if label in up else ():
-            contenders[f"{label} n={n}"] = Contender(f"{label} n={n}", up[label], n)
+            contenders[f"{label} n={n}"] = (up[label], n)
 
     def one(name: str, case: Row) -> Row:
         warmup = min(WARMUP, o.seconds)
-        row = measure(contenders[name], case["streams"], step, warmup, o.seconds)
+        row = measure(*contenders[name], case["streams"], step, warmup, o.seconds)
         say(f"{case['streams']} x {ms} {name}", row, *MEDIANS, "not_started")
         return row
 

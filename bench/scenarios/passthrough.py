@@ -3,16 +3,18 @@ the demo backend as the limit. ``measure`` is also the wire scenario's loop."""
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+from urllib.error import HTTPError
+from urllib.request import Request as UrlRequest
+from urllib.request import urlopen
 
 import orjson
 
-from bench.load import post
 from bench.procs import CpuWatch, Server
-from bench.report import Column, Row, Target, pick, table, target
+from bench.report import Column, Row, Target, pick, say, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.stack import start_backend, start_forwarder, start_litellm, start_nginx, start_proxy
 from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles
-from bench.workload import Request, chat_request
+from bench.workload import HEADERS, Request, chat_request
 
 DIRECT = "direct"
 FORWARDER = "aiohttp forwarder"
@@ -24,7 +26,12 @@ def check(name: str, server: Server, request: Request) -> int:
     """A contender must answer correctly before it is timed: choices 0 to n-1, with usage (in a
     stream: every index, and one ``[DONE]``). Returns n."""
     sent = orjson.loads(request.body)
-    n, (status, raw) = int(sent.get("n", 1)), post(server.url, request)
+    n = int(sent.get("n", 1))
+    try:
+        with urlopen(UrlRequest(server.url + request.path, request.body, HEADERS), timeout=30) as r:
+            status, raw = r.status, r.read()
+    except HTTPError as error:  # not 2xx
+        status, raw = error.code, error.read()
     if sent.get("stream"):
         events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line[:7] == b"data: {"]
         indexes = sorted({c["index"] for e in events for c in e.get("choices") or ()})
@@ -59,22 +66,18 @@ def measure(
         watch = CpuWatch(ctx.fleet.servers)
         result = ctx.loader.run(targets[name].url, request(name, case), case["concurrency"])
         cpu = watch.stop()
-        what = " ".join([f"round {case['round']}", *(f"{k}={v}" for k, v in case.items()
-                                                       if k != "round"), name])  # fmt: skip
-        print(
-            f"  {ctx.work.name} {what:<48} {result.rps:8.0f} req/s  p50 {result.p50_ms:7.3f} ms"
-            f"  p99 {result.p99_ms:7.3f} ms  errors {result.errors}  other load {cpu.foreign:.2f},"
-            f" steal {cpu.steal:.2f} cores",
-            flush=True,
-        )
-        us = 1e6 / result.rps if result.rps else 0.0
+        us = 1e6 / result["rps"] if result["rps"] else 0.0
         upstream = backend(name) if backend else targets[DIRECT]
         own, behind = (cpu.by_server.get(s.name, 0.0) for s in (targets[name], upstream))
-        return {
-            **result.to_json(), "cores": own, "backend_cores": behind,
+        row = {
+            **result, "cores": own, "backend_cores": behind,
             "cpu_us_per_req": own * us, "backend_cpu_us_per_req": behind * us,
             "other_load_cores": cpu.foreign, "steal_cores": cpu.steal,
         }  # fmt: skip
+        what = " ".join([*(f"{k}={v}" for k, v in case.items()), name])
+        say(f"{ctx.work.name} {what}", row, "rps", "p50_ms", "p99_ms", "errors",
+            "other_load_cores", "steal_cores")  # fmt: skip
+        return row
 
     return {"runs": ctx.rounds(targets, cases, one), "checked": checked}
 
@@ -154,10 +157,9 @@ def _run(ctx: Context) -> Row:
         contenders[FORWARDER] = start_forwarder(ctx.fleet, backend)
     contenders.update(ctx.proxies(backend.url))
     workers = f"{PROXY} x{ctx.options.workers}"
-    if ctx.options.workers > 1:
-        contenders[workers] = start_proxy(
-            ctx.fleet, ctx.work, backend.url, workers, workers=ctx.options.workers
-        )
+    count = ctx.options.workers
+    if count > 1:
+        contenders[workers] = start_proxy(ctx.fleet, ctx.work, backend.url, workers, workers=count)
     if ctx.tools.litellm:
         contenders["litellm"] = start_litellm(ctx.fleet, ctx.work, ctx.tools.litellm, backend)
     up = ctx.ready(contenders, {"nginx", FORWARDER, workers, "litellm"})

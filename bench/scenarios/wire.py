@@ -2,12 +2,12 @@
 ``return``, else ``bench.pacer --canned``), with the lean forwarder and n-proxy fan-out n=4 too."""
 
 from bench.report import Row, Target, pick, table, target
-from bench.scenario import BASELINE, PROXY, Context, Scenario
+from bench.scenario import PROXY, Context, Scenario
 from bench.scenarios import passthrough
 from bench.scenarios.passthrough import COLUMNS, DIRECT, FORWARDER, baseline_table, versus
 from bench.stack import start_canned, start_forwarder, start_nginx
 from bench.stats import NAN, median, ratio
-from bench.workload import Request, chat_request
+from bench.workload import chat_request
 
 FANOUT_N = 4
 FANOUT = f"{PROXY} n={FANOUT_N}"
@@ -23,14 +23,13 @@ def _run(ctx: Context) -> Row:
         targets[FORWARDER] = start_forwarder(ctx.fleet, canned)
     if ctx.wants("lean"):
         targets[LEAN] = start_forwarder(ctx.fleet, canned, lean=True)
+    fanouts = {}  # each n-proxy a second time, as a contender sent n = FANOUT_N
     for label, server in ctx.proxies(canned.url).items():
-        targets[label] = targets[f"{label} n={FANOUT_N}"] = server
-    fanouts = {f"{label} n={FANOUT_N}" for label in (PROXY, BASELINE)}
-
-    def request(name: str, case: Row) -> Request:
-        return chat_request(FANOUT_N if name in fanouts else 1)
-
-    data = passthrough.measure(ctx, ctx.ready(targets), request)
+        targets[label] = fanouts[f"{label} n={FANOUT_N}"] = server
+    data = passthrough.measure(
+        ctx, ctx.ready(targets | fanouts),
+        lambda name, case: chat_request(FANOUT_N if name in fanouts else 1),
+    )  # fmt: skip
     return {"upstream": canned.name, **data, "summary": passthrough.summarize(data["runs"])}
 
 

@@ -1,8 +1,6 @@
 """The results chart: ``python -m bench.tools.chart latest.json latest.png`` (the driver draws it
 after a run when bench/.work/venv has matplotlib, which is not a project dependency)."""
 
-from __future__ import annotations
-
 import json
 import sys
 from pathlib import Path
@@ -18,33 +16,28 @@ COLORS = {"direct": "#4c72b0", "nginx": "#55a868", "n-proxy": "#c44e52", "n-prox
 Rows = list[dict[str, Any]]
 
 
-def _passthrough(ax: Any, summary: Rows) -> None:
+def _passthrough(bars: Any, lines: Any, summary: Rows) -> None:
+    """Req/s per contender and concurrency as bars; latency added over direct as lines."""
     names = list(dict.fromkeys(r["target"] for r in summary))
     levels = sorted({r["concurrency"] for r in summary})
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
-        rps = {r["concurrency"]: r["rps"] for r in summary if r["target"] == name}
-        xs = [j + i * width for j in range(len(levels))]
-        ax.bar(xs, [rps[c] for c in levels], width, label=name, color=COLORS.get(name))
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(levels))])
-    ax.set_xticklabels([f"c={c}" for c in levels])
-    ax.set(ylabel="requests/s", title="n=1 pass-through (non-streaming)")
-    ax.legend(fontsize=8)
-
-
-def _latency(ax: Any, summary: Rows) -> None:
-    levels = sorted({r["concurrency"] for r in summary})
-    for name in dict.fromkeys(r["target"] for r in summary if r["target"] != "direct"):
         rows = {r["concurrency"]: r for r in summary if r["target"] == name}
-        for q, style in (("p50", "o-"), ("p99", "x--")):
+        xs = [j + i * width for j in range(len(levels))]
+        bars.bar(xs, [rows[c]["rps"] for c in levels], width, label=name, color=COLORS.get(name))
+        for q, style in (("p50", "o-"), ("p99", "x--")) if name != "direct" else ():
             values = [rows[c][f"added_{q}_ms"] for c in levels]
-            ax.plot(levels, values, style, color=COLORS.get(name), label=f"{name} {q}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("symlog", linthresh=1)
-    ax.axhline(0.3, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xticks(levels, [str(c) for c in levels])
-    ax.set(xlabel="concurrency", ylabel="added latency over direct, ms", title="added latency")
-    ax.legend(fontsize=7)
+            lines.plot(levels, values, style, color=COLORS.get(name), label=f"{name} {q}")
+    bars.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(levels))])
+    bars.set_xticklabels([f"c={c}" for c in levels])
+    bars.set(ylabel="requests/s", title="n=1 pass-through (non-streaming)")
+    bars.legend(fontsize=8)
+    lines.set_xscale("log", base=2)
+    lines.set_yscale("symlog", linthresh=1)
+    lines.axhline(0.3, color="grey", linewidth=0.8, linestyle=":")
+    lines.set_xticks(levels, [str(c) for c in levels])
+    lines.set(xlabel="concurrency", ylabel="added latency over direct, ms", title="added latency")
+    lines.legend(fontsize=7)
 
 
 def _fanout(ax: Any, summary: Rows) -> None:
@@ -72,8 +65,7 @@ def _targets(ax: Any, targets: Rows) -> None:
 def render(results: dict[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     if passthrough := results.get("passthrough", {}).get("summary"):
-        _passthrough(axes[0][0], passthrough)
-        _latency(axes[0][1], passthrough)
+        _passthrough(axes[0][0], axes[0][1], passthrough)
     if fanout := results.get("fanout", {}).get("summary"):
         _fanout(axes[1][0], fanout)
     _targets(axes[1][1], results.get("targets", []))

@@ -9,8 +9,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
+from urllib.request import urlopen
 
-import aiohttp
 import orjson
 
 from bench.load import generate
@@ -50,62 +51,57 @@ scrape_configs:
 """
 
 
-def _collect(prometheus: str, seconds: float, workers: int) -> dict[str, Any]:
+def collect(prometheus: str, seconds: float, workers: int) -> dict[str, Any]:
     """The demo backend, n-proxy and Prometheus as processes of their own; the load from here,
     with twice the clients in the middle third (the queue fills, then drains)."""
-    home = Path(tempfile.mkdtemp(prefix="n-proxy-dashboard-"))
     admin, prom = free_port(), free_port()
-    (home / "prometheus.yml").write_text(_PROMETHEUS_CONFIG.format(admin=admin))
-    prometheus_argv = [prometheus, f"--config.file={home / 'prometheus.yml'}",
-                       f"--storage.tsdb.path={home / 'data'}",
-                       f"--web.listen-address=127.0.0.1:{prom}"]  # fmt: skip
-    try:
-        with Fleet(home / "logs") as fleet:
-            backend = start_backend(fleet, token_delay=0.02)
-            wait_ready(backend)
-            config = _PROXY_CONFIG.format(admin=admin)
-            proxy = start_proxy(fleet, home, backend.url, config=config)
-            wait_ready(proxy)
-            wait_ready(fleet.launch("prometheus", prometheus_argv, prom, "/-/ready"))
-            mix = [(proxy.url + path, orjson.dumps(body)) for path, body in _MIX]
-            start, sent = time.time(), 0
-            for clients in (workers // 2, workers, workers // 2):
-                latencies, errors, _ = run_async(generate(mix, clients, seconds / 3))
-                sent += len(latencies) + errors
-            time.sleep(3)  # the last scrapes
-            api = f"http://127.0.0.1:{prom}/api/v1"
-            panels = run_async(_query_panels(api, start, time.time()))
-            return {"seconds": seconds, "workers": workers, "requests": sent, "panels": panels}
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+    with (
+        tempfile.TemporaryDirectory(prefix="n-proxy-dashboard-", ignore_cleanup_errors=True) as tmp,
+        Fleet(Path(tmp) / "logs") as fleet,  # stopped before the folder goes
+    ):
+        config = Path(tmp) / "prometheus.yml"
+        config.write_text(_PROMETHEUS_CONFIG.format(admin=admin))
+        argv = [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp}/data",
+                f"--web.listen-address=127.0.0.1:{prom}"]  # fmt: skip
+        backend = start_backend(fleet, token_delay=0.02)
+        wait_ready(backend)
+        proxy = start_proxy(fleet, Path(tmp), backend.url, config=_PROXY_CONFIG.format(admin=admin))
+        wait_ready(proxy)
+        wait_ready(fleet.launch("prometheus", argv, prom, "/-/ready"))
+        mix = [(proxy.url + path, orjson.dumps(body)) for path, body in _MIX]
+        start, sent = time.time(), 0
+        for clients in (workers // 2, workers, workers // 2):
+            latencies, errors, _ = run_async(generate(mix, clients, seconds / 3))
+            sent += len(latencies) + errors
+        time.sleep(3)  # the last scrapes
+        panels = _panels(f"http://127.0.0.1:{prom}/api/v1/query_range", start, time.time())
+    return {"seconds": seconds, "workers": workers, "requests": sent, "panels": panels}
 
 
-async def _query_panels(api: str, start: float, end: float) -> list[dict[str, Any]]:
+def _panels(query_range: str, start: float, end: float) -> list[dict[str, Any]]:
+    """Each panel of the dashboard (a row: its title only) with every series its queries gave."""
     out: list[dict[str, Any]] = []
-    async with aiohttp.ClientSession() as http:
-        for panel in json.loads(DASHBOARD.read_text())["panels"]:
-            if panel["type"] == "row":
-                out.append({"row": panel["title"]})
-                continue
-            series = []
-            for target in panel["targets"]:
-                expr = target["expr"].replace("$job", "n-proxy")
-                query = {"query": expr.replace("$__rate_interval", RATE_WINDOW), "step": 2}
-                async with http.get(f"{api}/query_range", params={**query, "start": start,
-                                                                  "end": end}) as r:  # fmt: skip
-                    answer = await r.json()
-                if answer.get("status") != "success":
-                    raise RuntimeError(f"{panel['title']}: {answer}")
-                for result in answer["data"]["result"]:
-                    labels: dict[str, str] = result["metric"]
-                    legend = _LEGEND.sub(
-                        lambda m, labels=labels: labels.get(m.group(1), ""),  # type: ignore[misc]
-                        target.get("legendFormat", ""),
-                    )
-                    points = [[float(t) - start, float(v)] for t, v in result["values"]]
-                    series.append({"legend": legend, "points": points})
-            unit = panel["fieldConfig"]["defaults"]["unit"]
-            out.append({"title": panel["title"], "unit": unit, "series": series})
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        if panel["type"] == "row":
+            out.append({"row": panel["title"]})
+            continue
+        series = []
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$job", "n-proxy")
+            query = {"query": expr.replace("$__rate_interval", RATE_WINDOW), "step": 2}
+            url = f"{query_range}?{urlencode({**query, 'start': start, 'end': end})}"
+            with urlopen(url, timeout=30) as answer:  # an error status raises, with its reason
+                found = json.load(answer)["data"]["result"]
+            for result in found:
+                labels: dict[str, str] = result["metric"]
+                legend = _LEGEND.sub(
+                    lambda m, labels=labels: labels.get(m.group(1), ""),  # type: ignore[misc]
+                    target.get("legendFormat", ""),
+                )
+                points = [[float(t) - start, float(v)] for t, v in result["values"]]
+                series.append({"legend": legend, "points": points})
+        unit = panel["fieldConfig"]["defaults"]["unit"]
+        out.append({"title": panel["title"], "unit": unit, "series": series})
     return out
 
 
@@ -116,10 +112,9 @@ def render(data: dict[str, Any], png: Path) -> None:
     import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
 
     panels = [p for p in data["panels"] if "title" in p]
-    columns = 2
-    rows = (len(panels) + columns - 1) // columns
+    rows = (len(panels) + 1) // 2  # two columns
     plt.style.use("dark_background")
-    fig, axes = plt.subplots(rows, columns, figsize=(11, 2.1 * rows), dpi=72)
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 2.1 * rows), dpi=72)
     scale = {"percentunit": (100, "%"), "s": (1000, "ms"), "reqps": (1, "/s"), "short": (1, "")}
     for ax, panel in zip(axes.flat, panels, strict=False):
         factor, suffix = scale.get(panel["unit"], (1, ""))
@@ -137,11 +132,9 @@ def render(data: dict[str, Any], png: Path) -> None:
             ax.legend(fontsize=6, loc="upper left", frameon=False, ncol=2)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.suptitle(
-        f"n-proxy dashboard: {data['requests']} requests from {data['workers']} clients over"
-        f" {data['seconds']:g} s (demo backend, one dead replica of two); x: seconds",
-        fontsize=9,
-    )
+    fig.suptitle(f"n-proxy dashboard: {data['requests']} requests from {data['workers']} clients"
+                 f" over {data['seconds']:g} s (demo backend, one dead replica of two); x: seconds",
+                 fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(png, dpi=72)
     from PIL import Image  # type: ignore[import-not-found, unused-ignore]  # matplotlib's dependency
@@ -153,17 +146,17 @@ def render(data: dict[str, Any], png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tools.dashboard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    collect = sub.add_parser("collect")
-    collect.add_argument("out", type=Path)
-    collect.add_argument("--seconds", type=float, default=60)
-    collect.add_argument("--workers", type=int, default=8)
-    collect.add_argument("--prometheus", default=shutil.which("prometheus") or "prometheus")
+    run = sub.add_parser("collect")
+    run.add_argument("out", type=Path)
+    run.add_argument("--seconds", type=float, default=60)
+    run.add_argument("--workers", type=int, default=8)
+    run.add_argument("--prometheus", default=shutil.which("prometheus") or "prometheus")
     draw = sub.add_parser("render")
     draw.add_argument("data", type=Path)
     draw.add_argument("png", type=Path)
     args = parser.parse_args(argv)
     if args.command == "collect":
-        data = _collect(args.prometheus, args.seconds, args.workers)
+        data = collect(args.prometheus, args.seconds, args.workers)
         args.out.write_text(json.dumps(data) + "\n")
         print(f"{data['requests']} requests; {len(data['panels'])} panels -> {args.out}")
     else:
