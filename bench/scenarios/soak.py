@@ -21,6 +21,7 @@ from bench.stats import median
 from bench.workload import CHAT_PATH, HEADERS, MODEL, chat_body, client, open_raw, run_async
 
 MAX_SECONDS = 7200.0
+LARGE_ROUNDS = 4  # of large requests before the mix
 SAMPLES = 60  # RSS, fds and gauges this many times over the soak (at most once a second)
 RSS_FLAT_KIB = 4096  # idle after the mix vs idle after the warm-up rounds
 FDS_FLAT = 64  # open fds swing with the requests in flight; a leak climbs past this
@@ -162,10 +163,8 @@ async def _metrics(session: aiohttp.ClientSession, admin: str) -> dict[str, floa
     return out
 
 
-async def _large_request_memory(
-    proxy: Server, session: aiohttp.ClientSession, rounds: int = 4
-) -> dict[str, Any]:
-    """RSS around rounds of one 2,048-child batch and one 15 MiB body, 3 s apart.
+async def _large_request_memory(proxy: Server, session: aiohttp.ClientSession) -> dict[str, Any]:
+    """RSS around LARGE_ROUNDS rounds of one 2,048-child batch and one 15 MiB body, 3 s apart.
 
     The first round warms the proxy up (its upstream connection pool grows to the slot count,
     code paths and caches fill); the later rounds must each end where the first one did.
@@ -173,7 +172,7 @@ async def _large_request_memory(
     cold = proxy.sample().rss_bytes
     big = orjson.dumps({**chat_body(2), "pad": "x" * (15 << 20)})
     peaks, afters = [], []
-    for _ in range(rounds):
+    for _ in range(LARGE_ROUNDS):
         peak = 0
         for path, body in ((COMPLETIONS_PATH, _completions(1024, 2)), (CHAT_PATH, big)):
             async with session.post(proxy.url + path, data=body, headers=HEADERS) as response:
