@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 import psutil
 
-from bench.report import Row, table
+from bench.report import Row, say, table
 from bench.scenario import Context, Scenario
 from bench.stats import grouped, median, over, paired, quartiles
 from bench.workload import HEADERS, client, read_stream, run_async
@@ -151,8 +151,7 @@ async def _measure(ctx: Context, routes: list[Route], turn: int) -> list[Row]:
                 for measure in (throughput, streams):
                     row: Row = {"n": n, "round": turn, "path": route.name}
                     rows.append(row | await measure(session, route, n, ctx))
-                rate = rows[-2]["tokens_per_s"]
-                print(f"  vllm n={n} round {turn} {route.name}: {rate:.0f} tokens/s", flush=True)
+                say(f"vllm n={n} round {turn} {route.name}", rows[-2], "tokens_per_s")
     return rows
 
 
