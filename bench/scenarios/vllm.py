@@ -20,7 +20,7 @@ import aiohttp
 import orjson
 import psutil
 
-from bench.report import Row, say, table
+from bench.report import Column, Row, say, table
 from bench.scenario import Context, Scenario
 from bench.stats import grouped, median, over, paired, quartiles
 from bench.workload import HEADERS, client, read_stream, run_async
@@ -213,18 +213,17 @@ def _run(ctx: Context) -> Row:
     return {"runs": rows, "summary": summarize(rows)}
 
 
-def _span(pair: object, spec: str) -> str:
-    return "-" if not isinstance(pair, list) else "-".join(spec.format(v) for v in pair)
+COLUMNS: list[Column] = [
+    ("mode", "mode", ""), ("n", "n", ""), ("path", "path", ""),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"), ("range", "tokens_per_s_range", "{:,.0f}"),
+    ("ratio", "tokens_per_s_ratio", "{:.2f}"), ("first token ms", "first_token_ms", "{:.0f}"),
+    ("quartiles", "first_token_ms_iqr", "{:.0f}"), ("whole stream ms", "stream_ms", "{:.0f}"),
+    *((f"CPU ms/request: {role}", f"cpu_ms {role}", "{:.1f}") for role in ROLES),
+]  # fmt: skip
 
 
 def _render(data: Row) -> list[str]:
     o = data["options"]
-    summary = [
-        {**r, "range": _span(r.get("tokens_per_s_range"), "{:,.0f}"),
-         "ttft_iqr": _span(r.get("first_token_ms_iqr"), "{:.0f}")}
-        for r in data["summary"]
-    ]  # fmt: skip
-    cpu = [(f"CPU ms/request: {role}", f"cpu_ms {role}", "{:.1f}") for role in ROLES]
     return [
         f"JSON: a closed loop at concurrency {o['concurrency'][0]}, {o['seconds']:g} s per turn;"
         f" streams: {o['reps']} one at a time; {o['max_tokens']} tokens per choice"
@@ -232,12 +231,8 @@ def _render(data: Row) -> list[str]:
         " other round. Tokens/s and CPU (from /proc): medians over rounds; ratio: over the Python"
         " frontend's native n, paired by round; first token: median and quartiles over every"
         " stream. The Rust frontend's launcher counts as its Python frontend.",
-        *table([("mode", "mode", ""), ("n", "n", ""), ("path", "path", ""),
-                ("tokens/s", "tokens_per_s", "{:,.0f}"), ("range", "range", ""),
-                ("ratio", "tokens_per_s_ratio", "{:.2f}"),
-                ("first token ms", "first_token_ms", "{:.0f}"), ("quartiles", "ttft_iqr", ""),
-                ("whole stream ms", "stream_ms", "{:.0f}"), *cpu], summary),
-    ]  # fmt: skip
+        *table(COLUMNS, data["summary"]),
+    ]
 
 
 SCENARIO = Scenario(
