@@ -8,8 +8,6 @@ and the Rust one in turn, the order reversed every other round. The Python front
 ``fetch``), and is left out, and said so, without it.
 """
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import time
