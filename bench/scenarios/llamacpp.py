@@ -1,12 +1,10 @@
 """llama.cpp's own server (the suite's tiny GGUF, via xllamacpp) behind n-proxy: first token and
 whole stream at -np 1 and -np 4, with ``stream_start: first`` and ``all``."""
 
-from typing import cast
-
 import aiohttp
 import orjson
 
-from bench.report import Row, table
+from bench.report import Row, say, table
 from bench.scenario import Context, Scenario
 from bench.stats import median
 from bench.workload import StreamTiming, client, read_stream, run_async
@@ -39,40 +37,37 @@ async def _stream(
     raise RuntimeError(f"{ATTEMPTS} failures in a row: {failed[-ATTEMPTS:]}")
 
 
+def _body(n: int, max_tokens: int) -> bytes:
+    messages = [{"role": "user", "content": "hi"}]
+    return orjson.dumps({"model": "tiny", "messages": messages, "max_tokens": max_tokens,
+                         "ignore_eos": True, "seed": 1, "stream": True, "n": n})  # fmt: skip
+
+
 async def _measure(ctx: Context) -> Row:
-    o, rows, failed = ctx.options, [], cast(list[str], [])
+    o, rows, failed = ctx.options, [], list[str]()
     model = build_tiny_gguf(ctx.work / "tiny.gguf", eos_reachable=True)
     for slots in (1, 4):
         n_ctx = max(512, slots * (o.max_tokens + 64))
         async with start_llama_server(model, n_parallel=slots, n_ctx=n_ctx) as server:
             cases = [("direct", "", server.base_url, 1)]
             for start in ("first", "all"):
-                config = CONFIG.format(start=start, retry_on=", ".join(ctx.options.retry_on))
+                config = CONFIG.format(start=start, retry_on=", ".join(o.retry_on))
                 up = ctx.ready(ctx.proxies(server.base_url, f"-np{slots}-{start}", config))
                 cases += [(label, start, proxy.url, o.n[0]) for label, proxy in up.items()]
             # A new connection per request: llama-server drops a kept-alive connection after a
             # stream, and the same rule for every path keeps them comparable.
             async with client(REQUEST_SECONDS, force_close=True) as session:
                 for path, start, url, n in cases:
-                    body = orjson.dumps({
-                        "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                        "max_tokens": o.max_tokens, "ignore_eos": True, "seed": 1, "stream": True,
-                        "n": n,
-                    })  # fmt: skip
+                    body = _body(n, o.max_tokens)
                     await _stream(session, url, body, failed)  # warm-up
                     timings = [await _stream(session, url, body, failed) for _ in range(o.reps)]
                     rows.append({"np": slots, "path": path, "stream_start": start, "n": n,
                                  "first_token_ms": median(t.first_token_at * 1e3 for t in timings),
                                  "total_ms": median(t.end_at * 1e3 for t in timings)})  # fmt: skip
-                    first, whole = rows[-1]["first_token_ms"], rows[-1]["total_ms"]
-                    print(f"  llamacpp -np {slots} {path} {start}: {first:.1f} / {whole:.0f} ms")
-            for server_ in list(ctx.fleet.servers):
-                ctx.fleet.stop(server_)
+                    say(f"llamacpp -np {slots} {path} {start}", rows[-1], "first_token_ms",
+                        "total_ms")  # fmt: skip
+            ctx.fleet.stop(*ctx.fleet.servers)
     return {"failed": failed, "summary": rows}
-
-
-def _run(ctx: Context) -> Row:
-    return run_async(_measure(ctx))
 
 
 def _render(data: Row) -> list[str]:
@@ -88,6 +83,6 @@ def _render(data: Row) -> list[str]:
 
 
 SCENARIO = Scenario(
-    "llamacpp", "llama.cpp's server behind n-proxy", _run, _render,
+    "llamacpp", "llama.cpp's server behind n-proxy", lambda ctx: run_async(_measure(ctx)), _render,
     full={"n": (4,), "max_tokens": 400, "reps": 20}, smoke={"max_tokens": 16, "reps": 2},
 )  # fmt: skip

@@ -21,13 +21,11 @@ CLIENT_RCVBUF = 4096  # the slow client's receive buffer: the kernel holds littl
 FLAT_KIB = 1024  # "flat": less than this much growth between early and late in a stream's life
 
 
-async def open_streams(
-    proxy: Server, streams: int, n: int, tokens: int, token_delay: float
-) -> dict[str, Any]:
-    """``streams`` concurrent n-choice streams, each ``tokens * token_delay`` seconds long."""
-    x_demo = {"token_delay": token_delay}
-    body = orjson.dumps(chat_body(n, stream=True, max_tokens=tokens, x_demo=x_demo))
-    life, idle = tokens * token_delay, proxy.sample()
+async def open_streams(proxy: Server, streams: int, n: int, life: float) -> dict[str, Any]:
+    """``streams`` concurrent n-choice streams of OPEN_TOKENS tokens, each ``life`` seconds long."""
+    x_demo = {"token_delay": life / OPEN_TOKENS}
+    body = orjson.dumps(chat_body(n, stream=True, max_tokens=OPEN_TOKENS, x_demo=x_demo))
+    idle = proxy.sample()
     warm_up = raw_post(CHAT_PATH, orjson.dumps(chat_body(n, stream=True, max_tokens=2)), close=True)
     await (await open_raw(proxy.port, warm_up))[0].ended
     warm, opened = proxy.sample(), time.perf_counter()
@@ -43,7 +41,7 @@ async def open_streams(
         samples.append(proxy.sample())
     await asyncio.wait([s.ended for s in held], timeout=life + 120)
     done = proxy.sample()
-    failed = [s for s in held if not s.ended.done() or s.events != stream_events(n, tokens)]
+    failed = [s for s in held if not s.ended.done() or s.events != stream_events(n, OPEN_TOKENS)]
     early, late = samples[0].rss_bytes, samples[-1].rss_bytes
     result = {
         "streams": streams, "flowing_at_first_sample": flowing, "n": n, "stream_seconds": life,
@@ -108,9 +106,7 @@ async def slow_client(
 async def _measure(ctx: Context, backend: Server, proxies: dict[str, Server]) -> Row:
     o, rows = ctx.options, []
     for label, proxy in proxies.items():
-        opened = await open_streams(
-            proxy, o.streams[0], o.n[0], OPEN_TOKENS, o.seconds / OPEN_TOKENS
-        )
+        opened = await open_streams(proxy, o.streams[0], o.n[0], o.seconds)
         stalled = await slow_client(proxy, backend, o.n[-1], o.max_tokens, o.seconds * STALL_SHARE)
         rows.append({"proxy": label, "open_streams": opened, "slow_client": stalled})
     return {"summary": rows}

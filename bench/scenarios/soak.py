@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.procs import ProcSample, Server, free_port
+from bench.procs import Server, free_port
 from bench.report import Row, Target, table, target
 from bench.scenario import Context, Scenario
 from bench.stack import start_backend, start_proxy
@@ -21,6 +21,7 @@ from bench.stats import median
 from bench.workload import CHAT_PATH, HEADERS, MODEL, chat_body, client, open_raw, run_async
 
 MAX_SECONDS = 7200.0
+LARGE_ROUNDS = 4  # of large requests before the mix
 SAMPLES = 60  # RSS, fds and gauges this many times over the soak (at most once a second)
 RSS_FLAT_KIB = 4096  # idle after the mix vs idle after the warm-up rounds
 FDS_FLAT = 64  # open fds swing with the requests in flight; a leak climbs past this
@@ -77,21 +78,19 @@ async def _client(
     session: aiohttp.ClientSession, base: str, deadline: float, counts: Counter[str], offset: int
 ) -> None:
     turn = offset
-    while time.monotonic() < deadline and sum(counts.values()) < 50_000_000:
+    while time.monotonic() < deadline and counts.total() < 50_000_000:
         label, path, body = _MIX[turn % len(_MIX)]
         turn += 1
-        url = base + path
-        headers = _GZIP if "gzip" in label else HEADERS
+        post = session.post(base + path, data=body, headers=_GZIP if "gzip" in label else HEADERS)
         try:
             if label.startswith("n=10 queued"):
                 # Leave at a random moment: queued, just admitted, or mid-stream.
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(random.uniform(0.0, 0.3)):
-                        async with session.post(url, data=body, headers=headers) as response:
-                            await response.read()
+                    async with asyncio.timeout(random.uniform(0.0, 0.3)), post as response:
+                        await response.read()
                 counts[label] += 1
                 continue
-            async with session.post(url, data=body, headers=headers) as response:
+            async with post as response:
                 if label.endswith("client leaves"):
                     await response.content.readany()
                     response.close()
@@ -150,6 +149,7 @@ async def _bursts(port: int, deadline: float, counts: Counter[str]) -> None:
 
 GAUGES = ("n_proxy_children_in_flight", "n_proxy_client_connections",
           "n_proxy_connections_refused_total", "n_proxy_client_timeouts_total")  # fmt: skip
+SAMPLED = ("children_in_flight", "client_connections")  # of GAUGES, in every sample
 
 
 async def _metrics(session: aiohttp.ClientSession, admin: str) -> dict[str, float]:
@@ -163,10 +163,8 @@ async def _metrics(session: aiohttp.ClientSession, admin: str) -> dict[str, floa
     return out
 
 
-async def _large_request_memory(
-    proxy: Server, session: aiohttp.ClientSession, rounds: int = 4
-) -> dict[str, Any]:
-    """RSS around rounds of one 2,048-child batch and one 15 MiB body, 3 s apart.
+async def _large_request_memory(proxy: Server, session: aiohttp.ClientSession) -> dict[str, Any]:
+    """RSS around LARGE_ROUNDS rounds of one 2,048-child batch and one 15 MiB body, 3 s apart.
 
     The first round warms the proxy up (its upstream connection pool grows to the slot count,
     code paths and caches fill); the later rounds must each end where the first one did.
@@ -174,7 +172,7 @@ async def _large_request_memory(
     cold = proxy.sample().rss_bytes
     big = orjson.dumps({**chat_body(2), "pad": "x" * (15 << 20)})
     peaks, afters = [], []
-    for _ in range(rounds):
+    for _ in range(LARGE_ROUNDS):
         peak = 0
         for path, body in ((COMPLETIONS_PATH, _completions(1024, 2)), (CHAT_PATH, big)):
             async with session.post(proxy.url + path, data=body, headers=HEADERS) as response:
@@ -208,53 +206,46 @@ async def _every_slot_free(proxy: Server, session: aiohttp.ClientSession) -> int
 
 async def soak(proxy: Server, admin: str, seconds: float, concurrency: int) -> Row:
     counts: Counter[str] = Counter()
-    samples: list[ProcSample] = []
-    gauges: list[dict[str, float]] = []
+    samples: list[Row] = []
     async with client(60) as session:
         memory = await _large_request_memory(proxy, session)
         print(f"  large request: {memory}", flush=True)
         started = time.monotonic()
         deadline = started + seconds
-        every = max(1.0, seconds / SAMPLES)
         work = [_client(session, proxy.url, deadline, counts, i) for i in range(concurrency)]
         work += [_slow_client(proxy.port, deadline, counts, i) for i in range(SLOW_CLIENTS)]
         clients = [asyncio.create_task(c) for c in [*work, _bursts(proxy.port, deadline, counts)]]
         try:
-            while time.monotonic() < deadline:
-                await asyncio.sleep(min(every, max(0.0, deadline - time.monotonic())))
-                sample = proxy.sample()
-                samples.append(sample)
-                gauges.append(await _metrics(session, admin))
-                print(f"  soak {sample.at - started:6.0f} s  RSS {sample.rss_bytes // 1024:8,} KiB"
-                      f"  fds {sample.fds:4}  children in flight"
-                      f" {gauges[-1]['n_proxy_children_in_flight']:4.0f}"
-                      f"  requests {sum(counts.values()):9,}", flush=True)  # fmt: skip
+            while (left := deadline - time.monotonic()) > 0:
+                await asyncio.sleep(min(max(1.0, seconds / SAMPLES), left))
+                s, gauges = proxy.sample(), await _metrics(session, admin)
+                samples.append(
+                    {
+                        "t": round(s.at - started, 1),
+                        "rss_kib": s.rss_bytes // 1024,
+                        "fds": s.fds,
+                        **{k: gauges["n_proxy_" + k] for k in SAMPLED},
+                    }
+                )
+                print(f"  soak {samples[-1]}, requests {counts.total():,}", flush=True)
         finally:
             await asyncio.gather(*clients, return_exceptions=True)
         await asyncio.sleep(CLIENT_SECONDS + 1)  # the last slow clients are cut
-        idle = await _metrics(session, admin)
-        idle_sample = proxy.sample()
+        idle, idle_sample = await _metrics(session, admin), proxy.sample()
         slots_free = await _every_slot_free(proxy, session)
     # The first fifth is warm-up (pools, caches, allocator arenas): compare against its end.
     fifth = max(1, len(samples) // 5)
     early, late = samples[fifth : 2 * fifth] or samples[:1], samples[-fifth:]
-    busy_rss = [int(median(s.rss_bytes for s in part)) // 1024 for part in (early, late)]
-    # In-flight RSS swings with the batches running at the sample; idle RSS does not: compare
-    # the proxy idle after the mix with the proxy idle after the warm-up rounds.
-    rss_growth = idle_sample.rss_bytes // 1024 - memory["after_kib"][-1]
-    fds_growth = median(s.fds for s in late) - median(s.fds for s in early)
     return {
         "seconds": seconds, "concurrency": concurrency, "slow_clients": SLOW_CLIENTS,
-        "large_request": memory, "requests": dict(counts),
-        "samples": [
-            {"t": round(s.at - started, 1), "rss_kib": s.rss_bytes // 1024, "fds": s.fds,
-             "children_in_flight": g["n_proxy_children_in_flight"],
-             "client_connections": g["n_proxy_client_connections"]}
-            for s, g in zip(samples, gauges, strict=True)
-        ],
+        "large_request": memory, "requests": dict(counts), "samples": samples,
         "idle": {**idle, "rss_kib": idle_sample.rss_bytes // 1024, "fds": idle_sample.fds},
-        "slots_served": slots_free, "busy_rss_kib": busy_rss, "rss_growth_kib": rss_growth,
-        "fds_growth": fds_growth,
+        "slots_served": slots_free,
+        "busy_rss_kib": [int(median(s["rss_kib"] for s in part)) for part in (early, late)],
+        # In-flight RSS swings with the batches running at the sample; idle RSS does not: compare
+        # the proxy idle after the mix with the proxy idle after the warm-up rounds.
+        "rss_growth_kib": idle_sample.rss_bytes // 1024 - memory["after_kib"][-1],
+        "fds_growth": median(s["fds"] for s in late) - median(s["fds"] for s in early),
     }  # fmt: skip
 
 
@@ -274,37 +265,34 @@ def _run(ctx: Context) -> Row:
     return {"summary": rows}
 
 
+def _kib(values: list[int]) -> str:
+    return ", ".join(f"{k:,}" for k in values)
+
+
 def _render(data: Row) -> list[str]:
     out = []
-    for result in data["summary"]:
-        memory, idle = result["large_request"], result["idle"]
+    for r in data["summary"]:
+        memory = r["large_request"]
         out += [
-            "", f"### {result['proxy']}", "",
-            f"{result['seconds']:g} s, {result['concurrency']} clients cycling through"
-            f" {len(_MIX)} kinds of request, {result['slow_clients']} clients trickling headers"
-            f" or bodies or idling (client_timeouts {CLIENT_SECONDS} s), a burst of"
-            f" {MAX_CONNECTIONS + 50} connections every {BURST_EVERY:.0f} s (max_connections"
-            f" {MAX_CONNECTIONS}), {SLOTS} upstream slots.",
+            "", f"### {r['proxy']}", "",
+            f"{r['seconds']:g} s: {r['concurrency']} clients cycling through {len(_MIX)} kinds of"
+            f" request, {r['slow_clients']} trickling or idle ones (client_timeouts"
+            f" {CLIENT_SECONDS} s), a burst of {MAX_CONNECTIONS + 50} connections every"
+            f" {BURST_EVERY:.0f} s (max_connections {MAX_CONNECTIONS}), {SLOTS} upstream slots."
+            f" RSS under load, medians of the second and last fifths:"
+            f" {' and '.join(f'{k:,}' for k in r['busy_rss_kib'])} KiB.",
             "",
-            f"Idle RSS after the mix minus idle RSS after the warm-up rounds:"
-            f" {result['rss_growth_kib']:+,} KiB (under load, medians of the second and last"
-            f" fifths: {result['busy_rss_kib'][0]:,} and {result['busy_rss_kib'][1]:,} KiB); open"
-            f" fds growth: {result['fds_growth']:+g}; children in flight once idle:"
-            f" {idle['n_proxy_children_in_flight']:.0f}; requests needing all {SLOTS} slots"
-            f" afterwards: {result['slots_served']} of 2 served.",
-            "",
-            f"Large requests first, in {len(memory['after_kib'])} rounds of a 2,048-child batch and"
-            f" a 15 MiB body: RSS {memory['cold_kib']:,} KiB cold; 3 s after each round"
-            f" {', '.join(f'{k:,}' for k in memory['after_kib'])} KiB (peaks"
-            f" {', '.join(f'{k:,}' for k in memory['peak_kib'])}): after the warm-up round,"
-            f" {memory['kept_after_warmup_kib']:+,} KiB kept.",
+            f"Large requests first, {len(memory['after_kib'])} rounds of a 2,048-child batch and a"
+            f" 15 MiB body: RSS {memory['cold_kib']:,} KiB cold, 3 s after each round"
+            f" {_kib(memory['after_kib'])} KiB (peaks {_kib(memory['peak_kib'])}), kept after the"
+            f" warm-up round {memory['kept_after_warmup_kib']:+,} KiB.",
             *table([("t s", "t", ""), ("RSS KiB", "rss_kib", "{:,}"), ("fds", "fds", ""),
                     ("children in flight", "children_in_flight", "{:.0f}"),
-                    ("client connections", "client_connections", "{:.0f}")], result["samples"]),
+                    ("client connections", "client_connections", "{:.0f}")], r["samples"]),
             "",
             "Requests (a client error is mostly a connection refused while a burst holds"
             " max_connections): "
-            + ", ".join(f"{k} {v:,}" for k, v in sorted(result["requests"].items())),
+            + ", ".join(f"{k} {v:,}" for k, v in sorted(r["requests"].items())),
         ]  # fmt: skip
     return out
 

@@ -2,20 +2,19 @@
 chunk from /proc (what one core of it stitches)."""
 
 import asyncio
-import contextlib
 import time
 
 import aiohttp
 import orjson
 
-from bench.procs import ProcSample, Server
+from bench.procs import Server
 from bench.report import Column, Row, Target, pick, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import grouped, median, medians, ratio
 from bench.workload import CHAT_PATH, chat_body, client, read_stream, run_async, stream_events
 
-SAMPLE_EVERY = 0.5  # seconds between RSS samples
+SAMPLE_EVERY = 0.5  # seconds between RSS samples (at least)
 REQUEST_BUDGET = 10_000  # per round: a bound far above what the time allows
 SHOWN = ("chunks_per_s", "cpu_us_per_chunk", "errors")
 
@@ -24,15 +23,8 @@ async def _round(
     session: aiohttp.ClientSession, proxy: Server, body: bytes, expected: int, ctx: Context
 ) -> Row:
     events = errors = done = 0
-    samples: list[ProcSample] = []
-    stop = asyncio.Event()
-
-    async def watch_rss() -> None:
-        while not stop.is_set():
-            samples.append(proxy.sample())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(SAMPLE_EVERY):
-                    await stop.wait()
+    before = proxy.sample()
+    samples = [before]  # growth is against this one, taken before any stream of the round
 
     async def worker() -> None:
         nonlocal events, errors, done
@@ -43,20 +35,15 @@ async def _round(
                 events += timing.events
             else:
                 errors += 1
+            if time.monotonic() - samples[-1].at >= SAMPLE_EVERY:  # the others still streaming
+                samples.append(proxy.sample())
 
-    watcher = asyncio.create_task(watch_rss())
-    before = proxy.sample()
     start = time.perf_counter()
     deadline = start + ctx.options.seconds
-    try:
-        await asyncio.gather(*(worker() for _ in range(ctx.options.concurrency[0])))
-    finally:
-        stop.set()
-        await watcher
+    await asyncio.gather(*(worker() for _ in range(ctx.options.concurrency[0])))
     wall = time.perf_counter() - start
     cpu = proxy.sample().cpu_seconds - before.cpu_seconds
-    # The first sample is taken before any stream of the round: growth is against it.
-    rss = [s.rss_bytes for s in samples] or [before.rss_bytes]
+    rss = [s.rss_bytes for s in samples]
     return {
         "requests": done, "errors": errors, "chunks": events, "seconds": wall,
         "chunks_per_s": events / wall, "proxy_cpu_s": cpu, "proxy_cpu_share": cpu / wall,

@@ -8,8 +8,6 @@ and the Rust one in turn, the order reversed every other round. The Python front
 ``fetch``), and is left out, and said so, without it.
 """
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import time
@@ -20,9 +18,9 @@ import aiohttp
 import orjson
 import psutil
 
-from bench.report import Row, table
+from bench.report import Column, Row, say, table
 from bench.scenario import Context, Scenario
-from bench.stats import median, over, paired, quartiles
+from bench.stats import grouped, median, over, paired, quartiles
 from bench.workload import HEADERS, client, read_stream, run_async
 from tests.support.vllmserver import (
     PYTHON_ENV,
@@ -50,7 +48,6 @@ class Route:
     name: str
     url: str
     server: int  # vLLM's root process: the frontend (or the launcher) with the engine below
-    rust: bool
     proxy: int | None  # n-proxy's process, when it is on the path
 
 
@@ -73,30 +70,25 @@ def _roles(route: Route) -> dict[str, list[psutil.Process]]:
     return found
 
 
-def _cpu(roles: dict[str, list[psutil.Process]]) -> dict[str, float]:
-    """CPU seconds so far of each role (from /proc: other load on the machine is not in it)."""
-    out = {}
-    for role, procs in roles.items():
-        total = 0.0
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                times = proc.cpu_times()
-                total += times.user + times.system
-        out[role] = total
-    return out
+def _cpu_seconds(procs: list[psutil.Process]) -> float:
+    """CPU seconds so far of ``procs`` (from /proc: other load on the machine is not in it)."""
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 @contextlib.contextmanager
 def _counting(route: Route, requests: list[int]) -> Iterator[dict[str, float]]:
     """CPU ms per request of each role over the block (``requests[0]``: how many it served)."""
-    roles = _roles(route)
-    before = _cpu(roles)
+    roles = {role: procs for role, procs in _roles(route).items() if procs}
+    before = {role: _cpu_seconds(procs) for role, procs in roles.items()}
     per_request: dict[str, float] = {}
     yield per_request
-    after = _cpu(roles)
-    for role in ROLES:
-        if roles[role]:
-            per_request[role] = (after[role] - before[role]) / max(requests[0], 1) * 1e3
+    for role, procs in roles.items():
+        per_request[role] = (_cpu_seconds(procs) - before[role]) / max(requests[0], 1) * 1e3
 
 
 def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
@@ -157,8 +149,7 @@ async def _measure(ctx: Context, routes: list[Route], turn: int) -> list[Row]:
                 for measure in (throughput, streams):
                     row: Row = {"n": n, "round": turn, "path": route.name}
                     rows.append(row | await measure(session, route, n, ctx))
-                rate = rows[-2]["tokens_per_s"]
-                print(f"  vllm n={n} round {turn} {route.name}: {rate:.0f} tokens/s", flush=True)
+                say(f"vllm n={n} round {turn} {route.name}", rows[-2], "tokens_per_s")
     return rows
 
 
@@ -167,10 +158,10 @@ def _phase(ctx: Context, server: VllmServer, rust: bool, turn: int) -> list[Row]
     proxies = ctx.ready(ctx.proxies(server.url, "-rust" if rust else "-python"))
     proxy = next(iter(proxies.values()))  # n-proxy (this checkout)
     if rust:
-        routes = [Route(RUST_FANOUT, proxy.url, server.pid, True, proxy.pid)]
+        routes = [Route(RUST_FANOUT, proxy.url, server.pid, proxy.pid)]
     else:
-        routes = [Route(NATIVE, server.url, server.pid, False, None),
-                  Route(PYTHON_FANOUT, proxy.url, server.pid, False, proxy.pid)]  # fmt: skip
+        routes = [Route(NATIVE, server.url, server.pid, None),
+                  Route(PYTHON_FANOUT, proxy.url, server.pid, proxy.pid)]  # fmt: skip
     try:
         return run_async(_measure(ctx, routes, turn))
     finally:
@@ -178,29 +169,23 @@ def _phase(ctx: Context, server: VllmServer, rust: bool, turn: int) -> list[Row]
 
 
 def summarize(rows: list[Row]) -> list[Row]:
-    """Per n, path and mode: tokens/s (median over rounds, and its range), the ratio over the
-    Python frontend's native n (paired by round), first token and whole stream (medians and
-    quartiles over every stream), and each process's CPU ms per request (median over rounds)."""
+    """Per mode (JSON first), n and path: tokens/s (median over rounds, and its range), the ratio
+    over the Python frontend's native n (paired by round), first token and whole stream (medians
+    and quartiles over every stream), and each process's CPU ms per request (median over rounds)."""
     out = []
-    for mode in ("json", "stream"):
-        for n in dict.fromkeys(r["n"] for r in rows):
-            at = [r for r in rows if r["n"] == n and r["mode"] == mode]
-            for path in dict.fromkeys(r["path"] for r in at):
-                mine = [r for r in at if r["path"] == path]
-                rates = [r["tokens_per_s"] for r in mine]
-                row: Row = {"mode": mode, "n": n, "path": path, "tokens_per_s": median(rates),
-                            "tokens_per_s_range": [min(rates), max(rates)],
-                            "tokens_per_s_ratio": median(paired(at, "path", path, NATIVE,
-                                                                TOKENS_RATIO))}  # fmt: skip
-                for role in ROLES:
-                    values = [r["cpu_ms"][role] for r in mine if role in r["cpu_ms"]]
-                    if values:
-                        row[f"cpu_ms {role}"] = median(values)
-                if mode == "stream":
-                    for key in ("first_token_ms", "stream_ms"):
-                        q1, q2, q3 = quartiles(x for r in mine for x in r[key])
-                        row[key], row[key + "_iqr"] = q2, [q1, q3]
-                out.append(row)
+    groups = sorted(grouped(rows, "mode", "n", "path"), key=lambda group: group[0][0] != "json")
+    for (mode, n, path), mine in groups:
+        at = [r for r in rows if r["n"] == n and r["mode"] == mode]
+        rates = [r["tokens_per_s"] for r in mine]
+        ratio = median(paired(at, "path", path, NATIVE, TOKENS_RATIO))
+        row: Row = {"mode": mode, "n": n, "path": path, "tokens_per_s": median(rates),
+                    "tokens_per_s_range": [min(rates), max(rates)],
+                    "tokens_per_s_ratio": ratio}  # fmt: skip
+        row |= {f"cpu_ms {role}": median(r["cpu_ms"].get(role) for r in mine) for role in ROLES}
+        for key in ("first_token_ms", "stream_ms") if mode == "stream" else ():
+            q1, q2, q3 = quartiles(x for r in mine for x in r[key])
+            row[key], row[key + "_iqr"] = q2, [q1, q3]
+        out.append(row)
     return out
 
 
@@ -212,48 +197,40 @@ def _run(ctx: Context) -> Row:
     if binary is None:
         ctx.skipped[RUST_FANOUT] = f"{RUST_ENV} is unset (the vllm-rs binary, or 'fetch')"
     model = build_model(python, ctx.work / "model")
+    frontends = [None, binary] if binary is not None else [None]  # None: the Python frontend
     rows: list[Row] = []
     for turn in range(ctx.options.rounds):
-        kinds = [False, True] if binary is not None else [False]
-        for rust in kinds if turn % 2 == 0 else kinds[::-1]:
-            log = ctx.work / f"vllm-{'rust' if rust else 'python'}-{turn}.log"
-            started = (
-                vllm_rust_server(python, model, binary, log)
-                if rust and binary is not None
-                else vllm_server(python, model, log)
-            )
-            with started as server:
-                rows += _phase(ctx, server, rust, turn)
+        for rust in frontends if turn % 2 == 0 else frontends[::-1]:
+            log = ctx.work / f"vllm-{'python' if rust is None else 'rust'}-{turn}.log"
+            with (
+                vllm_server(python, model, log)
+                if rust is None
+                else vllm_rust_server(python, model, rust, log)
+            ) as server:
+                rows += _phase(ctx, server, rust is not None, turn)
     return {"runs": rows, "summary": summarize(rows)}
 
 
-def _span(pair: object, spec: str) -> str:
-    return "-" if not isinstance(pair, list) else "-".join(spec.format(v) for v in pair)
+COLUMNS: list[Column] = [
+    ("mode", "mode", ""), ("n", "n", ""), ("path", "path", ""),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"), ("range", "tokens_per_s_range", "{:,.0f}"),
+    ("ratio", "tokens_per_s_ratio", "{:.2f}"), ("first token ms", "first_token_ms", "{:.0f}"),
+    ("quartiles", "first_token_ms_iqr", "{:.0f}"), ("whole stream ms", "stream_ms", "{:.0f}"),
+    *((f"CPU ms/request: {role}", f"cpu_ms {role}", "{:.1f}") for role in ROLES),
+]  # fmt: skip
 
 
 def _render(data: Row) -> list[str]:
     o = data["options"]
-    summary = [
-        {**r, "range": _span(r.get("tokens_per_s_range"), "{:,.0f}"),
-         "ttft_iqr": _span(r.get("first_token_ms_iqr"), "{:.0f}")}
-        for r in data["summary"]
-    ]  # fmt: skip
-    cpu = [(f"CPU ms/request: {role}", f"cpu_ms {role}", "{:.1f}") for role in ROLES]
     return [
         f"JSON: a closed loop at concurrency {o['concurrency'][0]}, {o['seconds']:g} s per turn;"
-        f" streams: {o['reps']} one at a time. {o['max_tokens']} tokens per choice"
-        f" (`ignore_eos`). {o['rounds']} rounds; in each, the Python frontend (native n, then"
-        " n-proxy fanning out over it) and the Rust frontend (n-proxy fanning out) take turns,"
-        " one vLLM at a time, the order reversed every other round. Tokens/s: median over rounds"
-        " (range); ratio: over the Python frontend's native n, paired by round; first token:"
-        " median (quartiles) over every stream; CPU: each process's, from /proc, per request,"
-        " median over rounds (the Rust frontend's launcher counts as its Python frontend).",
-        *table([("mode", "mode", ""), ("n", "n", ""), ("path", "path", ""),
-                ("tokens/s", "tokens_per_s", "{:,.0f}"), ("range", "range", ""),
-                ("ratio", "tokens_per_s_ratio", "{:.2f}"),
-                ("first token ms", "first_token_ms", "{:.0f}"), ("quartiles", "ttft_iqr", ""),
-                ("whole stream ms", "stream_ms", "{:.0f}"), *cpu], summary),
-    ]  # fmt: skip
+        f" streams: {o['reps']} one at a time; {o['max_tokens']} tokens per choice"
+        f" (`ignore_eos`); {o['rounds']} rounds, one vLLM at a time, the order reversed every"
+        " other round. Tokens/s and CPU (from /proc): medians over rounds; ratio: over the Python"
+        " frontend's native n, paired by round; first token: median and quartiles over every"
+        " stream. The Rust frontend's launcher counts as its Python frontend.",
+        *table(COLUMNS, data["summary"]),
+    ]
 
 
 SCENARIO = Scenario(
