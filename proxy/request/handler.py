@@ -47,14 +47,11 @@ from proxy.request.responses import SERVER, child_failed_response, error_respons
 from proxy.upstream.service import Upstreams
 
 
-class InFlight:
-    """The requests being handled (a drain waits for them to end), their fan-outs' children and
-    streams (``Fanouts``), and whether the proxy drains."""
+class Requests:
+    """A count of requests being handled, and a wait until there are none."""
 
     def __init__(self) -> None:
-        self.draining = False
         self.requests = 0
-        self.fanouts = Fanouts()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -69,6 +66,16 @@ class InFlight:
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
+
+
+class InFlight(Requests):
+    """The requests being handled (a drain waits for them to end), their fan-outs' children and
+    streams (``Fanouts``), and whether the proxy drains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draining = False
+        self.fanouts = Fanouts()
 
 
 class Handler:
@@ -292,11 +299,7 @@ class Generation:
     config: Config
     upstreams: Upstreams
     handler: Handler
-    requests: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        self.idle.set()
+    begun: Requests = field(default_factory=Requests)
 
 
 class Generations:
@@ -330,14 +333,11 @@ class Generations:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         generation = self.current  # read once: the request ends in the generation it began in
-        generation.requests += 1
-        generation.idle.clear()
+        generation.begun.enter()
         try:
             return await generation.handler.handle(request)
         finally:
-            generation.requests -= 1
-            if generation.requests == 0:
-                generation.idle.set()
+            generation.begun.leave()
 
     async def replace(self, config: Config) -> None:
         """``config`` serves every request from now on, once its upstreams had a health round
@@ -362,7 +362,7 @@ class Generations:
         await asyncio.gather(*self._retirements)
 
     async def _retire(self, old: Generation) -> None:
-        await old.idle.wait()
+        await old.begun.wait_idle()
         await old.upstreams.close()
         self.retiring.remove(old)
 

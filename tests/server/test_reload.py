@@ -82,7 +82,7 @@ async def test_stream_running_across_a_reload_ends_on_the_old_config(
         write_config(tmp_path / "config.yaml", one_upstream(other, name="b"))
         assert await started.reload()
         assert started.generations.current is not old
-        assert old.requests == 1  # the stream, still running in the generation it began in
+        assert old.begun.requests == 1  # the stream, still running in the generation it began in
         # A new request goes to the new upstream while the stream still runs on the old one.
         async with http.post(chat(started), json={"model": "m", "messages": MESSAGES}) as quick:
             assert quick.status == 200
