@@ -150,26 +150,8 @@ def parse_job(body: object, chat: bool, rid: str, config: DevConfig) -> Job:
     else:
         k = _optional_int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
         top_logprobs = None if body.get("logprobs") is None else k
-    stream = body.get("stream") is True
-    options = body.get("stream_options") if stream else None
-    options = options if isinstance(options, dict) else {}
-    knobs = _parse_knobs(body, seed)
-    model = body.get("model")
-    return Job(
-        rid=rid,
-        kind="chat" if chat else "completions",
-        model=model if isinstance(model, str) and not config.model_override else config.model,
-        prompt=prompt,
-        seeds=_seeds(seed, n),
-        max_tokens=max_tokens,
-        may_stop=max_tokens >= STOP_MIN_MAX_TOKENS and body.get("ignore_eos") is not True,
-        stream=stream,
-        include_usage=options.get("include_usage") is True,
-        continuous_usage=options.get("continuous_usage_stats") is True,
-        top_logprobs=top_logprobs,
-        knobs=knobs,
-        token_delay=config.token_delay if knobs.token_delay is None else knobs.token_delay,
-    )
+    return _job(body, config, rid, "chat" if chat else "completions", prompt, seed, n,
+                max_tokens, body.get("ignore_eos") is True, top_logprobs)  # fmt: skip
 
 
 def parse_generate_job(body: object, rid: str, config: DevConfig) -> Job:
@@ -188,6 +170,25 @@ def parse_generate_job(body: object, rid: str, config: DevConfig) -> Job:
     max_tokens = _optional_int(params, "max_tokens", DEFAULT_MAX_TOKENS, 0, 1 << 20)
     logprobs = params.get("logprobs")
     k = _optional_int(params, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    top_logprobs = None if logprobs is None else k
+    return _job(body, config, rid, "generate", prompt, seed, n, max_tokens,
+                params.get("ignore_eos") is True, top_logprobs)  # fmt: skip
+
+
+def _job(
+    body: dict[str, Any],
+    config: DevConfig,
+    rid: str,
+    kind: Kind,
+    prompt: str,
+    seed: int | None,
+    n: int,
+    max_tokens: int,
+    ignore_eos: bool,
+    top_logprobs: int | None,
+) -> Job:
+    """The job of any kind, once its own fields are read: streaming, usage options, the demo
+    knobs and the model name are read alike from every body."""
     stream = body.get("stream") is True
     options = body.get("stream_options") if stream else None
     options = options if isinstance(options, dict) else {}
@@ -195,16 +196,16 @@ def parse_generate_job(body: object, rid: str, config: DevConfig) -> Job:
     model = body.get("model")
     return Job(
         rid=rid,
-        kind="generate",
+        kind=kind,
         model=model if isinstance(model, str) and not config.model_override else config.model,
         prompt=prompt,
         seeds=_seeds(seed, n),
         max_tokens=max_tokens,
-        may_stop=max_tokens >= STOP_MIN_MAX_TOKENS and params.get("ignore_eos") is not True,
+        may_stop=max_tokens >= STOP_MIN_MAX_TOKENS and not ignore_eos,
         stream=stream,
         include_usage=options.get("include_usage") is True,
         continuous_usage=options.get("continuous_usage_stats") is True,
-        top_logprobs=None if logprobs is None else k,
+        top_logprobs=top_logprobs,
         knobs=knobs,
         token_delay=config.token_delay if knobs.token_delay is None else knobs.token_delay,
     )
