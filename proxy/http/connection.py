@@ -58,7 +58,10 @@ def _wake(future: asyncio.Future[None] | None) -> None:
 # ---- the response
 
 
-BodySink = Callable[[bytes], None]
+BodyPiece = Callable[[bytes], None]  # takes one parsed piece of a body
+# Takes relayed bytes; True when it is full now, so reading pauses until its drain (one call
+# per read: the write and the test that follows it are one).
+BodySink = Callable[[bytes], bool]
 
 
 class ResponseState(IntEnum):
@@ -95,7 +98,7 @@ def _never() -> bool:
     return False
 
 
-def _nowhere(data: bytes) -> None:
+def _nowhere(data: bytes) -> bool:
     raise AssertionError("a body relayed before relay() began")
 
 
@@ -128,7 +131,7 @@ class UpstreamResponse:
         self.last_data = 0.0  # RELAY: when bytes last came
         self._idle = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
-        self.on_body: BodySink = self._buffer  # a body piece parsed (``_bind_body``)
+        self.on_body: BodyPiece = self._buffer  # a body piece parsed (``_bind_body``)
 
     def __repr__(self) -> str:
         state, mode = ResponseState(self.state).name, Mode(self.mode).name
@@ -195,7 +198,7 @@ class UpstreamResponse:
         if self._inflater is None:
             # A relay's last read reaches the sink before the body is complete, so an error the
             # sink raises on it (a malformed stream) is still this response's failure.
-            self._relay_out()
+            self.after_read()
             self._completed()
         # else: complete once the last input is inflated (``_pump``)
 
@@ -215,24 +218,21 @@ class UpstreamResponse:
         """After one ``data_received``: relayed pieces leave in one write, input is inflated."""
         if self.mode == RELAY:
             self.last_data = self._loop.time()
-            self._relay_out()
+            out = self._out
+            if out:
+                data = out[0] if len(out) == 1 else b"".join(out)
+                out.clear()
+                self._to_sink(data)
         if self._inflater is not None:
             self._pump()
 
-    def _relay_out(self) -> None:
-        out = self._out
-        if out:
-            data = out[0] if len(out) == 1 else b"".join(out)
-            out.clear()
-            self._to_sink(data)
-
     def _to_sink(self, data: bytes) -> None:
         try:
-            self._sink(data)
+            full = self._sink(data)
         except Exception as exc:  # e.g. a malformed stream: the relay raises it
             self.fail(exc)
             return
-        if self._sink_full():
+        if full:
             self.connection.pause()
             _wake(self._parked)  # the relay's task waits for the drain
 
@@ -382,7 +382,8 @@ class UpstreamResponse:
     ) -> None:
         """Hand every body byte to ``sink`` from ``data_received``, until the body ends.
 
-        ``paused`` says the sink's buffer is full; this task then awaits ``drain()`` and
+        ``sink`` returns whether its buffer is full after the write, and ``paused`` says the
+        same between writes; reading then pauses, this task awaits ``drain()`` and
         resumes reading. ``drain`` must suspend until there is room, or raise (the sink's
         client is gone, which ends the relay at once): one that returns at once while the
         sink stays full would spin this loop and freeze the event loop. Raises the body's

@@ -221,14 +221,15 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 start.answer(None)
                 decoder = SSEDecoder(max_event_bytes=fanout.max_event_bytes)
 
-                def feed(data: bytes) -> None:
+                def feed(data: bytes) -> bool:
                     # Called from the upstream protocol as bytes arrive: no task hop per chunk.
                     events = decoder.feed_raw(data)
                     if events:
-                        mailbox.put_nowait((pos, events))
-                    elif decoder.comment is not None:  # only a read with no event looks
-                        mailbox.put_nowait((pos, decoder.comment))
-                        decoder.comment = None
+                        return mailbox.put_nowait((pos, events))
+                    if decoder.comment is not None:  # only a read with no event looks
+                        comment, decoder.comment = decoder.comment, None
+                        return mailbox.put_nowait((pos, comment))
+                    return mailbox.full()
 
                 await response.relay(feed, mailbox.full, mailbox.room)
                 await mailbox.put((pos, decoder.close_raw()))
@@ -295,13 +296,13 @@ async def _merge(
     """
     plan = stitcher.plan
     running = len(plan.children)
-    write, full, drain = sink
+    write, drain = sink.write, sink.drain
     keepalive = PingTimer(mailbox, seconds, running)
 
     async def send(data: bytes) -> None:
-        write(data)  # counted on the record by the sink
+        now_full = write(data)  # counted on the record by the sink
         keepalive.wrote()
-        if full():
+        if now_full:
             await drain()
 
     try:
@@ -339,10 +340,9 @@ async def _merge(
                 if record.first_chunk_at is None:
                     record.first_chunk_at = time.perf_counter()
                 await send(out[0] if len(out) == 1 else b"".join(out))
-            elif pulse is not None:
-                write(pulse)  # stamped by ``heard``: a ``send`` would stamp it later
-                if full():
-                    await drain()
+            # A pulse is stamped by ``heard``: a ``send`` would stamp it later.
+            elif pulse is not None and write(pulse):
+                await drain()
         await send(stitcher.tail())
     finally:
         keepalive.close()
@@ -430,11 +430,14 @@ class Mailbox:
         """Over the bound: as ``put`` blocks, one item per child may wait without a pause."""
         return len(self._items) > self._size
 
-    def put_nowait(self, item: tuple[int, Item]) -> None:
+    def put_nowait(self, item: tuple[int, Item]) -> bool:
         """Past the bound by at most one item per child: its reader pauses until ``room``,
-        so a child behind a slow client still holds about one read in the proxy."""
-        self._items.append(item)
+        so a child behind a slow client still holds about one read in the proxy. Returns
+        ``full()``."""
+        items = self._items
+        items.append(item)
         _wake(self._getter)
+        return len(items) > self._size
 
     async def room(self) -> None:
         """Until the mailbox is back within its bound."""

@@ -20,7 +20,7 @@ from proxy.observe.record import RequestRecord
 
 
 class Sink(NamedTuple):
-    write: Callable[[bytes], None]
+    write: Callable[[bytes], bool]  # True when ``full`` after this write: the one test per chunk
     full: Callable[[], bool]  # the transport's high-water mark, or the client gone
     # Until below the low-water mark again; raises ConnectionResetError once the client is
     # gone. Never returns while the sink is full without having suspended: a writer loops
@@ -68,39 +68,43 @@ def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: boo
     if getattr(writer, "chunked", False):
         if first_chunk:
 
-            def write(data: bytes) -> None:
+            def write(data: bytes) -> bool:
                 if closing():
                     raise ClientGone()
                 if record.first_chunk_at is None:
                     record.first_chunk_at = perf_counter()
                 record.bytes_out = (record.bytes_out or 0) + len(data)
                 send(b"%x\r\n%b\r\n" % (len(data), data))
+                return protocol.writing_paused or closing()
 
         else:
 
-            def write(data: bytes) -> None:
+            def write(data: bytes) -> bool:
                 if closing():
                     raise ClientGone()
                 record.bytes_out = (record.bytes_out or 0) + len(data)
                 send(b"%x\r\n%b\r\n" % (len(data), data))
+                return protocol.writing_paused or closing()
 
     elif first_chunk:
 
-        def write(data: bytes) -> None:
+        def write(data: bytes) -> bool:
             if closing():
                 raise ClientGone()
             if record.first_chunk_at is None:
                 record.first_chunk_at = perf_counter()
             record.bytes_out = (record.bytes_out or 0) + len(data)
             send(data)
+            return protocol.writing_paused or closing()
 
     else:
 
-        def write(data: bytes) -> None:
+        def write(data: bytes) -> bool:
             if closing():
                 raise ClientGone()
             record.bytes_out = (record.bytes_out or 0) + len(data)
             send(data)
+            return protocol.writing_paused or closing()
 
     drain_writer = writer.drain
 

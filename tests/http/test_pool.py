@@ -86,6 +86,16 @@ async def serve() -> AsyncIterator[Serve]:
         await raw.stop()
 
 
+def into(got: list[bytes], full: Callable[[], bool] = lambda: False) -> Callable[[bytes], bool]:
+    """A relay's sink that keeps what it is given and is ``full()`` after each write."""
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        return full()
+
+    return sink
+
+
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
     length = 0
@@ -492,7 +502,10 @@ async def test_relay_writes_from_data_received_and_waits_for_drain(
         release.set()
         drained.set()
 
-    relay = asyncio.ensure_future(response.relay(got.append, lambda: not drained.is_set(), drain))
+    def full() -> bool:
+        return not drained.is_set()
+
+    relay = asyncio.ensure_future(response.relay(into(got, full), full, drain))
     await asyncio.wait_for(relay, WAIT)
     assert b"".join(got) == b"".join(pieces)
     pool.release(response)
@@ -505,7 +518,7 @@ async def test_relay_cancelled_closes_the_connection(pool: ConnectionPool, serve
     response = await get(pool, url)
     got: list[bytes] = []
     relay = asyncio.ensure_future(
-        response.relay(got.append, lambda: False, lambda: asyncio.sleep(0))
+        response.relay(into(got), lambda: False, lambda: asyncio.sleep(0))
     )
     for _ in range(100):
         if got:
@@ -526,7 +539,7 @@ async def test_a_sink_that_raises_fails_the_relay_and_drops_the_connection(
     raw, url = await serve(answering(answer))
     response = await get(pool, url)
 
-    def sink(data: bytes) -> None:
+    def sink(data: bytes) -> bool:
         raise ValueError("malformed")
 
     with pytest.raises(ValueError, match="malformed"):
@@ -888,7 +901,7 @@ async def test_a_body_cut_short_fails_the_response_and_closes_the_connection(
     response = await get(pool, url)
     got: list[bytes] = []
     with pytest.raises(BadResponse, match="mid-body"):
-        await response.relay(got.append, lambda: False, lambda: asyncio.sleep(0))
+        await response.relay(into(got), lambda: False, lambda: asyncio.sleep(0))
     connection = response.connection
     assert isinstance(connection, UpstreamConnection)
     assert (response.state, response.mode) == (ResponseState.FAILED, Mode.RELAY)

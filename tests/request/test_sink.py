@@ -32,7 +32,11 @@ def record() -> RequestRecord:
 
 
 def sink_for(
-    chunked: bool, on: RequestRecord | None = None, first_chunk: bool = True
+    chunked: bool,
+    on: RequestRecord | None = None,
+    first_chunk: bool = True,
+    protocol: SimpleNamespace | None = None,
+    transport: Transport | None = None,
 ) -> tuple[Any, Transport, list[str]]:
     calls: list[str] = []
 
@@ -42,10 +46,9 @@ def sink_for(
     writer = SimpleNamespace(
         chunked=chunked, send_headers=lambda: calls.append("headers"), drain=drain
     )
-    transport = Transport()
-    request = SimpleNamespace(
-        writer=writer, protocol=SimpleNamespace(writing_paused=False), transport=transport
-    )
+    protocol = protocol or SimpleNamespace(writing_paused=False)
+    transport = transport or Transport()
+    request = SimpleNamespace(writer=writer, protocol=protocol, transport=transport)
     sink = client_sink(cast(web.Request, request), on or record(), first_chunk=first_chunk)
     return sink, transport, calls
 
@@ -54,13 +57,40 @@ def sink_for(
 def test_the_head_goes_first_and_bodies_are_framed_when_chunked(chunked: bool) -> None:
     sink, transport, calls = sink_for(chunked)
     assert calls == ["headers"]
-    sink.write(b"data: x\n\n")
+    assert sink.write(b"data: x\n\n") is False  # each write says whether the sink is full now
     sink.write(b"hello")
     if chunked:
         assert transport.written == [b"9\r\ndata: x\n\n\r\n", b"5\r\nhello\r\n"]
     else:
         assert transport.written == [b"data: x\n\n", b"hello"]
     assert not sink.full()
+
+
+class Filling(Transport):
+    """Past its high-water mark from the second write on (the protocol is paused); the third
+    finds the socket reset (closing from then on)."""
+
+    def __init__(self, protocol: SimpleNamespace) -> None:
+        super().__init__()
+        self.protocol = protocol
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.protocol.writing_paused = len(self.written) >= 2
+        self.closing = len(self.written) >= 3
+
+
+@pytest.mark.parametrize(
+    ("chunked", "first_chunk"), [(c, f) for c in (True, False) for f in (True, False)]
+)
+def test_a_write_that_fills_the_transport_or_finds_the_client_gone_says_it_is_full(
+    chunked: bool, first_chunk: bool
+) -> None:
+    protocol = SimpleNamespace(writing_paused=False)
+    sink, _, _ = sink_for(chunked, None, first_chunk, protocol, Filling(protocol))
+    assert [sink.write(b"a"), sink.write(b"b")] == [False, True]
+    protocol.writing_paused = False  # drained
+    assert sink.write(b"c") is True  # the client is gone: full, so the writer's drain raises
 
 
 @pytest.mark.parametrize("chunked", [True, False])
