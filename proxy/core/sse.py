@@ -172,21 +172,38 @@ class SSEDecoder:
         """``feed`` for a consumer that parses JSON: each event's raw data and type.
 
         A chunk holding exactly one whole ``data: ...`` event, as LLM servers send one per
-        token, costs two scans and a slice: no decode, no ``Event``, no list of lines.
+        token, costs two scans and a slice: no decode, no ``Event``, no list of lines; a read
+        holding several such events (a reader that fell behind) costs a split and a slice each.
         """
         if (
-            chunk.startswith(b"data: ")
-            and chunk.find(b"\n") == len(chunk) - 2
-            and chunk.endswith(b"\n\n")
-            and len(chunk) - 2 <= self._limit
-            and b"\r" not in chunk
+            chunk.endswith(b"\n\n")
             and not self._data
             and not self._event
             and self._retry is None
             and self._lines.idle()
+            and b"\r" not in chunk
         ):
-            return [(chunk[6:-2], "message")]
+            if (
+                chunk.startswith(b"data: ")
+                and chunk.find(b"\n") == len(chunk) - 2
+                and len(chunk) - 2 <= self._limit
+            ):
+                return [(chunk[6:-2], "message")]
+            events = self._whole_raw_events(chunk)
+            if events is not None:
+                return events
         return [(e.data.encode(), e.event) for e in self.feed(chunk)]
+
+    def _whole_raw_events(self, chunk: bytes) -> list[RawEvent] | None:
+        """``_whole_data_events`` for ``feed_raw``: the same test, the data left as bytes."""
+        events: list[RawEvent] = []
+        limit = self._limit
+        for piece in chunk[:-2].split(b"\n\n"):
+            if not piece.startswith(b"data: ") or b"\n" in piece or len(piece) > limit:
+                return None
+            events.append((piece[6:], "message"))
+        self._retry = None
+        return events
 
     def close_raw(self) -> list[RawEvent]:
         """``close`` for a ``feed_raw`` consumer."""
