@@ -142,6 +142,7 @@ class StreamStitcher:
         # --enable-force-include-usage), as an unfinished first choice chunk with usage shows.
         self._continuous = plan.continuous_usage
         self.chunks = 0
+        self.rewrites = 0  # events that took the full path (the rest a template stitched)
         self._tail_usage: dict[str, Any] | None = None  # the merged usage, once ``tail`` made it
         self._tailed = False
         # vLLM's generate chunks carry a request_id and no id, created or model, and its native
@@ -161,6 +162,7 @@ class StreamStitcher:
 
     def _rewrite(self, pos: int, data: bytes, event: str) -> bytes | None:
         """The full path: the reference the templates are learned from and tested against."""
+        self.rewrites += 1
         stream = self._streams[pos]
         if data == b"[DONE]":
             stream.finished = True

@@ -330,17 +330,30 @@ def test_a_line_at_the_limit_passes_and_one_byte_more_raises_however_it_is_split
             assert events == ([("x" * 10, "message")] if fits else []), (line, cut)
 
 
-class _LineByLine(SSEDecoder):
-    """The general path only: what the whole-event fast path must equal."""
+class LineByLine:
+    """The decoder's general path only, line by line: what its fast paths must equal. A wrapper,
+    not a subclass: the compiled decoder (setup.py) takes no subclass from Python."""
 
-    __slots__ = ()
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self._decoder = SSEDecoder(max_event_bytes)
 
-    def _whole_data_events(self, chunk: bytes) -> list[Event] | None:
-        return None
+    def feed(self, chunk: bytes) -> list[Event]:
+        lines = self._decoder._lines.feed(chunk)
+        return self._decoder._interpret(lines) if lines else []
+
+    def close(self) -> list[Event]:
+        return self._decoder.close()
+
+    def feed_raw(self, chunk: bytes) -> list[RawEvent]:
+        """The data decoded and encoded again, as no fast path leaves it."""
+        return [(e.data.encode(), e.event) for e in self.feed(chunk)]
+
+    def close_raw(self) -> list[RawEvent]:
+        return [(e.data.encode(), e.event) for e in self.close()]
 
 
 def _both(pieces: list[bytes]) -> tuple[list[Event], list[Event]]:
-    fast, reference = SSEDecoder(), _LineByLine()
+    fast, reference = SSEDecoder(), LineByLine()
     got: list[Event] = []
     want: list[Event] = []
     for piece in pieces:
@@ -389,7 +402,7 @@ def test_whole_event_fast_path_respects_the_size_limit() -> None:
 
 
 def _raw_and_line_by_line(pieces: list[bytes]) -> tuple[list[RawEvent], list[Event]]:
-    raw, reference = SSEDecoder(), _LineByLine()
+    raw, reference = SSEDecoder(), LineByLine()
     got: list[RawEvent] = []
     want: list[Event] = []
     for piece in pieces:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import hypothesis
 import orjson
@@ -27,8 +28,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.plan import Plan, plan_request
-from proxy.core.sse import Event, RawEvent, SSEDecoder, SSEError
+from proxy.core.sse import RawEvent, SSEDecoder, SSEError
 from proxy.core.stitch import StreamError, StreamStitcher
+from tests.core.test_sse import LineByLine
 from tests.core.test_stitch import (
     STREAM_WITH_USAGE,
     chunk,
@@ -42,40 +44,56 @@ from tests.core.test_stitch import (
 EXAMPLES = int(os.environ.get("N_PROXY_FUZZ_EXAMPLES", "150"))
 
 
-class FullPath(StreamStitcher):
-    """Every chunk parsed, rewritten and serialized: what the templates must equal."""
+class Stitching(Protocol):
+    plan: Plan
+
+    @property
+    def chunks(self) -> int: ...
+
+    def chunk(self, pos: int, data: bytes, event: str = "message") -> bytes | None: ...
+    def finished(self, pos: int) -> bool: ...
+    def tail(self) -> bytes: ...
+
+
+class FullPath:
+    """Every chunk parsed, rewritten and serialized: what the templates must equal. A wrapper,
+    not a subclass: the compiled stitcher (setup.py) takes no subclass from Python."""
+
+    def __init__(self, p: Plan) -> None:
+        self.stitcher = StreamStitcher(p)
+        self.plan = p
+
+    @property
+    def chunks(self) -> int:
+        return self.stitcher.chunks
 
     def chunk(self, pos: int, data: bytes, event: str = "message") -> bytes | None:
-        return self._rewrite(pos, data, event)
+        return self.stitcher._rewrite(pos, data, event)
+
+    def finished(self, pos: int) -> bool:
+        return self.stitcher.finished(pos)
+
+    def tail(self) -> bytes:
+        return self.stitcher.tail()
 
 
-class Counted(StreamStitcher):
+class Counted(FullPath):
     """The stitcher as it runs, counting the chunks that a template stitched."""
 
-    rewrites = 0
-    filled = 0
+    calls = 0
+
+    @property
+    def filled(self) -> int:
+        return self.calls - self.stitcher.rewrites  # the chunks that skipped the full path
 
     def chunk(self, pos: int, data: bytes, event: str = "message") -> bytes | None:
-        rewrites = self.rewrites
-        out = super().chunk(pos, data, event)
-        self.filled += self.rewrites == rewrites
-        return out
-
-    def _rewrite(self, pos: int, data: bytes, event: str) -> bytes | None:
-        self.rewrites += 1
-        return super()._rewrite(pos, data, event)
+        self.calls += 1
+        return self.stitcher.chunk(pos, data, event)
 
 
-class LineByLine(SSEDecoder):
-    """The decoder's general path only: no whole-event fast path, data decoded and re-encoded."""
-
-    __slots__ = ()
-
-    def _whole_data_events(self, chunk: bytes) -> list[Event] | None:
-        return None
-
-    def feed_raw(self, chunk: bytes) -> list[RawEvent]:
-        return [(e.data.encode(), e.event) for e in self.feed(chunk)]
+class Decoding(Protocol):
+    def feed_raw(self, chunk: bytes) -> list[RawEvent]: ...
+    def close_raw(self) -> list[RawEvent]: ...
 
 
 # --- literal streams ---
@@ -87,7 +105,8 @@ Step = tuple[int, bytes, str]
 def replay(p: Plan, steps: list[Step]) -> tuple[list[Any], list[Any]]:
     """Both stitchers through the same events: what each sent, chunk by chunk, then its tail."""
     sent: tuple[list[Any], list[Any]] = ([], [])
-    for s, out in zip((StreamStitcher(p), FullPath(p)), sent, strict=True):
+    both: tuple[Stitching, Stitching] = (StreamStitcher(p), FullPath(p))
+    for s, out in zip(both, sent, strict=True):
         for pos, data, event in steps:
             try:
                 raw = s.chunk(pos, data, event)
@@ -329,9 +348,7 @@ def test_templates_equal_the_full_path_on_non_canonical_json_and_continuous_usag
     assert fast == full
 
 
-def test_the_pacer_chunk_is_stitched_from_a_template_equal_to_the_full_path(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_pacer_chunk_is_stitched_from_a_template_equal_to_the_full_path() -> None:
     from bench.pacer import chunk as pacer_chunk
 
     p = plan({"n": 4, "stream": True})
@@ -347,12 +364,10 @@ def test_the_pacer_chunk_is_stitched_from_a_template_equal_to_the_full_path(
     fast, full = replay(p, interleave(streams))
     assert fast == full
     # each child's first two chunks; the second teaches its template
-    assert full_path_chunks(p, interleave(streams), monkeypatch) == 2 * 4
+    assert full_path_chunks(p, interleave(streams)) == 2 * 4
 
 
-def test_a_number_spelled_otherwise_is_respelled_by_the_template(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_number_spelled_otherwise_is_respelled_by_the_template() -> None:
     from bench.pacer import chunk as pacer_chunk
 
     p = plan({"n": 2, "stream": True})
@@ -363,30 +378,21 @@ def test_a_number_spelled_otherwise_is_respelled_by_the_template(
     fast, full = replay(p, steps)
     assert fast == full
     assert b'"ts":1.54}' in fast[4]
-    assert full_path_chunks(p, steps, monkeypatch) == 2  # the first, and the one it learns from
+    assert full_path_chunks(p, steps) == 2  # the first, and the one it learns from
 
 
-def test_a_vllm_stream_is_stitched_from_templates(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_vllm_stream_is_stitched_from_templates() -> None:
     p = plan({"n": 2, "stream": True})
     steps = interleave([vllm_stream(p, pos, [f" tok{i}" for i in range(10)]) for pos in (0, 1)])
     # the role chunk, two content chunks, the finishing chunk, usage and [DONE] per child
-    assert full_path_chunks(p, steps, monkeypatch) == 6 * 2
+    assert full_path_chunks(p, steps) == 6 * 2
 
 
-def full_path_chunks(p: Plan, steps: list[Step], monkeypatch: pytest.MonkeyPatch) -> int:
-    count = 0
-    rewrite = StreamStitcher._rewrite
-
-    def counted(self: StreamStitcher, pos: int, data: bytes, event: str) -> bytes | None:
-        nonlocal count
-        count += 1
-        return rewrite(self, pos, data, event)
-
-    monkeypatch.setattr(StreamStitcher, "_rewrite", counted)
+def full_path_chunks(p: Plan, steps: list[Step]) -> int:
     s = StreamStitcher(p)
     for pos, data, event in steps:
         s.chunk(pos, data, event)
-    return count
+    return s.rewrites
 
 
 # --- fuzzed streams ---
@@ -557,7 +563,7 @@ def streams(draw: st.DrawFn) -> tuple[Plan, list[tuple[int, bytes | None]]]:
 
 
 def stitch(
-    stitcher: StreamStitcher, decoders: list[SSEDecoder], reads: list[tuple[int, bytes | None]]
+    stitcher: Stitching, decoders: Sequence[Decoding], reads: list[tuple[int, bytes | None]]
 ) -> list[Any]:
     """What the client is sent, as ``fanout._merge`` sends it: chunk by chunk, then the tail."""
     sent: list[Any] = []
@@ -575,7 +581,7 @@ def stitch(
     return [*sent, stitcher.tail(), stitcher.chunks]
 
 
-def plan_index(stitcher: StreamStitcher, pos: int) -> int:
+def plan_index(stitcher: Stitching, pos: int) -> int:
     return stitcher.plan.children[pos].index
 
 
