@@ -7,6 +7,7 @@ pytest -m fast     # the pure unit tests only (no server, no subprocess), in sec
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+import proxy as package_root
 from proxy.config.models import Config, single_upstream_config
+from proxy.server.process import stream_path_compiled
 from proxy.upstream.service import Upstreams
 from tests.support.logs import LogCapture, capture_logs
 from tests.support.rawupstream import RawUpstream
@@ -42,6 +45,26 @@ _FAST = (
     "tests/devserver/test_devserver_reply.py",
 )
 _SERVING = {"servers", "http", "llama_model", "pytester"}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The suite runs against the build it was asked for (``N_PROXY_EXPECT_BUILD``: compiled or
+    pure; .ci/run runs both), and never against compiled modules older than their source: an
+    editable install compiles in place (setup.py), and its ``.so`` shadows a ``.py`` edited
+    since."""
+    compiled = stream_path_compiled()
+    expected = os.environ.get("N_PROXY_EXPECT_BUILD")
+    if expected and expected != ("compiled" if compiled else "pure"):
+        pytest.exit(f"N_PROXY_EXPECT_BUILD={expected}, but the stream path is the other build", 2)
+    package = Path(package_root.__file__ or ".").parent
+    for built in package.rglob("*.so"):
+        source = built.parent / (built.name.split(".", 1)[0] + ".py")
+        if source.exists() and source.stat().st_mtime > built.stat().st_mtime:
+            pytest.exit(
+                f"{source} changed after {built.name} was compiled from it: rebuild it "
+                "(pip install -e .) or delete the proxy/**/*.so files (the pure build)",
+                2,
+            )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -21,7 +21,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+import proxy.http.connection as connection_module
 from proxy.config.models import Config, ConfigError
+
 from proxy.observe.clienterrors import ClientErrors
 from proxy.observe.log import log_event
 from proxy.observe.metrics import Metrics
@@ -90,6 +92,10 @@ class Server:
         return self.generations.upstreams
 
     async def start(self) -> None:
+        if not stream_path_compiled():
+            log_event(
+                "the stream path runs as pure Python: this build compiled none of it (setup.py)"
+            )
         await self._proxy.setup()
         _raise_fd_limit(self.config)
         listen = self.config.listen
@@ -218,6 +224,12 @@ def install_uvloop() -> None:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def stream_path_compiled() -> bool:
+    """Whether the modules every relayed or stitched chunk runs through are the mypyc build's
+    (setup.py ``COMPILED``): each is compiled, or none is."""
+    return not (connection_module.__file__ or "").endswith(".py")
 
 
 def _port(runner: web.AppRunner) -> int:

@@ -1,0 +1,61 @@
+"""The build: the per-chunk stream path compiled with mypyc where it can be, else pure Python.
+
+The modules in ``COMPILED`` are the typed pure core and wire code every relayed or stitched
+chunk runs through. ``N_PROXY_PURE=1`` builds without them; a machine where mypyc or the C
+compiler fails gets the pure package too, with one line saying why. Either way the same
+``.py`` files are installed, so the compiled modules always have their fallback beside them
+(``proxy.compiled()`` says which one runs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+COMPILED = [
+    "proxy/core/sse.py",
+    "proxy/core/stitch.py",
+    "proxy/http/connection.py",
+    "proxy/request/fanout.py",
+]
+
+
+def _say(message: str) -> None:
+    print(f"n-proxy build: {message}", file=sys.stderr, flush=True)
+
+
+def _extensions() -> list[Any]:
+    if os.environ.get("N_PROXY_PURE", "") not in ("", "0"):
+        _say("N_PROXY_PURE is set: pure Python, nothing compiled")
+        return []
+    try:
+        from mypyc.build import mypycify
+
+        # The build's environment need not hold the runtime dependencies: their types are Any
+        # there, which mypyc compiles as plain Python calls; so no strict checking here (the
+        # project's own check, mypy --strict, runs with them installed).
+        flags = ["--config-file=", "--ignore-missing-imports"]
+        return list(mypycify([*flags, *COMPILED], opt_level="3", group_name="proxy.compiled"))
+    except BaseException as exc:  # mypyc missing, or its type check exiting: build pure
+        _say(f"mypyc could not compile the stream path ({type(exc).__name__}: {exc}); pure Python")
+        return []
+
+
+class _OptionalBuildExt(build_ext):
+    """A C compiler missing or failing leaves the pure package, not a failed install."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:
+            for output in self.get_outputs():
+                Path(output).unlink(missing_ok=True)  # no half-compiled set: all or none
+            _say(f"compiling failed ({type(exc).__name__}: {exc}); pure Python")
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": _OptionalBuildExt})
