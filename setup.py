@@ -21,8 +21,10 @@ COMPILED = [
     "proxy/core/sse.py",
     "proxy/core/stitch.py",
     "proxy/http/connection.py",
-    "proxy/request/fanout.py",
 ]
+# Not proxy/request/fanout.py: compiled, its JSON fan-outs failed under the suite
+# (tests/request/test_fanout.py, tests/e2e/test_faults.py) though each passed alone; until that
+# is understood, the fan-out's writer and mailbox stay pure Python.
 
 
 def _say(message: str) -> None:

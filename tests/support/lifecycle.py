@@ -152,7 +152,11 @@ def _frames(task: asyncio.Future[Any]) -> Iterator[FrameType]:
 
 
 def _in_proxy(task: asyncio.Future[Any]) -> bool:
-    """The task runs the proxy's code, or waits in it (the demo backend's is not the proxy's)."""
+    """The task runs the proxy's code, or waits in it (the demo backend's is not the proxy's).
+    A coroutine compiled by mypyc (setup.py) has no frames: its type names its module."""
+    module = type(_coro(task)).__module__
+    if module.startswith("proxy.") and not module.startswith("proxy.devserver"):
+        return True
     for frame in _frames(task):
         path = frame.f_code.co_filename
         if path.startswith(_PROXY_DIR) and not path.startswith(_BACKEND_DIR):
@@ -161,8 +165,12 @@ def _in_proxy(task: asyncio.Future[Any]) -> bool:
 
 
 def _chain(task: asyncio.Future[Any]) -> str:
-    """Where a task waits, as ``file:line function > ...`` (the proxy's files from proxy/)."""
+    """Where a task waits, as ``file:line function > ...`` (the proxy's files from proxy/); a
+    compiled coroutine as ``file: its type``."""
     out = []
+    compiled = type(_coro(task))
+    if compiled.__module__.startswith("proxy."):
+        out.append(f"{compiled.__module__.replace('.', '/')}.py: {compiled.__qualname__}")
     for frame in _frames(task):
         path = frame.f_code.co_filename
         short = path[len(_PROXY_DIR) - len("proxy/") :] if path.startswith(_PROXY_DIR) else path
