@@ -248,9 +248,7 @@ def generate_stream(p: Plan, pos: int, tokens: list[int], **extra: Any) -> list[
     ]
 
 
-def test_generate_token_chunks_are_stitched_from_templates_equal_to_the_full_path(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_generate_token_chunks_are_stitched_from_templates_equal_to_the_full_path() -> None:
     body = {"token_ids": [1], "sampling_params": {"n": 3}, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     p = plan_request(body, "abc", 10, endpoint="generate")
@@ -261,7 +259,7 @@ def test_generate_token_chunks_are_stitched_from_templates_equal_to_the_full_pat
     assert fast == full
     # The first two token chunks (the second teaches the template), the finishing one, the
     # usage chunk and [DONE] take the full path; the other seven come from the template.
-    assert full_path_chunks(p, steps, monkeypatch) == 5 * 3
+    assert full_path_chunks(p, steps) == 5 * 3
 
 
 def test_templates_equal_the_full_path_when_the_envelope_changes_mid_stream() -> None:

@@ -732,7 +732,9 @@ def test_build_context_holds_and_lets_in_every_copied_path() -> None:
     allowed = (DEPLOY / "Dockerfile.dockerignore").read_text("utf-8").splitlines()
     copied = [a.split()[:-1] for k, a in _dockerfile_stages()[1] if k == "COPY"]
     sources = [s for group in copied for s in group]
-    assert sources == ["pyproject.toml", "README.md", "LICENSE", "deploy/constraints.txt", "proxy"]
+    assert sources == [
+        "pyproject.toml", "setup.py", "README.md", "LICENSE", "deploy/constraints.txt", "proxy"
+    ]  # fmt: skip
     for source in sources:
         assert (ROOT / source).exists(), f"{source} is missing from the repository"
         assert f"!{source}" in allowed

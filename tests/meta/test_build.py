@@ -1,0 +1,84 @@
+"""The build (setup.py): the modules every streamed chunk runs through compiled with mypyc where
+they can be, the same modules as pure Python where they cannot, and the server saying at start
+which one it runs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from proxy.server.process import stream_path_compiled
+from tests.server.test_ops import running_server
+from tests.support.logs import capture_logs
+from tests.support.servers import Backend
+
+ROOT = Path(__file__).resolve().parents[2]
+PURE_LINE = "the stream path runs as pure Python: this build compiled none of it (setup.py)"
+STREAM_PATH = ("proxy/core/sse.py", "proxy/core/stitch.py", "proxy/http/connection.py")
+BUILD_TIMEOUT = 600  # seconds: the build environment is fetched from the package index
+
+
+def _wheel(tmp_path: Path, **env: str) -> tuple[list[str], str]:
+    """The wheel pip builds from a copy of this checkout's sources (no compiled files), with
+    ``env``: the files it holds, and the build's output."""
+    tree = tmp_path / "src"
+    tree.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, tree / name)
+    shutil.copytree(
+        ROOT / "proxy", tree / "proxy", ignore=shutil.ignore_patterns("*.so", "__pycache__")
+    )
+    out = tmp_path / "wheels"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "-w", str(out), str(tree)],
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (wheel,) = out.glob("n_proxy-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.namelist(), done.stdout + done.stderr
+
+
+def test_a_build_whose_c_compiler_fails_is_the_pure_package_and_says_why(tmp_path: Path) -> None:
+    names, said = _wheel(tmp_path, CC="false")  # mypyc runs; compiling its C fails
+    assert [n for n in names if n.endswith(".so")] == []
+    assert set(STREAM_PATH) <= set(names)
+    assert "n-proxy build: compiling failed" in said
+    assert "pure Python" in said
+
+
+def test_n_proxy_pure_builds_the_pure_package_without_running_mypyc(tmp_path: Path) -> None:
+    names, said = _wheel(tmp_path, N_PROXY_PURE="1")
+    assert [n for n in names if n.endswith(".so")] == []
+    assert set(STREAM_PATH) <= set(names)
+    assert "n-proxy build: N_PROXY_PURE is set: pure Python, nothing compiled" in said
+
+
+def test_the_stream_path_is_compiled_whole_or_not_at_all() -> None:
+    """setup.py compiles these modules as one group: a build holds all or none of them."""
+    import proxy.core.sse
+    import proxy.core.stitch
+    import proxy.http.connection
+
+    modules = (proxy.core.sse, proxy.core.stitch, proxy.http.connection)
+    built = [not (m.__file__ or "").endswith(".py") for m in modules]
+    assert built in ([True] * 3, [False] * 3)
+    assert stream_path_compiled() == built[0]
+
+
+async def test_the_server_logs_one_line_at_start_when_it_runs_the_pure_build(
+    backend: Backend,
+) -> None:
+    with capture_logs() as logs:
+        async with running_server(backend):
+            pass
+    said = [r for r in logs.records if r.startswith(PURE_LINE)]
+    assert len(said) == (0 if stream_path_compiled() else 1)
