@@ -23,7 +23,6 @@ from aiohttp import web
 
 import proxy.http.connection as connection_module
 from proxy.config.models import Config, ConfigError
-
 from proxy.observe.clienterrors import ClientErrors
 from proxy.observe.log import log_event
 from proxy.observe.metrics import Metrics
