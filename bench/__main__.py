@@ -191,7 +191,7 @@ def finish(results: Row, out: Path, stem: str, chart_python: Path | None) -> int
     (out / f"{stem}.md").write_text(render(results))
     if chart_python and {"passthrough", "fanout"} & set(results):
         files = [f"{out / stem}.json", f"{out / stem}.png"]
-        argv = [str(chart_python), "-m", "bench.tools.chart", *files]
+        argv = [str(chart_python), "-m", "bench.report", *files]
         drawn = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         if drawn.returncode:
             print(f"bench: no chart: {drawn.stderr[-500:]}", flush=True)

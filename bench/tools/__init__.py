@@ -1,1 +1,1 @@
-"""Documentation assets, not measurements: the results chart and the README's dashboard picture."""
+"""Documentation assets, not measurements: the README's dashboard picture."""

@@ -16,7 +16,7 @@ import orjson
 
 from bench.load import generate
 from bench.procs import Fleet, free_port, wait_ready
-from bench.report import ROOT
+from bench.report import ROOT, pyplot
 from bench.stack import start_backend, start_proxy
 from bench.workload import CHAT_PATH, SEED, chat_body, run_async
 
@@ -106,11 +106,7 @@ def _panels(query_range: str, start: float, end: float) -> list[dict[str, Any]]:
 
 
 def render(data: dict[str, Any], png: Path) -> None:
-    import matplotlib  # type: ignore[import-not-found, unused-ignore]  # bench venv only
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-
+    plt = pyplot()
     panels = [p for p in data["panels"] if "title" in p]
     rows = (len(panels) + 1) // 2  # two columns
     plt.style.use("dark_background")
