@@ -1,94 +1,39 @@
-"""Stitching: long n=8 streams back to back at saturation; SSE chunks/s, and n-proxy's CPU per
-chunk from /proc (what one core of it stitches)."""
+"""Stitching: long n=8 streams back to back at saturation, driven by the load generator as every
+closed loop here is; SSE chunks/s (streams/s times the chunks in each checked stream) and
+n-proxy's CPU per chunk from /proc (what one core of it stitches)."""
 
-import asyncio
-import time
-
-import aiohttp
-import orjson
-
-from bench.procs import Server
-from bench.report import Column, Row, Target, pick, say, table, target
+from bench.report import Column, Row, Target, pick, table, target
 from bench.scenario import PROXY, Context, Scenario
+from bench.scenarios.passthrough import measure
 from bench.stack import start_backend
-from bench.stats import grouped, median, medians, ratio
-from bench.workload import CHAT_PATH, chat_body, client, read_stream, run_async, stream_events
-
-SAMPLE_EVERY = 0.5  # seconds between RSS samples (at least)
-REQUEST_BUDGET = 10_000  # per round: a bound far above what the time allows
-SHOWN = ("chunks_per_s", "cpu_us_per_chunk", "errors")
-
-
-async def _round(
-    session: aiohttp.ClientSession, proxy: Server, body: bytes, expected: int, ctx: Context
-) -> Row:
-    events = errors = done = 0
-    before = proxy.sample()
-    samples = [before]  # growth is against this one, taken before any stream of the round
-
-    async def worker() -> None:
-        nonlocal events, errors, done
-        while time.perf_counter() < deadline and done + errors < REQUEST_BUDGET:
-            timing = await read_stream(session, proxy.url + CHAT_PATH, body)
-            if timing.status == 200 and timing.events == expected:
-                done += 1
-                events += timing.events
-            else:
-                errors += 1
-            if time.monotonic() - samples[-1].at >= SAMPLE_EVERY:  # the others still streaming
-                samples.append(proxy.sample())
-
-    start = time.perf_counter()
-    deadline = start + ctx.options.seconds
-    await asyncio.gather(*(worker() for _ in range(ctx.options.concurrency[0])))
-    wall = time.perf_counter() - start
-    cpu = proxy.sample().cpu_seconds - before.cpu_seconds
-    rss = [s.rss_bytes for s in samples]
-    return {
-        "requests": done, "errors": errors, "chunks": events, "seconds": wall,
-        "chunks_per_s": events / wall, "proxy_cpu_s": cpu, "proxy_cpu_share": cpu / wall,
-        "cpu_us_per_chunk": cpu / events * 1e6 if events else float("nan"),
-        "rss_growth_kib": (max(rss) - rss[0]) // 1024,
-    }  # fmt: skip
-
-
-async def _measure(ctx: Context, proxies: dict[str, Server]) -> Row:
-    o = ctx.options
-    body = orjson.dumps(chat_body(o.n[0], stream=True, max_tokens=o.max_tokens))
-    expected = stream_events(o.n[0], o.max_tokens)
-    rows: list[Row] = []
-    async with client(120, limit=o.concurrency[0]) as session:
-        for proxy in proxies.values():
-            await read_stream(session, proxy.url + CHAT_PATH, body)  # warm-up
-        for turn in range(o.rounds):
-            for label, proxy in proxies.items():
-                rows.append({"round": turn, "proxy": label})
-                rows[-1] |= await _round(session, proxy, body, expected, ctx)
-                say(f"stitching round {turn} {label}", rows[-1], *SHOWN)
-    summary = []
-    for (label,), mine in grouped(rows, "proxy"):
-        cpu = median(r["cpu_us_per_chunk"] for r in mine)
-        # chunks_per_cpu_s: what one fully busy core of proxy would stitch.
-        summary.append({
-            "proxy": label, **medians(mine, "chunks_per_s", "cpu_us_per_chunk"),
-            "chunks_per_cpu_s": ratio(1e6, cpu), "errors": sum(r["errors"] for r in mine),
-            "rss_growth_kib": max(r["rss_growth_kib"] for r in mine),
-        })  # fmt: skip
-    return {"events_per_request": expected, "runs": rows, "summary": summary}
+from bench.stats import grouped, median, ratio
+from bench.workload import chat_request, stream_events
 
 
 def _run(ctx: Context) -> Row:
+    o = ctx.options
     backend = start_backend(ctx.fleet)
     proxies = ctx.proxies(backend.url)
     ctx.ready({"backend": backend})
-    return run_async(_measure(ctx, ctx.ready(proxies)))
+    request = chat_request(o.n[0], stream=True, max_tokens=o.max_tokens)
+    data = measure(ctx, ctx.ready(proxies), lambda name, case: request, backend=lambda _: backend)
+    chunks = stream_events(o.n[0], o.max_tokens)  # in every stream: measure checked one
+    summary = []
+    for (name,), mine in grouped(data["runs"], "target"):
+        cpu = median(r["cpu_us_per_req"] for r in mine) / chunks
+        # chunks_per_cpu_s: what one fully busy core of proxy would stitch.
+        summary.append({
+            "target": name, "chunks_per_s": chunks * median(r["rps"] for r in mine),
+            "cpu_us_per_chunk": cpu, "chunks_per_cpu_s": ratio(1e6, cpu),
+            "errors": sum(r["errors"] for r in mine),
+        })  # fmt: skip
+    return {"events_per_request": chunks, **data, "summary": summary}
 
 
 COLUMNS: list[Column] = [
-    ("proxy", "proxy", ""), ("chunks/s through the proxy", "chunks_per_s", "{:,.0f}"),
+    ("proxy", "target", ""), ("chunks/s through the proxy", "chunks_per_s", "{:,.0f}"),
     ("proxy CPU µs/chunk", "cpu_us_per_chunk", "{:.2f}"),
     ("chunks per proxy CPU-second", "chunks_per_cpu_s", "{:,.0f}"), ("errors", "errors", ""),
-    ("RSS growth KiB", "rss_growth_kib", "{:,}"),
 ]  # fmt: skip
 
 
@@ -105,7 +50,7 @@ def _render(data: Row) -> list[str]:
 
 
 def _targets(data: Row) -> list[Target]:
-    proxy = pick(data["summary"], proxy=PROXY)
+    proxy = pick(data["summary"], target=PROXY)
     what = "stitching, chunks per proxy CPU-second (one core)"
     return [target(what, proxy.get("chunks_per_cpu_s"), ">=", 50_000, "{:,.0f}/s")]
 
