@@ -83,7 +83,7 @@ def _targets(data: Row) -> list[Target]:
     ]
 
 
-SCENARIO = Scenario(
+FANOUT = Scenario(
     "fanout", "Fan-out vs native n", _run, _render, _targets,
     full={"rounds": 3, "seconds": 2.0, "concurrency": (16,), "n": (1, 2, 4, 8, 10)},
     smoke={"seconds": 0.2, "concurrency": (4,), "n": (2,)},

@@ -55,7 +55,7 @@ def _targets(data: Row) -> list[Target]:
     return [target(what, proxy.get("chunks_per_cpu_s"), ">=", 50_000, "{:,.0f}/s")]
 
 
-SCENARIO = Scenario(
+STITCHING = Scenario(
     "stitching", "Stitching long streams", _run, _render, _targets,
     full={"rounds": 3, "seconds": 8.0, "concurrency": (4,), "n": (8,), "max_tokens": 1024},
     smoke={"seconds": 0.3, "concurrency": (2,), "max_tokens": 32},

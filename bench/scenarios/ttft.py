@@ -139,7 +139,7 @@ def _targets(data: Row) -> list[Target]:
             for delay, what, key, bound, fmt in TARGETS]  # fmt: skip
 
 
-SCENARIO = Scenario(
+TTFT = Scenario(
     "ttft", "Time to first token with one slow child", _run, _render, _targets,
     full={"n": (8,), "max_tokens": 32, "reps": 30}, smoke={"n": (2,), "max_tokens": 4},
 )  # fmt: skip

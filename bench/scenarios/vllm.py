@@ -233,7 +233,7 @@ def _render(data: Row) -> list[str]:
     ]
 
 
-SCENARIO = Scenario(
+VLLM = Scenario(
     "vllm", "vLLM's Python frontend with native n, and n-proxy fanning out over it and over the"
     " Rust frontend", _run, _render,
     full={"rounds": 2, "seconds": 6.0, "concurrency": (4,), "n": (4, 8), "max_tokens": 32,
