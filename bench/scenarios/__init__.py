@@ -6,7 +6,7 @@ import importlib
 
 from bench.scenario import Scenario
 
-MODULES = {"passthrough": "passthrough", "fanout": "fanout", "stitching": "stitching",
+MODULES = {"passthrough": "passthrough", "fanout": "fanout", "stitching": "fanout",
            "ttft": "ttft", "memory": "memory", "wire": "passthrough", "manystream": "manystream",
            "soak": "soak", "vllm": "vllm", "llamacpp": "llamacpp"}  # fmt: skip
 NAMES = tuple(MODULES)
