@@ -1,6 +1,6 @@
 """Every scenario's report: the stamp (commit, date, machine, command), Markdown tables, targets
-checked against their goals, and the chart (``python -m bench.report latest.json latest.png``,
-in bench/.work/venv: it has matplotlib; this module needs nothing else beyond the stdlib)."""
+checked against their goals, and the pictures (``python -m bench.report latest.json``, in
+bench/.work/venv: it has matplotlib; this module needs nothing else beyond the stdlib)."""
 
 import datetime
 import functools
@@ -28,7 +28,9 @@ def version(argv: Sequence[str]) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     text = (out.stdout + out.stderr).strip().splitlines()
-    return text[0].split(" [")[0].removeprefix("nginx version: ") if text else "unknown"
+    return (
+        text[0].split(" [")[0].split(" (")[0].removeprefix("nginx version: ") if text else "unknown"
+    )
 
 
 def commit(tree: Path = ROOT) -> str:
@@ -200,5 +202,52 @@ def chart(results: Row, out: Path) -> None:
     fig.savefig(out, dpi=80)
 
 
-if __name__ == "__main__":
-    chart(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]))
+def dashboard(data: Row, png: Path) -> None:
+    """The dashboard scenario's panels, two columns, as Grafana's dark theme shows them."""
+    plt = pyplot()
+    panels = [p for p in data["panels"] if "title" in p]
+    rows = (len(panels) + 1) // 2
+    plt.style.use("dark_background")
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 2.1 * rows), dpi=72)
+    scale = {"percentunit": (100, "%"), "s": (1000, "ms"), "reqps": (1, "/s"), "short": (1, "")}
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        factor, suffix = scale.get(panel["unit"], (1, ""))
+        shown = [s for s in panel["series"] if any(not missing(v) for _, v in s["points"])][:8]
+        for series in shown:  # NaN, null in the JSON: a gap in the line
+            xs = [p[0] for p in series["points"]]
+            ys = [math.nan if missing(p[1]) else p[1] * factor for p in series["points"]]
+            ax.plot(xs, ys, linewidth=1.2, label=series["legend"][:34])
+        ax.set_title(panel["title"], fontsize=9, loc="left")
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.2)
+        if suffix:
+            ax.set_ylabel(suffix, fontsize=7)
+        if shown:
+            ax.legend(fontsize=6, loc="upper left", frameon=False, ncol=2)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(f"n-proxy dashboard: {data['requests']} requests from {data['workers']} clients"
+                 f" over {data['seconds']:g} s (demo backend, one dead replica of two); x: seconds",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(png, dpi=72)
+    from PIL import Image  # type: ignore[import-not-found, unused-ignore]  # matplotlib's dependency
+
+    with Image.open(png) as image:  # a palette of 64 colours: a third of the bytes, same look
+        image.convert("RGB").quantize(64).save(png, optimize=True)
+
+
+PICTURED = {"passthrough", "fanout", "dashboard"}  # the scenarios with a picture
+
+
+def pictures(results: Row, out: Path, stem: str) -> None:
+    """The chart of passthrough and fanout (<stem>.png), and the dashboard's (dashboard.png)."""
+    if {"passthrough", "fanout"} & set(results):
+        chart(results, out / f"{stem}.png")
+    if results.get("dashboard", {}).get("panels"):
+        dashboard(results["dashboard"], out / "dashboard.png")
+
+
+if __name__ == "__main__":  # RESULTS.json: its pictures beside it
+    path = Path(sys.argv[1])
+    pictures(json.loads(path.read_text()), path.parent, path.stem)

@@ -8,7 +8,8 @@ from bench.scenario import Scenario
 
 MODULES = {"passthrough": "passthrough", "fanout": "fanout", "stitching": "fanout",
            "ttft": "ttft", "memory": "memory", "wire": "passthrough", "manystream": "manystream",
-           "soak": "soak", "vllm": "vllm", "llamacpp": "llamacpp"}  # fmt: skip
+           "soak": "soak", "vllm": "vllm", "llamacpp": "llamacpp",
+           "dashboard": "dashboard"}  # fmt: skip
 NAMES = tuple(MODULES)
 SUITE = NAMES[:5]  # against the demo backend: the default run, bench/results/latest.md
 

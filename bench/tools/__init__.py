@@ -1,1 +1,0 @@
-"""Documentation assets, not measurements: the README's dashboard picture."""
