@@ -8,9 +8,7 @@ and the Rust one in turn, the order reversed every other round. The Python front
 ``fetch``), and is left out, and said so, without it.
 """
 
-import asyncio
 import contextlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,10 +16,11 @@ import aiohttp
 import orjson
 import psutil
 
+from bench.load import generate
 from bench.report import Column, Row, say, table
 from bench.scenario import Context, Scenario
 from bench.stats import grouped, median, over, paired, quartiles
-from bench.workload import HEADERS, client, read_stream, run_async
+from bench.workload import client, read_stream, run_async
 from tests.support.vllmserver import (
     PYTHON_ENV,
     RUST_ENV,
@@ -98,27 +97,18 @@ def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
 
 
 async def throughput(session: aiohttp.ClientSession, route: Route, n: int, ctx: Context) -> Row:
-    """JSON in a closed loop: generated tokens (usage.completion_tokens) per second, and the CPU
-    of each process per request."""
-    o, tokens, requests = ctx.options, 0, [0]
-    deadline = time.perf_counter() + o.seconds
-
-    async def worker(w: int) -> None:
-        nonlocal tokens
-        seed = w * 1000
-        while time.perf_counter() < deadline:
-            seed += 1
-            body = _body(n, o.max_tokens, False, seed)
-            async with session.post(route.url + CHAT, data=body, headers=HEADERS) as resp:
-                answer = await resp.json()
-                assert resp.status == 200, answer
-            tokens += answer["usage"]["completion_tokens"]
-            requests[0] += 1
-
+    """JSON in bench.load's closed loop: generated tokens per second (every choice is max_tokens
+    long: ``ignore_eos``), and the CPU of each process per request."""
+    o, requests = ctx.options, [0]
+    bodies = [(route.url + CHAT, _body(n, o.max_tokens, False, seed)) for seed in range(1, 101)]
     with _counting(route, requests) as cpu:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(o.concurrency[0])))
-        elapsed = time.perf_counter() - started  # the last requests end past the deadline
+        latencies, errors, elapsed = await generate(
+            bodies, o.concurrency[0], o.seconds, REQUEST_SECONDS
+        )
+        requests[0] = len(latencies)
+    if errors:
+        raise RuntimeError(f"{errors} of {requests[0] + errors} JSON requests failed")
+    tokens = requests[0] * n * o.max_tokens
     return {"mode": "json", "tokens": tokens, "tokens_per_s": tokens / elapsed,
             "requests": requests[0], "cpu_ms": cpu}  # fmt: skip
 
