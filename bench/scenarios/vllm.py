@@ -9,7 +9,7 @@ and the Rust one in turn, the order reversed every other round. The Python front
 """
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -79,15 +79,14 @@ def _cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
-@contextlib.contextmanager
-def _counting(route: Route, requests: list[int]) -> Iterator[dict[str, float]]:
-    """CPU ms per request of each role over the block (``requests[0]``: how many it served)."""
+def _cpu_watch(route: Route) -> Callable[[int], dict[str, float]]:
+    """Starts counting; what it returns gives each role's CPU ms per request since then."""
     roles = {role: procs for role, procs in _roles(route).items() if procs}
     before = {role: _cpu_seconds(procs) for role, procs in roles.items()}
-    per_request: dict[str, float] = {}
-    yield per_request
-    for role, procs in roles.items():
-        per_request[role] = (_cpu_seconds(procs) - before[role]) / max(requests[0], 1) * 1e3
+    return lambda requests: {
+        role: (_cpu_seconds(procs) - before[role]) / max(requests, 1) * 1e3
+        for role, procs in roles.items()
+    }
 
 
 def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
@@ -99,33 +98,30 @@ def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
 async def throughput(session: aiohttp.ClientSession, route: Route, n: int, ctx: Context) -> Row:
     """JSON in bench.load's closed loop: generated tokens per second (every choice is max_tokens
     long: ``ignore_eos``), and the CPU of each process per request."""
-    o, requests = ctx.options, [0]
+    o, cpu = ctx.options, _cpu_watch(route)
     bodies = [(route.url + CHAT, _body(n, o.max_tokens, False, seed)) for seed in range(1, 101)]
-    with _counting(route, requests) as cpu:
-        latencies, errors, elapsed = await generate(
-            bodies, o.concurrency[0], o.seconds, REQUEST_SECONDS
-        )
-        requests[0] = len(latencies)
+    latencies, errors, elapsed = await generate(
+        bodies, o.concurrency[0], o.seconds, REQUEST_SECONDS
+    )
     if errors:
-        raise RuntimeError(f"{errors} of {requests[0] + errors} JSON requests failed")
-    tokens = requests[0] * n * o.max_tokens
+        raise RuntimeError(f"{errors} of {len(latencies) + errors} JSON requests failed")
+    tokens = len(latencies) * n * o.max_tokens
     return {"mode": "json", "tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "requests": requests[0], "cpu_ms": cpu}  # fmt: skip
+            "requests": len(latencies), "cpu_ms": cpu(len(latencies))}  # fmt: skip
 
 
 async def streams(session: aiohttp.ClientSession, route: Route, n: int, ctx: Context) -> Row:
     """Streams one at a time: first token and whole stream (ms), tokens/s of each (every choice
     runs to max_tokens), and the CPU of each process per stream."""
-    o = ctx.options
-    with _counting(route, [o.reps]) as cpu:
-        timings = [await read_stream(session, route.url + CHAT, _body(n, o.max_tokens, True, rep))
-                   for rep in range(o.reps)]  # fmt: skip
+    o, cpu = ctx.options, _cpu_watch(route)
+    timings = [await read_stream(session, route.url + CHAT, _body(n, o.max_tokens, True, rep))
+               for rep in range(o.reps)]  # fmt: skip
     if failed := [t.status for t in timings if t.status != 200]:
         raise RuntimeError(f"streams answered {failed}")
     tokens = n * o.max_tokens
     return {"mode": "stream", "first_token_ms": [t.first_token_at * 1e3 for t in timings],
-            "stream_ms": [t.end_at * 1e3 for t in timings],
-            "tokens_per_s": median(tokens / t.end_at for t in timings), "cpu_ms": cpu}  # fmt: skip
+            "stream_ms": [t.end_at * 1e3 for t in timings], "cpu_ms": cpu(o.reps),
+            "tokens_per_s": median(tokens / t.end_at for t in timings)}  # fmt: skip
 
 
 async def _measure(ctx: Context, routes: list[Route], turn: int) -> list[Row]:
