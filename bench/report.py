@@ -105,6 +105,21 @@ def table(columns: Sequence[Column], rows: Sequence[Row]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Section:
+    """A scenario's part of the report as a description: ``text`` (a format string over the
+    scenario's JSON, as ``{options[seconds]:g}``), then its ``summary`` as a table of ``columns``,
+    then ``note``. Called with that JSON it gives the Markdown, so it is a Scenario's ``render``."""
+
+    columns: Sequence[Column]
+    text: str
+    note: str = ""
+
+    def __call__(self, data: Row) -> list[str]:
+        note = ["", self.note] if self.note else []
+        return [self.text.format(**data), *table(self.columns, data["summary"]), *note]
+
+
+@dataclass(frozen=True)
 class Target:
     """A goal as the performance notes state it, and what this run measured against it."""
 

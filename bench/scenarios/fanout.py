@@ -5,7 +5,7 @@ n-proxy's CPU per chunk from /proc (what one core of it stitches)."""
 
 from collections.abc import Sequence
 
-from bench.report import Column, Row, Target, pick, table, target
+from bench.report import Column, Row, Section, Target, pick, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.scenarios.passthrough import measure
 from bench.stack import start_backend
@@ -86,14 +86,6 @@ COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _render(data: Row) -> list[str]:
-    return [
-        f"Concurrency {data['options']['concurrency'][0]}. Backend-bound ceiling: the ratio even a"
-        " proxy costing nothing would reach (the demo backend's cost is mostly per request).",
-        *table(COLUMNS, data["summary"]),
-    ]
-
-
 def _targets(data: Row) -> list[Target]:
     def at(stream: bool) -> object:
         return pick(data["summary"], n=GOAL_N, stream=stream, target=PROXY).get("ratio")
@@ -106,7 +98,11 @@ def _targets(data: Row) -> list[Target]:
 
 
 FANOUT = Scenario(
-    "fanout", "Fan-out vs native n", _run, _render, _targets,
+    "fanout", "Fan-out vs native n", _run,
+    Section(COLUMNS, "Concurrency {options[concurrency][0]}. Backend-bound ceiling: the ratio"
+            " even a proxy costing nothing would reach (the demo backend's cost is mostly per"
+            " request)."),
+    _targets,
     full={"rounds": 3, "seconds": 2.0, "concurrency": (16,), "n": (1, 2, 4, 8, 10)},
     smoke={"seconds": 0.2, "concurrency": (4,), "n": (2,)},
 )  # fmt: skip
@@ -119,18 +115,6 @@ CHUNK_COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _render_chunks(data: Row) -> list[str]:
-    o = data["options"]
-    return [
-        f"n={o['n'][0]} streams of {o['max_tokens']} tokens per choice, {o['concurrency'][0]} at a"
-        " time.",
-        *table(CHUNK_COLUMNS, data["summary"]),
-        "",
-        "Chunks/s through the proxy is bounded by the demo backend generating them on the same"
-        " cores; chunks per proxy CPU-second is what one core of proxy sustains.",
-    ]
-
-
 def _chunk_targets(data: Row) -> list[Target]:
     proxy = pick(data["summary"], target=PROXY)
     what = "stitching, chunks per proxy CPU-second (one core)"
@@ -138,7 +122,11 @@ def _chunk_targets(data: Row) -> list[Target]:
 
 
 STITCHING = Scenario(
-    "stitching", "Stitching long streams", lambda ctx: _run(ctx, stitching=True), _render_chunks,
+    "stitching", "Stitching long streams", lambda ctx: _run(ctx, stitching=True),
+    Section(CHUNK_COLUMNS, "n={options[n][0]} streams of {options[max_tokens]} tokens per choice,"
+            " {options[concurrency][0]} at a time.",
+            "Chunks/s through the proxy is bounded by the demo backend generating them on the same"
+            " cores; chunks per proxy CPU-second is what one core of proxy sustains."),
     _chunk_targets,
     full={"rounds": 3, "seconds": 8.0, "concurrency": (4,), "n": (8,), "max_tokens": 1024},
     smoke={"seconds": 0.3, "concurrency": (2,), "max_tokens": 32},

@@ -17,7 +17,7 @@ import orjson
 import psutil
 
 from bench.load import generate
-from bench.report import Column, Row, say, table
+from bench.report import Column, Row, Section, say
 from bench.scenario import Context, Scenario
 from bench.stats import grouped, median, over, paired, quartiles
 from bench.workload import client, read_stream, run_async
@@ -206,22 +206,17 @@ COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _render(data: Row) -> list[str]:
-    o = data["options"]
-    return [
-        f"JSON: a closed loop at concurrency {o['concurrency'][0]}, {o['seconds']:g} s per turn;"
-        f" streams: {o['reps']} one at a time; {o['max_tokens']} tokens per choice"
-        f" (`ignore_eos`); {o['rounds']} rounds, one vLLM at a time, the order reversed every"
-        " other round. Tokens/s and CPU (from /proc): medians over rounds; ratio: over the Python"
-        " frontend's native n, paired by round; first token: median and quartiles over every"
-        " stream. The Rust frontend's launcher counts as its Python frontend.",
-        *table(COLUMNS, data["summary"]),
-    ]
-
-
+TEXT = (
+    "JSON: a closed loop at concurrency {options[concurrency][0]}, {options[seconds]:g} s per turn;"
+    " streams: {options[reps]} one at a time; {options[max_tokens]} tokens per choice"
+    " (`ignore_eos`); {options[rounds]} rounds, one vLLM at a time, the order reversed every other"
+    " round. Tokens/s and CPU (from /proc): medians over rounds; ratio: over the Python frontend's"
+    " native n, paired by round; first token: median and quartiles over every stream. The Rust"
+    " frontend's launcher counts as its Python frontend."
+)
 VLLM = Scenario(
     "vllm", "vLLM's Python frontend with native n, and n-proxy fanning out over it and over the"
-    " Rust frontend", _run, _render,
+    " Rust frontend", _run, Section(COLUMNS, TEXT),
     full={"rounds": 2, "seconds": 6.0, "concurrency": (4,), "n": (4, 8), "max_tokens": 32,
           "reps": 5},
     smoke={"seconds": 1.0, "concurrency": (2,), "n": (2,), "max_tokens": 8},
