@@ -22,7 +22,7 @@ import orjson
 
 from bench import profile
 from bench.procs import Fleet
-from bench.report import ROOT, Row, header, stamp, table, version
+from bench.report import PICTURED, ROOT, Row, header, stamp, table, version
 from bench.scenario import Context, Options, Scenario, Tools
 from bench.scenarios import NAMES, SUITE, load
 
@@ -38,7 +38,9 @@ TOOLS = {
     "nginx": ([Path("/usr/sbin/nginx")], "its contenders are left out", "-v"),
     "wrk": ([], "the Python load generator is used", "-v"),
     "litellm": ([WORK / "litellm" / "bin" / "litellm"], "its contender is left out", "--version"),
+    "prometheus": ([], "the dashboard scenario collects nothing", "--version"),
 }
+INSTALL = {"prometheus": "Debian's prometheus package has it"}  # else bench/run --install-tools
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -75,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--tool", choices=("auto", "wrk", "python"), default="auto",
                    help="load generator; auto: wrk when found, except with --smoke")  # fmt: skip
     c.add_argument("--skip", type=lambda s: set(s.split(",")), default=set(),
-                   help="leave out: nginx, wrk, litellm, forwarder, lean")  # fmt: skip
+                   help="leave out: nginx, wrk, litellm, prometheus, forwarder, lean")  # fmt: skip
     c.add_argument("--profile", nargs="?", const="py-spy", metavar="PY_SPY",
                    help="record n-proxy with py-spy: its hot spots in the report")  # fmt: skip
     r = p.add_argument_group("output")
@@ -97,7 +99,8 @@ def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:
     for name, (places, without, _) in TOOLS.items():
         found[name] = None if name in args.skip else getattr(args, name) or _find(name, places)
         if found[name] is None and name not in args.skip:
-            print(f"bench: {name} not found: {without} (bench/run --install-tools installs it)")
+            how = INSTALL.get(name, "bench/run --install-tools installs it")
+            print(f"bench: {name} not found: {without} ({how})")
     py_spy = args.profile and _find(args.profile, [WORK / "venv" / "bin" / "py-spy"])
     if args.profile and not py_spy:
         raise SystemExit("bench: --profile needs py-spy (bench/run --install-tools installs it)")
@@ -106,8 +109,8 @@ def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:
     wrk = args.tool == "wrk" or (args.tool == "auto" and found["wrk"] and not args.smoke)
     used = {k: v for k, v in found.items() if v and (k != "wrk" or wrk)}  # wrk: when it loads
     versions = [version([path, TOOLS[name][2]]) for name, path in used.items()]
-    chosen = Tools(found["nginx"], found["wrk"], found["litellm"], "wrk" if wrk else "python",
-                   py_spy or None)  # fmt: skip
+    chosen = Tools(found["nginx"], found["wrk"], found["litellm"], found["prometheus"],
+                   "wrk" if wrk else "python", py_spy or None)  # fmt: skip
     return chosen, versions
 
 
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args.env = dict(args.env)
     if args.render:
         saved = json.loads(args.render.read_text())
-        return finish(saved, args.render.parent, args.render.stem, None)
+        return finish(saved, args.render.parent, args.render.stem, _pictures(smoke=False))
     names = args.scenarios or list(SUITE)
     if unknown := [n for n in names if n not in NAMES]:
         raise SystemExit(f"bench: no scenario {', '.join(unknown)}; there are {' '.join(NAMES)}")
@@ -177,24 +180,28 @@ def main(argv: list[str] | None = None) -> int:
     results["meta"]["seconds"] = time.monotonic() - started
     out = args.out or (raw if args.smoke else RESULTS)
     stem = args.name or ("profile" if args.profile else names[0] if len(names) == 1 else "latest")
-    chart = WORK / "venv" / "bin" / "python"
-    return finish(results, out, stem, chart if chart.exists() and not args.smoke else None)
+    return finish(results, out, stem, _pictures(args.smoke))
+
+
+def _pictures(smoke: bool) -> Path | None:
+    """The Python that draws the pictures: the bench venv's (it has matplotlib); not for smoke."""
+    python = WORK / "venv" / "bin" / "python"
+    return python if python.exists() and not smoke else None
 
 
 def finish(results: Row, out: Path, stem: str, chart_python: Path | None) -> int:
-    """Targets checked, the report written (and the chart, when matplotlib is at hand)."""
+    """Targets checked, the report written (and the pictures, when matplotlib is at hand)."""
     targets = [t for n in results["scenarios"] if n in results for t in load(n).targets(results[n])]
     results["targets"] = [{**asdict(t), "verdict": t.verdict} for t in targets]
     out.mkdir(parents=True, exist_ok=True)  # the JSON with NaN (a moment not measured) as null
     options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
     (out / f"{stem}.json").write_bytes(orjson.dumps(results, default=str, option=options))
     (out / f"{stem}.md").write_text(render(results))
-    if chart_python and {"passthrough", "fanout"} & set(results):
-        files = [f"{out / stem}.json", f"{out / stem}.png"]
-        argv = [str(chart_python), "-m", "bench.tools.chart", *files]
+    if chart_python and PICTURED & set(results):
+        argv = [str(chart_python), "-m", "bench.report", f"{out / stem}.json"]
         drawn = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         if drawn.returncode:
-            print(f"bench: no chart: {drawn.stderr[-500:]}", flush=True)
+            print(f"bench: no picture: {drawn.stderr[-500:]}", flush=True)
     lines = [f"  {t.verdict:<4}  {t.what}: {t.measured} (goal {t.goal})" for t in targets]
     lines += [f"  left out {what}: {why}" for what, why in results["skipped"].items()]
     lines += [f"  ERROR {name}: {error}" for name, error in results["errors"].items()]

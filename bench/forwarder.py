@@ -2,11 +2,12 @@
 the same on n-proxy's own upstream client, bodies read whole (the floor under n-proxy)."""
 
 import argparse
-import contextlib
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from bench.workload import on_uvloop
 
 HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 
@@ -71,14 +72,9 @@ def main() -> None:
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--lean", action="store_true", help="n-proxy's client, whole bodies")
     args = parser.parse_args()
-    loop = None
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        loop = uvloop.new_event_loop()
+    on_uvloop()
     app = (build_lean if args.lean else build)(args.upstream)
-    web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop,
-                backlog=4096)  # fmt: skip
+    web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None, backlog=4096)
 
 
 if __name__ == "__main__":

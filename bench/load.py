@@ -88,17 +88,18 @@ class Loader:
 
 
 async def generate(
-    requests: Sequence[tuple[str, bytes]], concurrency: int, seconds: float
+    requests: Sequence[tuple[str, bytes]], concurrency: int, seconds: float, timeout: float = 30
 ) -> tuple[list[int], int, float]:
-    """Latencies in ns of the 2xx answers, the error count, and the elapsed seconds. Each worker
-    cycles through ``requests`` (URL and body), from its own place in the list."""
+    """Latencies in ns of the 2xx answers, the error count, and the elapsed seconds (the last
+    requests end past ``seconds``). Each worker cycles through ``requests`` (URL and body), from
+    its own place in the list; each request may take ``timeout`` seconds."""
     latencies: list[int] = []
     errors = 0
     budget = max(1, int(seconds * MAX_REQUESTS_PER_SECOND))
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=30)
+    limit = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(
-        connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",)
+        connector=connector, timeout=limit, skip_auto_headers=("User-Agent",)
     ) as session:
         start = time.perf_counter()
         deadline = start + seconds

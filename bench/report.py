@@ -1,13 +1,16 @@
-"""Every scenario's report: the stamp (commit, date, machine, command), Markdown tables, and targets
-checked against their goals."""
+"""Every scenario's report: the stamp (commit, date, machine, command), Markdown tables, targets
+checked against their goals, and the pictures (``python -m bench.report latest.json``, in
+bench/.work/venv: it has matplotlib; this module needs nothing else beyond the stdlib)."""
 
 import datetime
 import functools
+import json
 import math
 import os
 import platform
 import re
 import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +28,9 @@ def version(argv: Sequence[str]) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     text = (out.stdout + out.stderr).strip().splitlines()
-    return text[0].split(" [")[0].removeprefix("nginx version: ") if text else "unknown"
+    return (
+        text[0].split(" [")[0].split(" (")[0].removeprefix("nginx version: ") if text else "unknown"
+    )
 
 
 def commit(tree: Path = ROOT) -> str:
@@ -100,6 +105,21 @@ def table(columns: Sequence[Column], rows: Sequence[Row]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Section:
+    """A scenario's part of the report as a description: ``text`` (a format string over the
+    scenario's JSON, as ``{options[seconds]:g}``), then its ``summary`` as a table of ``columns``,
+    then ``note``. Called with that JSON it gives the Markdown, so it is a Scenario's ``render``."""
+
+    columns: Sequence[Column]
+    text: str
+    note: str = ""
+
+    def __call__(self, data: Row) -> list[str]:
+        note = ["", self.note] if self.note else []
+        return [self.text.format(**data), *table(self.columns, data["summary"]), *note]
+
+
+@dataclass(frozen=True)
 class Target:
     """A goal as the performance notes state it, and what this run measured against it."""
 
@@ -120,3 +140,129 @@ def target(what: str, value: Any, op: str, bound: float, fmt: str) -> Target:
         return Target(what, goal, "not measured", None)
     ok = float(value) <= bound if op == "<=" else float(value) >= bound
     return Target(what, goal, fmt.format(value), ok)
+
+
+COLORS = {"direct": "#4c72b0", "nginx": "#55a868", "n-proxy": "#c44e52", "n-proxy x2": "#dd8452",
+          "litellm": "#8172b2", "aiohttp forwarder": "#937860", "baseline": "#8c8c8c"}  # fmt: skip
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files (imported here: only the bench venv has it)."""
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+
+    return plt
+
+
+def _passthrough(bars: Any, lines: Any, summary: list[Row]) -> None:
+    """Req/s per contender and concurrency as bars; latency added over direct as lines."""
+    names = list(dict.fromkeys(r["target"] for r in summary))
+    levels = sorted({r["concurrency"] for r in summary})
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        rows = {r["concurrency"]: r for r in summary if r["target"] == name}
+        xs = [j + i * width for j in range(len(levels))]
+        bars.bar(xs, [rows[c]["rps"] for c in levels], width, label=name, color=COLORS.get(name))
+        for q, style in (("p50", "o-"), ("p99", "x--")) if name != "direct" else ():
+            values = [rows[c][f"added_{q}_ms"] for c in levels]
+            lines.plot(levels, values, style, color=COLORS.get(name), label=f"{name} {q}")
+    bars.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(levels))])
+    bars.set_xticklabels([f"c={c}" for c in levels])
+    bars.set(ylabel="requests/s", title="n=1 pass-through (non-streaming)")
+    bars.legend(fontsize=8)
+    lines.set_xscale("log", base=2)
+    lines.set_yscale("symlog", linthresh=1)
+    lines.axhline(0.3, color="grey", linewidth=0.8, linestyle=":")
+    lines.set_xticks(levels, [str(c) for c in levels])
+    lines.set(xlabel="concurrency", ylabel="added latency over direct, ms", title="added latency")
+    lines.legend(fontsize=7)
+
+
+def _fanout(ax: Any, summary: list[Row]) -> None:
+    for stream, style in ((False, "o-"), (True, "o--")):
+        rows = sorted((r for r in summary if r["stream"] == stream and r["target"] == "n-proxy"),
+                      key=lambda r: r["n"])  # fmt: skip
+        label = "streaming" if stream else "non-streaming"
+        ax.plot([r["n"] for r in rows], [r["ratio"] * 100 for r in rows], style, label=label)
+    ax.axhline(80, color="grey", linewidth=0.8, linestyle=":")
+    ax.set(xlabel="n", ylabel="n-proxy / native n, % req/s", title="fan-out vs native n")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+
+
+def _targets(ax: Any, targets: list[Row]) -> None:
+    ax.axis("off")
+    ax.set_title("targets")
+    colors = {"pass": "#2e7d32", "MISS": "#c62828", "n/a": "#757575"}
+    for i, t in enumerate(targets):
+        y = 1 - (i + 0.5) / max(len(targets), 1)
+        ax.text(0, y, t["verdict"], color=colors[t["verdict"]], fontsize=8, weight="bold")
+        ax.text(0.12, y, f"{t['what']}: {t['measured']} (goal {t['goal']})", fontsize=7)
+
+
+def chart(results: Row, out: Path) -> None:
+    """Pass-through's req/s and added latency, fan-out over native n, and the targets."""
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    if passthrough := results.get("passthrough", {}).get("summary"):
+        _passthrough(axes[0][0], axes[0][1], passthrough)
+    if fanout := results.get("fanout", {}).get("summary"):
+        _fanout(axes[1][0], fanout)
+    _targets(axes[1][1], results.get("targets", []))
+    meta = results.get("meta", {})
+    fig.suptitle(f"n-proxy benchmark · {meta.get('cpus')} x {meta.get('cpu_model')}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+
+
+def dashboard(data: Row, png: Path) -> None:
+    """The dashboard scenario's panels, two columns, as Grafana's dark theme shows them."""
+    plt = pyplot()
+    panels = [p for p in data["panels"] if "title" in p]
+    rows = (len(panels) + 1) // 2
+    plt.style.use("dark_background")
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 2.1 * rows), dpi=72)
+    scale = {"percentunit": (100, "%"), "s": (1000, "ms"), "reqps": (1, "/s"), "short": (1, "")}
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        factor, suffix = scale.get(panel["unit"], (1, ""))
+        shown = [s for s in panel["series"] if any(not missing(v) for _, v in s["points"])][:8]
+        for series in shown:  # NaN, null in the JSON: a gap in the line
+            xs = [p[0] for p in series["points"]]
+            ys = [math.nan if missing(p[1]) else p[1] * factor for p in series["points"]]
+            ax.plot(xs, ys, linewidth=1.2, label=series["legend"][:34])
+        ax.set_title(panel["title"], fontsize=9, loc="left")
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.2)
+        if suffix:
+            ax.set_ylabel(suffix, fontsize=7)
+        if shown:
+            ax.legend(fontsize=6, loc="upper left", frameon=False, ncol=2)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.suptitle(f"n-proxy dashboard: {data['requests']} requests from {data['workers']} clients"
+                 f" over {data['seconds']:g} s (demo backend, one dead replica of two); x: seconds",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(png, dpi=72)
+    from PIL import Image  # type: ignore[import-not-found, unused-ignore]  # matplotlib's dependency
+
+    with Image.open(png) as image:  # a palette of 64 colours: a third of the bytes, same look
+        image.convert("RGB").quantize(64).save(png, optimize=True)
+
+
+PICTURED = {"passthrough", "fanout", "dashboard"}  # the scenarios with a picture
+
+
+def pictures(results: Row, out: Path, stem: str) -> None:
+    """The chart of passthrough and fanout (<stem>.png), and the dashboard's (dashboard.png)."""
+    if {"passthrough", "fanout"} & set(results):
+        chart(results, out / f"{stem}.png")
+    if results.get("dashboard", {}).get("panels"):
+        dashboard(results["dashboard"], out / "dashboard.png")
+
+
+if __name__ == "__main__":  # RESULTS.json: its pictures beside it
+    path = Path(sys.argv[1])
+    pictures(json.loads(path.read_text()), path.parent, path.stem)

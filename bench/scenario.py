@@ -54,6 +54,7 @@ class Tools:
     nginx: str | None
     wrk: str | None
     litellm: str | None
+    prometheus: str | None  # the dashboard scenario's
     tool: Tool  # the load generator: wrk, or bench.load as a process
     py_spy: str | None  # --profile
 

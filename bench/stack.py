@@ -2,8 +2,6 @@
 and the canned upstream of the wire scenario. Run as a script, this is the demo backend on uvloop
 (a faster backend is a harder baseline): ``python -m bench.stack --port P [devserver options]``."""
 
-import asyncio
-import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -12,7 +10,7 @@ from typing import Any
 
 from bench.pacer import BODY, HEALTH_PATH
 from bench.procs import Fleet, Server, free_port
-from bench.workload import BENCH_KEY, CHAT_PATH, MODEL
+from bench.workload import BENCH_KEY, CHAT_PATH, MODEL, on_uvloop
 
 # Admission control is a deployment choice, not a cost: lift it so only the proxy's work shows.
 PROXY_CONFIG = """\
@@ -183,8 +181,5 @@ def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> S
 if __name__ == "__main__":  # the demo backend, as ``n-proxy-devserver`` serves it, on uvloop
     from proxy.devserver.cli import main
 
-    with contextlib.suppress(ImportError):
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    on_uvloop()
     raise SystemExit(main(sys.argv[1:]))

@@ -198,10 +198,16 @@ def client(seconds: float, limit: int = 0, force_close: bool = False) -> aiohttp
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=seconds))
 
 
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    """Run an in-process client on uvloop when installed, as the servers under test are."""
+def on_uvloop() -> None:
+    """Every event loop made from here on is uvloop's when it is installed: the bench's servers
+    and clients run on it, as n-proxy does."""
     with contextlib.suppress(ImportError):
         import uvloop
 
-        return uvloop.run(coro)
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run an in-process client (or a server of the bench's own), on uvloop when installed."""
+    on_uvloop()
     return asyncio.run(coro)

@@ -1,15 +1,21 @@
-"""The scenarios of ``python -m bench``: each module here has a ``SCENARIO``, imported by name
-(so vllm's and llamacpp's imports from tests/support load only when they run)."""
+"""The scenarios of ``python -m bench``, each a ``Scenario`` named in capitals after it in its
+module, imported by name (so vllm's and llamacpp's imports from tests/support load only when they
+run). A module may hold two: the same loop over another upstream."""
 
 import importlib
 
 from bench.scenario import Scenario
 
-NAMES = ("passthrough", "fanout", "stitching", "ttft", "memory", "wire", "manystream", "soak",
-         "vllm", "llamacpp")  # fmt: skip
+MODULES = {"passthrough": "passthrough", "fanout": "fanout", "stitching": "fanout",
+           "ttft": "ttft", "memory": "memory", "wire": "passthrough", "manystream": "manystream",
+           "soak": "soak", "vllm": "vllm", "llamacpp": "llamacpp",
+           "dashboard": "dashboard"}  # fmt: skip
+NAMES = tuple(MODULES)
 SUITE = NAMES[:5]  # against the demo backend: the default run, bench/results/latest.md
 
 
 def load(name: str) -> Scenario:
-    scenario: Scenario = importlib.import_module(f"bench.scenarios.{name}").SCENARIO
+    scenario: Scenario = getattr(
+        importlib.import_module(f"bench.scenarios.{MODULES[name]}"), name.upper()
+    )
     return scenario

@@ -1,32 +1,40 @@
-"""Fan-out: n-proxy fanning n out to the n=1 demo backend against the backend answering n itself;
-the ratio is n-proxy's req/s over native's, paired by round."""
+"""The demo backend's fan-out, two ways: ``fanout``, n-proxy fanning n out to the n=1 backend
+against the backend answering n itself (the ratio of req/s, paired by round); ``stitching``, long
+n=8 streams back to back at saturation: SSE chunks/s (streams/s times the chunks in each) and
+n-proxy's CPU per chunk from /proc (what one core of it stitches)."""
 
 from collections.abc import Sequence
 
-from bench.report import Column, Row, Target, pick, table, target
+from bench.report import Column, Row, Section, Target, pick, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.scenarios.passthrough import measure
 from bench.stack import start_backend
 from bench.stats import grouped, median, medians, over, paired, ratio
-from bench.workload import chat_request
+from bench.workload import chat_request, stream_events
 
 NATIVE = "native"
 GOAL_N = 8
 
 
-def _run(ctx: Context) -> Row:
+def _run(ctx: Context, stitching: bool = False) -> Row:
+    """Every n and streaming or not, each n-proxy against native n; or (``stitching``) streams
+    only, of --max-tokens per choice, through n-proxy alone."""
+    o = ctx.options
     backend = start_backend(ctx.fleet)
-    native = start_backend(ctx.fleet, native_n=True, name="backend-native")
+    native = {} if stitching else {NATIVE: start_backend(ctx.fleet, native_n=True, name="native")}
     proxies = ctx.proxies(backend.url)
     ctx.ready({"backend": backend})
-    targets = ctx.ready({NATIVE: native, **proxies})
-    c = ctx.options.concurrency[0]
-    cases = [{"n": n, "stream": s, "concurrency": c} for s in (False, True) for n in ctx.options.n]
+    targets = ctx.ready(native | proxies)
+    streams = (True,) if stitching else (False, True)
+    cases = [{"n": n, "stream": s, "concurrency": o.concurrency[0]} for s in streams for n in o.n]
     # The backend that does the generating: the n=1 one behind n-proxy, or native.
     data = measure(
-        ctx, targets, lambda name, case: chat_request(case["n"], stream=case["stream"]), cases,
-        lambda name: native if name == NATIVE else backend,
+        ctx, targets,
+        lambda name, case: chat_request(case["n"], stream=case["stream"], max_tokens=o.max_tokens),
+        cases, lambda name: native.get(name, backend),
     )  # fmt: skip
+    if stitching:
+        return {**data, "summary": _chunks(data["runs"], stream_events(o.n[0], o.max_tokens))}
     return {"runs": data["runs"], "summary": summarize(data["runs"])}
 
 
@@ -49,6 +57,20 @@ def summarize(rows: Sequence[Row]) -> list[Row]:
     return summary
 
 
+def _chunks(rows: Sequence[Row], chunks: int) -> list[Row]:
+    """Per n-proxy: chunks/s from streams/s (``chunks`` in every stream: measure checked one),
+    CPU per chunk, and chunks per CPU-second: what one fully busy core of proxy would stitch."""
+    summary = []
+    for (name,), mine in grouped(rows, "target"):
+        cpu = median(r["cpu_us_per_req"] for r in mine) / chunks
+        summary.append({
+            "target": name, "chunks_per_s": chunks * median(r["rps"] for r in mine),
+            "cpu_us_per_chunk": cpu, "chunks_per_cpu_s": ratio(1e6, cpu),
+            "errors": sum(r["errors"] for r in mine),
+        })  # fmt: skip
+    return summary
+
+
 def _backend_cpu(rows: Sequence[Row]) -> float:
     """Median backend CPU per request (cores over req/s)."""
     return median(r["backend_cores"] / r["rps"] for r in rows if r["rps"])
@@ -64,14 +86,6 @@ COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _render(data: Row) -> list[str]:
-    return [
-        f"Concurrency {data['options']['concurrency'][0]}. Backend-bound ceiling: the ratio even a"
-        " proxy costing nothing would reach (the demo backend's cost is mostly per request).",
-        *table(COLUMNS, data["summary"]),
-    ]
-
-
 def _targets(data: Row) -> list[Target]:
     def at(stream: bool) -> object:
         return pick(data["summary"], n=GOAL_N, stream=stream, target=PROXY).get("ratio")
@@ -83,8 +97,37 @@ def _targets(data: Row) -> list[Target]:
     ]
 
 
-SCENARIO = Scenario(
-    "fanout", "Fan-out vs native n", _run, _render, _targets,
+FANOUT = Scenario(
+    "fanout", "Fan-out vs native n", _run,
+    Section(COLUMNS, "Concurrency {options[concurrency][0]}. Backend-bound ceiling: the ratio"
+            " even a proxy costing nothing would reach (the demo backend's cost is mostly per"
+            " request)."),
+    _targets,
     full={"rounds": 3, "seconds": 2.0, "concurrency": (16,), "n": (1, 2, 4, 8, 10)},
     smoke={"seconds": 0.2, "concurrency": (4,), "n": (2,)},
+)  # fmt: skip
+
+
+CHUNK_COLUMNS: list[Column] = [
+    ("proxy", "target", ""), ("chunks/s through the proxy", "chunks_per_s", "{:,.0f}"),
+    ("proxy CPU µs/chunk", "cpu_us_per_chunk", "{:.2f}"),
+    ("chunks per proxy CPU-second", "chunks_per_cpu_s", "{:,.0f}"), ("errors", "errors", ""),
+]  # fmt: skip
+
+
+def _chunk_targets(data: Row) -> list[Target]:
+    proxy = pick(data["summary"], target=PROXY)
+    what = "stitching, chunks per proxy CPU-second (one core)"
+    return [target(what, proxy.get("chunks_per_cpu_s"), ">=", 50_000, "{:,.0f}/s")]
+
+
+STITCHING = Scenario(
+    "stitching", "Stitching long streams", lambda ctx: _run(ctx, stitching=True),
+    Section(CHUNK_COLUMNS, "n={options[n][0]} streams of {options[max_tokens]} tokens per choice,"
+            " {options[concurrency][0]} at a time.",
+            "Chunks/s through the proxy is bounded by the demo backend generating them on the same"
+            " cores; chunks per proxy CPU-second is what one core of proxy sustains."),
+    _chunk_targets,
+    full={"rounds": 3, "seconds": 8.0, "concurrency": (4,), "n": (8,), "max_tokens": 1024},
+    smoke={"seconds": 0.3, "concurrency": (2,), "max_tokens": 32},
 )  # fmt: skip

@@ -82,7 +82,7 @@ def _render(data: Row) -> list[str]:
     ]  # fmt: skip
 
 
-SCENARIO = Scenario(
+LLAMACPP = Scenario(
     "llamacpp", "llama.cpp's server behind n-proxy", lambda ctx: run_async(_measure(ctx)), _render,
     full={"n": (4,), "max_tokens": 400, "reps": 20}, smoke={"max_tokens": 16, "reps": 2},
 )  # fmt: skip

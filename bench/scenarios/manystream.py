@@ -169,7 +169,7 @@ def _render(data: Row) -> list[str]:
     ]  # fmt: skip
 
 
-SCENARIO = Scenario(
+MANYSTREAM = Scenario(
     "manystream", "Many paced streams", _run, _render,
     full={"rounds": 1, "seconds": 5.0, "streams": (200, 1000)},
     smoke={"seconds": 0.5, "streams": (8,)},

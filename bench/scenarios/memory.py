@@ -161,7 +161,7 @@ def _targets(data: Row) -> list[Target]:
     ]
 
 
-SCENARIO = Scenario(
+MEMORY = Scenario(
     "memory", "Memory: many open streams, and one client that stops reading", _run, _render,
     _targets, full={"seconds": 10.0, "streams": (1000,), "n": (2, 8), "max_tokens": 100_000},
     smoke={"seconds": 1.0, "streams": (20,), "n": (2,), "max_tokens": 20_000},

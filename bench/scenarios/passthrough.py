@@ -1,5 +1,7 @@
 """n=1 pass-through, non-streaming, at fixed concurrency: every contender in each round, direct to
-the demo backend as the limit. ``measure`` is also the wire scenario's loop."""
+the upstream as the limit. ``passthrough`` runs in front of the demo backend; ``wire`` in front of
+a canned upstream that costs next to nothing (nginx's ``return``, else ``bench.pacer --canned``),
+with the lean forwarder and n-proxy fan-out n=4 too. ``measure`` is every closed loop's."""
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -9,15 +11,18 @@ from urllib.request import urlopen
 
 import orjson
 
+from bench import stack
 from bench.procs import CpuWatch, Server
-from bench.report import Column, Row, Target, pick, say, table, target
+from bench.report import Column, Row, Target, missing, pick, say, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
-from bench.stack import start_backend, start_forwarder, start_litellm, start_nginx, start_proxy
-from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles
+from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles, ratio
 from bench.workload import HEADERS, Request, chat_request
 
 DIRECT = "direct"
 FORWARDER = "aiohttp forwarder"
+LEAN = "lean forwarder"  # the aiohttp forwarder on n-proxy's own client: the floor under n-proxy
+FANOUT_N = 4  # wire: each n-proxy a second time, as a contender sent n = FANOUT_N
+FANOUT = f"{PROXY} n={FANOUT_N}"
 HEADLINE = 16  # the concurrency the goals are stated at
 RPS_RATIO = over("rps")
 
@@ -118,8 +123,8 @@ COLUMNS: list[Column] = [
     ("vs direct", "rps_vs_direct", "{:.0%}"), ("p50 ms", "p50_ms", "{:.3f}"),
     ("p99 ms", "p99_ms", "{:.3f}"), ("added p50 ms", "added_p50_ms", "{:+.3f}"),
     ("added p99 ms", "added_p99_ms", "{:+.3f}"), ("own CPU µs/req", "cpu_us_per_req", "{:,.0f}"),
-    ("errors", "errors", ""), ("other load, cores", "other_load_cores", "{:.2f}"),
-    ("steal, cores", "steal_cores", "{:.2f}"),
+    ("upstream CPU µs/req", "backend_cpu_us_per_req", "{:,.0f}"), ("errors", "errors", ""),
+    ("other load, cores", "other_load_cores", "{:.2f}"), ("steal, cores", "steal_cores", "{:.2f}"),
 ]  # fmt: skip
 NOTE = (
     "Added latency is paired by round (contender minus direct in the same round), then the"
@@ -148,27 +153,76 @@ def baseline_table(summary: Sequence[Row]) -> list[str]:
     ]  # fmt: skip
 
 
-def _run(ctx: Context) -> Row:
-    backend = start_backend(ctx.fleet)
-    contenders = {DIRECT: backend}
-    if ctx.tools.nginx:
-        contenders["nginx"] = start_nginx(ctx.fleet, ctx.work, ctx.tools.nginx, backend)
+def _run(ctx: Context, upstream: Server, wire: bool = False) -> Row:
+    """Every contender in front of ``upstream``: the demo backend, with n-proxy --workers and
+    LiteLLM, or (``wire``) the canned upstream, with the lean forwarder and the fan-out too."""
+    fleet, work, tools, count = ctx.fleet, ctx.work, ctx.tools, ctx.options.workers
+    contenders = {DIRECT: upstream}
+    if tools.nginx:
+        contenders["nginx"] = stack.start_nginx(fleet, work, tools.nginx, upstream)
     if ctx.wants("forwarder"):
-        contenders[FORWARDER] = start_forwarder(ctx.fleet, backend)
-    contenders.update(ctx.proxies(backend.url))
-    workers = f"{PROXY} x{ctx.options.workers}"
-    count = ctx.options.workers
-    if count > 1:
-        contenders[workers] = start_proxy(ctx.fleet, ctx.work, backend.url, workers, workers=count)
-    if ctx.tools.litellm:
-        contenders["litellm"] = start_litellm(ctx.fleet, ctx.work, ctx.tools.litellm, backend)
-    up = ctx.ready(contenders, {"nginx", FORWARDER, workers, "litellm"})
-    data = measure(ctx, up)
-    return {**data, "summary": summarize(data["runs"])}
+        contenders[FORWARDER] = stack.start_forwarder(fleet, upstream)
+    if wire and ctx.wants("lean"):
+        contenders[LEAN] = stack.start_forwarder(fleet, upstream, lean=True)
+    proxies = ctx.proxies(upstream.url)
+    fanouts = {f"{label} n={FANOUT_N}": server for label, server in proxies.items()} if wire else {}
+    contenders |= proxies | fanouts
+    workers = f"{PROXY} x{count}"
+    if not wire and count > 1:
+        contenders[workers] = stack.start_proxy(fleet, work, upstream.url, workers, workers=count)
+    if not wire and tools.litellm:
+        contenders["litellm"] = stack.start_litellm(fleet, work, tools.litellm, upstream)
+    up = ctx.ready(contenders, {"nginx", FORWARDER, LEAN, workers, "litellm"})
+    data = measure(ctx, up, lambda name, case: chat_request(FANOUT_N if name in fanouts else 1))
+    return {"upstream": upstream.name, **data, "summary": summarize(data["runs"])}
+
+
+def _levels(data: Row) -> tuple[int, int]:
+    """The lowest concurrency run, and the one to compare at: HEADLINE, else the highest."""
+    levels = sorted({r["concurrency"] for r in data["runs"]})
+    return levels[0], HEADLINE if HEADLINE in levels else levels[-1]
 
 
 def _render(data: Row) -> list[str]:
-    return [*table(COLUMNS, data["summary"]), "", NOTE, *baseline_table(data["summary"])]
+    """The ratios that were measured, at the concurrency to compare at; every contender's row."""
+    high, rows, n = _levels(data)[1], data["runs"], FANOUT_N
+
+    def rps(a: str, b: str) -> float:
+        return median(versus(rows, a, b, high))
+
+    def cpu(a: str, b: str, per: int = 1) -> float:
+        mine, theirs = (pick(data["summary"], target=t, concurrency=high) for t in (a, b))
+        return ratio(mine.get("cpu_us_per_req"), theirs.get("cpu_us_per_req")) / per
+
+    ratios = [
+        ("n-proxy pass-through CPU/req over the aiohttp forwarder's", cpu(PROXY, FORWARDER)),
+        ("n-proxy pass-through CPU/req over nginx's", cpu(PROXY, "nginx")),
+        ("n-proxy pass-through CPU/req over the lean forwarder's", cpu(PROXY, LEAN)),
+        ("lean forwarder req/s over the aiohttp forwarder's", rps(LEAN, FORWARDER)),
+        ("n-proxy req/s over nginx's", rps(PROXY, "nginx")),
+        (f"fan-out n={n} CPU per child over pass-through CPU/req", cpu(FANOUT, PROXY, n)),
+        (f"fan-out n={n} CPU per child over the forwarder's CPU/req", cpu(FANOUT, FORWARDER, n)),
+    ]
+    fanout = [f"{label} n={n}" for label in (PROXY, BASELINE)]
+    summary = [
+        {**r, "children_per_s": n * r["rps"] if r["target"] in fanout else None}
+        for r in data["summary"]
+    ]
+    columns = list(COLUMNS)
+    if any(r["children_per_s"] is not None for r in summary):
+        columns.insert(3, ("children/s", "children_per_s", "{:,.0f}"))
+    return [
+        f"Upstream: {data.get('upstream', 'backend')}. Ratios at c={high}, of req/s paired by"
+        " round, of CPU per request from /proc (each contender's own processes).",
+        *table(
+            [("ratio", "what", ""), ("measured", "value", "{:.2f}x")],
+            [{"what": w, "value": v} for w, v in ratios if not missing(v)],
+        ),
+        *table(columns, summary),
+        "",
+        NOTE,
+        *baseline_table(data["summary"]),
+    ]
 
 
 def _targets(data: Row) -> list[Target]:
@@ -190,8 +244,29 @@ def _targets(data: Row) -> list[Target]:
     ]
 
 
-SCENARIO = Scenario(
-    "passthrough", "n=1 pass-through, non-streaming, against the demo backend", _run, _render,
-    _targets, full={"rounds": 5, "seconds": 3.0, "concurrency": (1, 16, 64)},
+def _wire_targets(data: Row) -> list[Target]:
+    """At the lowest concurrency run and the one to compare at (1 and 16 but in a smoke run)."""
+    (low, high), rows = _levels(data), data["runs"]
+    added = pick(data["summary"], target=PROXY, concurrency=low).get("added_p50_ms")
+    children = FANOUT_N * median(versus(rows, FANOUT, PROXY, high))
+    return [
+        target(f"n-proxy pass-through req/s over the aiohttp forwarder's (c={high})",
+               median(versus(rows, PROXY, FORWARDER, high)), ">=", 1.5, "{:.2f}x"),
+        target(f"n-proxy pass-through added p50 (c={low})", added, "<=", 0.25, "{:.3f} ms"),
+        target(f"fan-out n={FANOUT_N} children/s over pass-through req/s (c={high})", children,
+               ">=", 2, "{:.2f}x"),
+    ]  # fmt: skip
+
+
+PASSTHROUGH = Scenario(
+    "passthrough", "n=1 pass-through, non-streaming, against the demo backend",
+    lambda ctx: _run(ctx, stack.start_backend(ctx.fleet)), _render, _targets,
+    full={"rounds": 5, "seconds": 3.0, "concurrency": (1, 16, 64)},
     smoke={"seconds": 0.2, "concurrency": (4,)},
+)  # fmt: skip
+WIRE = Scenario(
+    "wire", "Wire cost against a canned upstream",
+    lambda ctx: _run(ctx, stack.start_canned(ctx.fleet, ctx.work, ctx.tools.nginx), wire=True),
+    _render, _wire_targets, full={"rounds": 5, "seconds": 3.0, "concurrency": (1, 16)},
+    smoke={"seconds": 0.3, "concurrency": (2,)},
 )  # fmt: skip

@@ -313,7 +313,7 @@ def _targets(data: Row) -> list[Target]:
     return out
 
 
-SCENARIO = Scenario(
+SOAK = Scenario(
     "soak", "Soak: minutes of mixed and hostile traffic", _run, _render, _targets,
     full={"seconds": 600.0, "concurrency": (16,)}, smoke={"seconds": 20.0, "concurrency": (8,)},
 )  # fmt: skip

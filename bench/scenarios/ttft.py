@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 
 from bench.procs import Server
-from bench.report import Column, Row, Target, say, table, target
+from bench.report import Column, Row, Section, Target, say, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import medians
@@ -111,16 +111,14 @@ COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _render(data: Row) -> list[str]:
-    return [
-        f"n={data['options']['n'][0]}, {data['options']['max_tokens']} tokens, one child"
-        f" {SLOW_START_S * 1e3:.0f} ms slow to start and at {SLOW_TOKEN_S * 1e3:.0f} ms/token.",
-        *table(COLUMNS, data["summary"]),
-        "",
-        "Baseline: the client sends the same n children straight to the backend at once."
-        " n-proxy starts the stream with the first child to answer, so its first token need not"
-        " wait for the slow child's status line.",
-    ]
+RENDER = Section(
+    COLUMNS,
+    f"n={{options[n][0]}}, {{options[max_tokens]}} tokens, one child {SLOW_START_S * 1e3:.0f} ms"
+    f" slow to start and at {SLOW_TOKEN_S * 1e3:.0f} ms/token.",
+    "Baseline: the client sends the same n children straight to the backend at once. n-proxy"
+    " starts the stream with the first child to answer, so its first token need not wait for the"
+    " slow child's status line.",
+)
 
 
 TARGETS = [  # the fast children's ms/token, what, the summary's key, its bound (<=), format
@@ -139,7 +137,7 @@ def _targets(data: Row) -> list[Target]:
             for delay, what, key, bound, fmt in TARGETS]  # fmt: skip
 
 
-SCENARIO = Scenario(
-    "ttft", "Time to first token with one slow child", _run, _render, _targets,
+TTFT = Scenario(
+    "ttft", "Time to first token with one slow child", _run, RENDER, _targets,
     full={"n": (8,), "max_tokens": 32, "reps": 30}, smoke={"n": (2,), "max_tokens": 4},
 )  # fmt: skip

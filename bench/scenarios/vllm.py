@@ -8,20 +8,19 @@ and the Rust one in turn, the order reversed every other round. The Python front
 ``fetch``), and is left out, and said so, without it.
 """
 
-import asyncio
 import contextlib
-import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
 import psutil
 
-from bench.report import Column, Row, say, table
+from bench.load import generate
+from bench.report import Column, Row, Section, say
 from bench.scenario import Context, Scenario
 from bench.stats import grouped, median, over, paired, quartiles
-from bench.workload import HEADERS, client, read_stream, run_async
+from bench.workload import client, read_stream, run_async
 from tests.support.vllmserver import (
     PYTHON_ENV,
     RUST_ENV,
@@ -80,15 +79,14 @@ def _cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
-@contextlib.contextmanager
-def _counting(route: Route, requests: list[int]) -> Iterator[dict[str, float]]:
-    """CPU ms per request of each role over the block (``requests[0]``: how many it served)."""
+def _cpu_watch(route: Route) -> Callable[[int], dict[str, float]]:
+    """Starts counting; what it returns gives each role's CPU ms per request since then."""
     roles = {role: procs for role, procs in _roles(route).items() if procs}
     before = {role: _cpu_seconds(procs) for role, procs in roles.items()}
-    per_request: dict[str, float] = {}
-    yield per_request
-    for role, procs in roles.items():
-        per_request[role] = (_cpu_seconds(procs) - before[role]) / max(requests[0], 1) * 1e3
+    return lambda requests: {
+        role: (_cpu_seconds(procs) - before[role]) / max(requests, 1) * 1e3
+        for role, procs in roles.items()
+    }
 
 
 def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
@@ -98,44 +96,32 @@ def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
 
 
 async def throughput(session: aiohttp.ClientSession, route: Route, n: int, ctx: Context) -> Row:
-    """JSON in a closed loop: generated tokens (usage.completion_tokens) per second, and the CPU
-    of each process per request."""
-    o, tokens, requests = ctx.options, 0, [0]
-    deadline = time.perf_counter() + o.seconds
-
-    async def worker(w: int) -> None:
-        nonlocal tokens
-        seed = w * 1000
-        while time.perf_counter() < deadline:
-            seed += 1
-            body = _body(n, o.max_tokens, False, seed)
-            async with session.post(route.url + CHAT, data=body, headers=HEADERS) as resp:
-                answer = await resp.json()
-                assert resp.status == 200, answer
-            tokens += answer["usage"]["completion_tokens"]
-            requests[0] += 1
-
-    with _counting(route, requests) as cpu:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(o.concurrency[0])))
-        elapsed = time.perf_counter() - started  # the last requests end past the deadline
+    """JSON in bench.load's closed loop: generated tokens per second (every choice is max_tokens
+    long: ``ignore_eos``), and the CPU of each process per request."""
+    o, cpu = ctx.options, _cpu_watch(route)
+    bodies = [(route.url + CHAT, _body(n, o.max_tokens, False, seed)) for seed in range(1, 101)]
+    latencies, errors, elapsed = await generate(
+        bodies, o.concurrency[0], o.seconds, REQUEST_SECONDS
+    )
+    if errors:
+        raise RuntimeError(f"{errors} of {len(latencies) + errors} JSON requests failed")
+    tokens = len(latencies) * n * o.max_tokens
     return {"mode": "json", "tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "requests": requests[0], "cpu_ms": cpu}  # fmt: skip
+            "requests": len(latencies), "cpu_ms": cpu(len(latencies))}  # fmt: skip
 
 
 async def streams(session: aiohttp.ClientSession, route: Route, n: int, ctx: Context) -> Row:
     """Streams one at a time: first token and whole stream (ms), tokens/s of each (every choice
     runs to max_tokens), and the CPU of each process per stream."""
-    o = ctx.options
-    with _counting(route, [o.reps]) as cpu:
-        timings = [await read_stream(session, route.url + CHAT, _body(n, o.max_tokens, True, rep))
-                   for rep in range(o.reps)]  # fmt: skip
+    o, cpu = ctx.options, _cpu_watch(route)
+    timings = [await read_stream(session, route.url + CHAT, _body(n, o.max_tokens, True, rep))
+               for rep in range(o.reps)]  # fmt: skip
     if failed := [t.status for t in timings if t.status != 200]:
         raise RuntimeError(f"streams answered {failed}")
     tokens = n * o.max_tokens
     return {"mode": "stream", "first_token_ms": [t.first_token_at * 1e3 for t in timings],
-            "stream_ms": [t.end_at * 1e3 for t in timings],
-            "tokens_per_s": median(tokens / t.end_at for t in timings), "cpu_ms": cpu}  # fmt: skip
+            "stream_ms": [t.end_at * 1e3 for t in timings], "cpu_ms": cpu(o.reps),
+            "tokens_per_s": median(tokens / t.end_at for t in timings)}  # fmt: skip
 
 
 async def _measure(ctx: Context, routes: list[Route], turn: int) -> list[Row]:
@@ -220,22 +206,17 @@ COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _render(data: Row) -> list[str]:
-    o = data["options"]
-    return [
-        f"JSON: a closed loop at concurrency {o['concurrency'][0]}, {o['seconds']:g} s per turn;"
-        f" streams: {o['reps']} one at a time; {o['max_tokens']} tokens per choice"
-        f" (`ignore_eos`); {o['rounds']} rounds, one vLLM at a time, the order reversed every"
-        " other round. Tokens/s and CPU (from /proc): medians over rounds; ratio: over the Python"
-        " frontend's native n, paired by round; first token: median and quartiles over every"
-        " stream. The Rust frontend's launcher counts as its Python frontend.",
-        *table(COLUMNS, data["summary"]),
-    ]
-
-
-SCENARIO = Scenario(
+TEXT = (
+    "JSON: a closed loop at concurrency {options[concurrency][0]}, {options[seconds]:g} s per turn;"
+    " streams: {options[reps]} one at a time; {options[max_tokens]} tokens per choice"
+    " (`ignore_eos`); {options[rounds]} rounds, one vLLM at a time, the order reversed every other"
+    " round. Tokens/s and CPU (from /proc): medians over rounds; ratio: over the Python frontend's"
+    " native n, paired by round; first token: median and quartiles over every stream. The Rust"
+    " frontend's launcher counts as its Python frontend."
+)
+VLLM = Scenario(
     "vllm", "vLLM's Python frontend with native n, and n-proxy fanning out over it and over the"
-    " Rust frontend", _run, _render,
+    " Rust frontend", _run, Section(COLUMNS, TEXT),
     full={"rounds": 2, "seconds": 6.0, "concurrency": (4,), "n": (4, 8), "max_tokens": 32,
           "reps": 5},
     smoke={"seconds": 1.0, "concurrency": (2,), "n": (2,), "max_tokens": 8},

@@ -1,1 +1,0 @@
-"""Documentation assets, not measurements: the results chart and the README's dashboard picture."""
