@@ -1,10 +1,11 @@
 """The build: the per-chunk stream path compiled with mypyc where it can be, else pure Python.
 
-The modules in ``COMPILED`` are the typed pure core and wire code every relayed or stitched
-chunk runs through. ``N_PROXY_PURE=1`` builds without them; a machine where mypyc or the C
-compiler fails gets the pure package too, with one line saying why. Either way the same
-``.py`` files are installed, so the compiled modules always have their fallback beside them
-(``proxy.compiled()`` says which one runs).
+The modules in ``COMPILED`` are the typed code every relayed or stitched chunk runs through:
+the SSE decoder, the stitcher, the upstream connection and the client sink.
+``N_PROXY_PURE=1`` builds without them; a machine where mypyc or the C compiler fails gets the
+pure package too, with one line saying why. Either way the same ``.py`` files are installed, so
+the compiled modules always have their fallback beside them
+(``proxy.server.process.stream_path_compiled()`` says which one runs).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ COMPILED = [
     "proxy/core/sse.py",
     "proxy/core/stitch.py",
     "proxy/http/connection.py",
+    "proxy/request/sink.py",
 ]
 # Not proxy/request/fanout.py: compiled, its JSON fan-outs failed under the suite
 # (tests/request/test_fanout.py, tests/e2e/test_faults.py) though each passed alone; until that
