@@ -81,15 +81,6 @@ class UpstreamTimeout(ProxyError):
     type_ = "server_error"
 
 
-class ClientGone(ConnectionResetError):
-    """The client left: its connection is closed or closing. Raised by the client sink only
-    (``proxy.request.sink``); callers catch ``ConnectionError``, as for a reset from the socket
-    itself. Defined here because the sink is compiled, and mypyc cannot subclass this one."""
-
-    def __init__(self) -> None:
-        super().__init__("the client left")
-
-
 class ChildFailed(Exception):
     """A child answered with a non-2xx status before streaming (docs/behaviour.md#errors)."""
 

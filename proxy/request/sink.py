@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 from aiohttp import web
 
-from proxy.core.errors import ClientGone
 from proxy.observe.record import RequestRecord
 
 
@@ -27,6 +26,14 @@ class Sink(NamedTuple):
     # gone. Never returns while the sink is full without having suspended: a writer loops
     # on ``if full(): await drain()``, and a drain that neither waits nor raises spins it.
     drain: Callable[[], Awaitable[None]]
+
+
+class ClientGone(ConnectionResetError):
+    """The client left: its connection is closed or closing. Raised here only; callers catch
+    ``ConnectionError``, as for a reset from the socket itself."""
+
+    def __init__(self) -> None:
+        super().__init__("the client left")
 
 
 def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: bool) -> Sink:
