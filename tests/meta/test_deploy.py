@@ -422,11 +422,13 @@ def _runnable(command: list[str], admin_port: int, bound: int | None = None) -> 
     return [program, *command[1:-1], script]
 
 
-@pytest.mark.parametrize("tree", TREES)
-async def test_server_pre_stop_returns_when_the_proxy_has_drained_and_exited(
-    tree: str, make_backend: Any, tmp_path: Path
+async def _pre_stop_beside_a_draining_proxy(
+    command: list[str], make_backend: Any, tmp_path: Path
 ) -> None:
-    """Both start at the pod's deletion: SIGTERM to the proxy, the preStop in the server."""
+    """SIGTERM to a real proxy, ``command`` (a preStop, given the admin port) started with it:
+    the preStop returns not before the proxy let go (it serves new connections for
+    drain_grace_seconds, and its admin port until it exits), and within a poll of its exit: no
+    fixed sleep."""
     backend = await make_backend()
     admin = free_port()
     path = tmp_path / "config.yaml"
@@ -443,15 +445,11 @@ async def test_server_pre_stop_returns_when_the_proxy_has_drained_and_exited(
         assert "listening" in (await asyncio.wait_for(proxy.stdout.readline(), 20)).decode()
         signalled = time.monotonic()
         proxy.send_signal(signal.SIGTERM)
-        pre_stop = await asyncio.create_subprocess_exec(
-            *_runnable(_pre_stop(rendered(tree)), admin)
-        )
+        pre_stop = await asyncio.create_subprocess_exec(*_runnable(command, admin))
         assert await asyncio.wait_for(proxy.wait(), 20) == 0
         exited = time.monotonic()
         assert await asyncio.wait_for(pre_stop.wait(), 10) == 0
         done = time.monotonic()
-        # Not before the proxy let go (it serves new connections for drain_grace_seconds, and
-        # its admin port until it exits), and within a poll of its exit: no fixed sleep.
         assert done - signalled >= 1.5
         assert done - exited < 2.5
     finally:
@@ -459,6 +457,14 @@ async def test_server_pre_stop_returns_when_the_proxy_has_drained_and_exited(
             if process is not None and process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+@pytest.mark.parametrize("tree", TREES)
+async def test_server_pre_stop_returns_when_the_proxy_has_drained_and_exited(
+    tree: str, make_backend: Any, tmp_path: Path
+) -> None:
+    """Both start at the pod's deletion: SIGTERM to the proxy, the preStop in the server."""
+    await _pre_stop_beside_a_draining_proxy(_pre_stop(rendered(tree)), make_backend, tmp_path)
 
 
 @pytest.mark.parametrize("tree", TREES)
@@ -1123,34 +1129,7 @@ async def test_sidecar_pre_stop_returns_when_the_proxy_has_drained_and_exited(
     make_backend: Any, tmp_path: Path
 ) -> None:
     """As the overlays' test: SIGTERM to a real proxy, the server's preStop started with it."""
-    backend = await make_backend()
-    admin = free_port()
-    path = tmp_path / "config.yaml"
-    path.write_text(
-        f"upstreams: [{{name: a, url: '{backend.url}'}}]\n"
-        f"listen: {{port: 0}}\nadmin: {{port: {admin}}}\ndrain_grace_seconds: 1.5\n"
-    )
-    proxy = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", "--config", str(path), stdout=subprocess.PIPE
-    )
-    pre_stop: asyncio.subprocess.Process | None = None
-    try:
-        assert proxy.stdout is not None
-        assert "listening" in (await asyncio.wait_for(proxy.stdout.readline(), 20)).decode()
-        signalled = time.monotonic()
-        proxy.send_signal(signal.SIGTERM)
-        pre_stop = await asyncio.create_subprocess_exec(*_runnable(_sidecar_pre_stop(), admin))
-        assert await asyncio.wait_for(proxy.wait(), 20) == 0
-        exited = time.monotonic()
-        assert await asyncio.wait_for(pre_stop.wait(), 10) == 0
-        done = time.monotonic()
-        assert done - signalled >= 1.5
-        assert done - exited < 2.5
-    finally:
-        for process in (proxy, pre_stop):
-            if process is not None and process.returncode is None:
-                process.kill()
-                await process.wait()
+    await _pre_stop_beside_a_draining_proxy(_sidecar_pre_stop(), make_backend, tmp_path)
 
 
 async def test_sidecar_pre_stop_without_curl_wget_or_python_waits_its_bound(
