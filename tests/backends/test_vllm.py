@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,11 @@ import orjson
 import pytest
 
 from proxy.config.models import Config, single_upstream_config
+from tests.support import vllmcases
 from tests.support.choices import Answer, ask, cuts, per_choice, received, shapes, without
 from tests.support.servers import Proxy
-from tests.support.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
+from tests.support.vllmcases import CHAT, COMPLETIONS, CONTINUOUS, MESSAGES, USAGE, N
+from tests.support.vllmserver import PYTHON_ENV, vllm_python, vllm_server
 
 PYTHON = vllm_python()
 if PYTHON is None:
@@ -48,33 +49,11 @@ if PYTHON is None:
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300), pytest.mark.http_timeout(120)]
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-MESSAGES = [{"role": "user", "content": "say something"}]
 SEED = 1234
-N = 3
-MAX_TOKENS = 8
-USAGE = {"include_usage": True}
-CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 
 
-@dataclass(frozen=True)
-class Case:
-    path: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def body(self) -> dict[str, Any]:
-        base: dict[str, Any] = (
-            {"messages": MESSAGES} if self.path == CHAT else {"prompt": "hello world"}
-        )
-        return {"model": "tiny", **base, "n": N, "seed": SEED, "max_tokens": MAX_TOKENS,
-                **self.fields}  # fmt: skip
-
-    @property
-    def stream(self) -> bool:
-        return self.fields.get("stream") is True
+class Case(vllmcases.Case):
+    seed = SEED
 
     @property
     def named(self) -> bool:
@@ -144,12 +123,6 @@ def tally() -> Iterator[None]:
     """How the streamed choices were compared (shown with ``-s``)."""
     yield
     print(f"\ntest_vllm: {dict(TALLY)}")
-
-
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    assert PYTHON is not None
-    return build_model(PYTHON, tmp_path_factory.mktemp("vllm-model"))
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ import pytest
 from proxy.config.models import Config, single_upstream_config
 from proxy.core.sse import SSEDecoder
 from tests.support.servers import Proxy
-from tests.support.vllmserver import PYTHON_ENV, build_model, vllm_python, vllm_server
+from tests.support.vllmserver import PYTHON_ENV, vllm_python, vllm_server
 
 PYTHON = vllm_python()
 if PYTHON is None:
@@ -96,12 +96,6 @@ CASES = {
         {**STREAM, "stream_options": USAGE}, headers={"X-Request-Id": "group-2"}
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    assert PYTHON is not None
-    return build_model(PYTHON, tmp_path_factory.mktemp("vllm-model"))
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,6 @@ import asyncio
 import os
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -39,8 +38,10 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.config.models import Config, single_upstream_config
+from tests.support import vllmcases
 from tests.support.choices import Answer, ask, cuts, received, without
 from tests.support.servers import Proxy
+from tests.support.vllmcases import CHAT, COMPLETIONS, CONTINUOUS, USAGE, N
 from tests.support.vllmserver import (
     PYTHON_ENV,
     RUST_ENV,
@@ -61,35 +62,13 @@ if PYTHON is None:
 
 pytestmark = [pytest.mark.vllm_rust, pytest.mark.timeout(600), pytest.mark.http_timeout(120)]
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-MESSAGES = [{"role": "user", "content": "say something"}]
 SEED = 4321
-N = 3
-MAX_TOKENS = 8
-USAGE = {"include_usage": True}
-CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 OPENING = {"role": "assistant", "content": ""}
 HELPER_MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "say something"}]
 
 
-@dataclass(frozen=True)
-class Case:
-    path: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def body(self) -> dict[str, Any]:
-        base: dict[str, Any] = (
-            {"messages": MESSAGES} if self.path == CHAT else {"prompt": "hello world"}
-        )
-        return {"model": "tiny", **base, "n": N, "seed": SEED, "max_tokens": MAX_TOKENS,
-                **self.fields}  # fmt: skip
-
-    @property
-    def stream(self) -> bool:
-        return self.fields.get("stream") is True
+class Case(vllmcases.Case):
+    seed = SEED
 
     @property
     def parent(self) -> str | None:
