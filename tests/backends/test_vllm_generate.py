@@ -36,6 +36,7 @@ import pytest
 from proxy.config.models import Config, single_upstream_config
 from proxy.core.sse import SSEDecoder
 from tests.support.servers import Proxy
+from tests.support.vllmcases import CONTINUOUS, MAX_TOKENS, USAGE, N
 from tests.support.vllmserver import PYTHON_ENV, vllm_python, vllm_server
 
 PYTHON = vllm_python()
@@ -50,10 +51,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300), pytest.mark.http_timeo
 GENERATE = "/inference/v1/generate"
 PROMPT = [60, 61, 62, 63, 64]  # within the tiny model's vocabulary
 SEED = 1234
-N = 3
-MAX_TOKENS = 8
-USAGE = {"include_usage": True}
-CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
 
 
 @dataclass(frozen=True)

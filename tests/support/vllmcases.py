@@ -1,6 +1,6 @@
 """The requests the opt-in vLLM suites send both ways (to vLLM with native ``n``, or to its Rust
 frontend child by child, and to n-proxy in front): one chat or completions body of ``N`` choices,
-with each case's fields and headers over it."""
+with each case's fields and headers over it. The generate suite shares the sizes and options."""
 
 from __future__ import annotations
 
