@@ -9,6 +9,7 @@ ProxyError                 status + OpenAI error body
 ├── UpstreamUnavailable    502 (connection refused, reset before headers, bad upstream body)
 └── UpstreamTimeout        504
 ChildFailed                a child's own non-2xx answer, relayed with its status and body
+ClientGone                 the client left mid-response (a ConnectionResetError)
 """
 
 from __future__ import annotations
@@ -89,3 +90,12 @@ class ChildFailed(Exception):
         self.status = status
         self.body = body
         self.content_type = content_type
+
+
+class ClientGone(ConnectionResetError):
+    """The client left: its connection is closed or closing. Raised only where a response is
+    written to the client (``proxy.request.sink`` and ``body``); callers catch
+    ``ConnectionError``, as for a reset from the socket itself."""
+
+    def __init__(self) -> None:
+        super().__init__("the client left")

@@ -21,9 +21,11 @@ The response on a connection (``UpstreamResponse``) has its head at once and its
 relayed, inflated in bounded steps: one exchange on one connection in one module, as httpcore's
 ``http11.py``. The connection's parser hands body bytes in; the consumer takes them out, either
 as an async iterator (fan-out JSON) or through a sink called from ``data_received`` (relays: no
-task, queue or iterator per chunk). Nothing is held further than ``limit`` bytes ahead of the
-consumer, compressed input included: reading pauses instead. The idle clock runs only while the
-proxy waits on the upstream, never while it waits on its own client.
+task, queue or iterator per chunk). A read of nothing but whole chunks, from between two, skips
+the parser (``_whole_chunks``): to a relay whose client is chunked too, it goes on as it came.
+Nothing is held further than ``limit`` bytes ahead of the consumer, compressed input included:
+reading pauses instead. The idle clock runs only while the proxy waits on the upstream, never
+while it waits on its own client.
 
 A response is in one ``ResponseState`` at a time, and read in one ``Mode``::
 
@@ -40,7 +42,7 @@ import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from enum import IntEnum
-from typing import Protocol, cast
+from typing import Final, Protocol, cast
 
 import httptools
 from multidict import CIMultiDict
@@ -62,6 +64,9 @@ BodyPiece = Callable[[bytes], None]  # takes one parsed piece of a body
 # Takes relayed bytes; True when it is full now, so reading pauses until its drain (one call
 # per read: the write and the test that follows it are one).
 BodySink = Callable[[bytes], bool]
+# The same for bytes that are whole chunks in chunked framing, as the upstream sent them, with
+# the number of body bytes they hold: a relay to a chunked client writes them on as they are.
+FramedSink = Callable[[bytes, int], bool]
 
 
 class ResponseState(IntEnum):
@@ -79,8 +84,15 @@ class Mode(IntEnum):
 
 # ``UpstreamResponse.state`` and ``.mode`` hold these plain ints, compared on every read: an enum
 # member's lookup and an IntEnum's comparison each cost more than the int comparison itself.
-HEAD, BODY, ENDED, COMPLETE, FAILED = (int(s) for s in ResponseState)
-ITERATE, RELAY = (int(m) for m in Mode)
+# Final literals, so that the compiled build inlines them (a module global is a dict lookup);
+# tests/http/test_pool.py checks that each equals its member.
+HEAD: Final = 0  # ResponseState.HEAD, and ConnectionState.HEAD as well
+BODY: Final = 1  # ResponseState.BODY, and ConnectionState.BODY as well
+ENDED: Final = 2
+COMPLETE: Final = 3
+FAILED: Final = 4
+ITERATE: Final = 0
+RELAY: Final = 1
 
 
 class Reading(Protocol):
@@ -127,6 +139,7 @@ class UpstreamResponse:
         self._waiting_since: float | None = None  # ITERATE: when the consumer began to wait
         self._sink: BodySink = _nowhere  # RELAY: where bytes go as they arrive
         self._sink_full: Callable[[], bool] = _never
+        self._framed: FramedSink | None = None  # RELAY: where whole chunks go as they came
         self._out: list[bytes] = []  # RELAY: this read's pieces, written in one go after it
         self.last_data = 0.0  # RELAY: when bytes last came
         self._idle = 0.0
@@ -225,6 +238,23 @@ class UpstreamResponse:
                 self._to_sink(data)
         if self._inflater is not None:
             self._pump()
+
+    def on_chunks(self, data: bytes, size: int) -> None:
+        """``data`` is whole chunks of a chunked body, ``size`` body bytes in all (from
+        ``UpstreamConnection.data_received``): written on in their framing where the relay's
+        sink takes it, else handed on piece by piece as the parser would."""
+        framed = self._framed
+        if framed is None:
+            _chunk_pieces(data, self.on_body)
+            return
+        try:
+            full = framed(data, size)
+        except Exception as exc:  # the client is gone: the relay raises it
+            self.fail(exc)
+            return
+        if full:
+            self.connection.pause()
+            _wake(self._parked)
 
     def _to_sink(self, data: bytes) -> None:
         try:
@@ -378,7 +408,11 @@ class UpstreamResponse:
     # ---- relay mode
 
     async def relay(
-        self, sink: BodySink, paused: Callable[[], bool], drain: Callable[[], Awaitable[None]]
+        self,
+        sink: BodySink,
+        paused: Callable[[], bool],
+        drain: Callable[[], Awaitable[None]],
+        framed: FramedSink | None = None,
     ) -> None:
         """Hand every body byte to ``sink`` from ``data_received``, until the body ends.
 
@@ -388,11 +422,16 @@ class UpstreamResponse:
         client is gone, which ends the relay at once): one that returns at once while the
         sink stays full would spin this loop and freeze the event loop. Raises the body's
         failure; cancelling it aborts the connection.
+
+        With ``framed`` (a sink writing to a client in chunked framing), a read that is whole
+        chunks of an uncompressed chunked body goes there as it came: neither parsed into
+        pieces nor framed again.
         """
         self.mode = RELAY
         self._bind_body()
         self._sink = sink
         self._sink_full = paused
+        self._framed = framed if self._inflater is None else None
         if self._chunks:  # anything read before the relay began
             data = b"".join(self._chunks)
             self._chunks.clear()
@@ -446,7 +485,7 @@ async def read_capped(body: AsyncIterator[bytes], limit: int) -> bytes:
 
 MAX_HEAD = 256 * 1024  # status line and headers together, interim (1xx) heads included
 _NO_BODY_STATUS = frozenset({204, 304})
-_CRLF = b"\r\n"
+_CRLF: Final = b"\r\n"
 _CHUNKED_END = 4  # a chunked body and a head both end in CRLF CRLF after a visible byte
 # Request body bytes handed to the transport at a time: past its high-water mark the rest waits
 # for ``resume_writing``, so an upload to a slow reader holds about this much in the transport.
@@ -465,9 +504,12 @@ class ConnectionState(IntEnum):
     CLOSED = 5  # the server sent its EOF, the transport is gone, or this side aborted
 
 
-# ``UpstreamConnection.state`` holds these plain ints, compared on every read: an enum member's
-# lookup and an IntEnum's comparison each cost more than the int comparison itself.
-HEAD, BODY, IDLE, REUSABLE, SPENT, CLOSED = (int(s) for s in ConnectionState)
+# ``UpstreamConnection.state`` holds these plain ints, as a response's state (above); HEAD and
+# BODY are the same two numbers there.
+IDLE: Final = 2
+REUSABLE: Final = 3
+SPENT: Final = 4
+CLOSED: Final = 5
 
 
 class _HeadDone(Exception):
@@ -494,6 +536,11 @@ class UpstreamConnection(asyncio.Protocol):
         self._last_body = b""  # the last body piece parsed: how the message ends
         self._recent = b""  # the last bytes received: at least 8, unless fewer came
         self._chunked = False  # the final head's framing: the message ends in CRLF CRLF
+        # A chunked body's reads: the parser's last step was the head's or a chunk's end
+        # (``_edge``), and the last read ended right there (``_at_boundary``: the next read may
+        # skip the parser, ``_whole_chunks``).
+        self._edge = False
+        self._at_boundary = False
         self._unsent: memoryview | None = None  # request body bytes not handed to the transport
         self._writing_paused = False  # the transport's buffer is past its high-water mark
 
@@ -511,6 +558,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_room = MAX_HEAD
         self._last_body = b""
         self._recent = b""
+        self._edge = self._at_boundary = False
         self._unsent = None
 
     def _head_in(self) -> None:
@@ -603,10 +651,16 @@ class UpstreamConnection(asyncio.Protocol):
         self._recent = data if len(data) >= 8 else self._recent[-8:] + data
         error: BaseException | None = None
         try:
-            if state == BODY:
-                self.parser.feed_data(data)
+            if state == BODY and self._at_boundary and (size := _whole_chunks(data)) > 0:
+                # Nothing but whole chunks, from where the parser stands between two: it would
+                # stand there again after them, so it need not see them.
+                response.on_chunks(data, size)
             else:
-                error = self._feed_head(data)
+                if state == BODY:
+                    self.parser.feed_data(data)
+                else:
+                    error = self._feed_head(data)
+                self._at_boundary = self._edge and data.endswith(_CRLF)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             error = self._parse_failed(exc)
         else:
@@ -698,7 +752,7 @@ class UpstreamConnection(asyncio.Protocol):
                 raise ValueError("upstream switched protocols")
             return  # an interim response: the real head follows
         headers = response.headers
-        self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        self._chunked = self._edge = "chunked" in headers.get("Transfer-Encoding", "").lower()
         no_body = response.method == "HEAD" or status in _NO_BODY_STATUS
         until_close = not no_body and not self._chunked and "Content-Length" not in headers
         self._head_in()
@@ -710,6 +764,12 @@ class UpstreamConnection(asyncio.Protocol):
         self._last_body = body
         if self.response is not None:
             self.response.on_body(body)
+
+    def on_chunk_header(self) -> None:
+        self._edge = False
+
+    def on_chunk_complete(self) -> None:
+        self._edge = True
 
     def on_message_complete(self) -> None:
         response = self.response
@@ -757,6 +817,58 @@ class UpstreamConnection(asyncio.Protocol):
         what it has and fails no further when the transport goes."""
         self.response = None
         self.abort()
+
+
+_MAX_CHUNK_DIGITS: Final = 8  # a longer chunk size is the parser's to judge
+
+
+def _whole_chunks(data: bytes) -> int:
+    """The body bytes in ``data`` when it is nothing but whole chunks, each ``HEX CRLF data
+    CRLF`` with no extension, none the last (zero-sized) chunk; else 0, and the parser reads
+    it. What passes here is a part of the chunked framing the parser accepts."""
+    end = len(data)
+    at = 0
+    total = 0
+    while at < end:
+        size = 0
+        start = at
+        while at < end and at - start <= _MAX_CHUNK_DIGITS:
+            c = data[at]
+            if 48 <= c <= 57:  # 0-9
+                size = size * 16 + c - 48
+            elif 97 <= c <= 102:  # a-f
+                size = size * 16 + c - 87
+            elif 65 <= c <= 70:  # A-F
+                size = size * 16 + c - 55
+            else:
+                break
+            at += 1
+        if size == 0 or at - start > _MAX_CHUNK_DIGITS:
+            return 0
+        if at + 2 > end or data[at] != 13 or data[at + 1] != 10:
+            return 0
+        at += 2 + size
+        if at + 2 > end or data[at] != 13 or data[at + 1] != 10:
+            return 0
+        at += 2
+        total += size
+    return total
+
+
+def _chunk_pieces(data: bytes, into: BodyPiece) -> None:
+    """Each chunk's data of ``data``, which ``_whole_chunks`` passed, to ``into``."""
+    at = 0
+    end = len(data)
+    while at < end:
+        size = 0
+        c = data[at]
+        while c != 13:
+            size = size * 16 + (c - 48 if c <= 57 else (c | 32) - 87)
+            at += 1
+            c = data[at]
+        at += 2
+        into(data[at : at + size])
+        at += size + 2
 
 
 def _crlf_after_end(data: bytes, own: int | None) -> bool:

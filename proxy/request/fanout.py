@@ -260,6 +260,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             try:
                 await _merge(stitcher, mailbox, sink, config.sse_keepalive_seconds, fanout.record)
             finally:
+                sink.settle()
                 streams.discard(mailbox)
                 fanout.record.usage = stitcher.usage()
                 fanout.record.finish_reasons = stitcher.finish_reasons()
@@ -300,7 +301,7 @@ async def _merge(
     keepalive = PingTimer(mailbox, seconds, running)
 
     async def send(data: bytes) -> None:
-        now_full = write(data)  # counted on the record by the sink
+        now_full = write(data)  # counted for the record by the sink
         keepalive.wrote()
         if now_full:
             await drain()

@@ -64,10 +64,13 @@ async def _relay(
     try:
         # The head is written here: a client gone by now is the same as one gone mid-body.
         await response.prepare(request)
-        # Each write stamps the first chunk (time to first token, for an LLM stream) and
-        # counts its bytes on the record.
-        write, full, drain = client_sink(request, record, first_chunk=True)
-        await upstream_response.relay(write, full, drain)
+        # The sink stamps the first chunk (time to first token, for an LLM stream) and counts
+        # the bytes, for the record once the body is over.
+        sink = client_sink(request, record, first_chunk=True)
+        try:
+            await upstream_response.relay(sink.write, sink.full, sink.drain, sink.framed)
+        finally:
+            sink.settle()
         await response.write_eof()
     except (TimeoutError, HTTPClientError, ConnectionError):
         # The status is sent already (or the client is gone): cut the client's connection so

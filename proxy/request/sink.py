@@ -1,22 +1,23 @@
 """Writing a response straight into the client's transport, past aiohttp's writer.
 
-The relay (pass-through) and the stitched stream (fan-out) both write here: one
-``transport.write`` per piece, chunked framing done in place, no coroutine per chunk, the bytes
-counted on the request's record. "The client left" is raised here only (``ClientGone``). The
-response's head is aiohttp's, sent first (``ExactHead``'s when its bytes are not UTF-8); its
-``write_eof`` still ends the body.
+The relay (pass-through) and the stitched stream (fan-out) both write here, through
+``proxy.request.body``'s writer: one ``transport.write`` per piece, chunked framing done in
+place, no coroutine per chunk, the bytes counted for the request's record. "The client left" is
+``ClientGone``. The response's head is aiohttp's, sent first (``ExactHead``'s when its bytes
+are not UTF-8); its ``write_eof`` still ends the body.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from time import perf_counter
 from typing import NamedTuple
 
 from aiohttp import web
 
+from proxy.core.errors import ClientGone
 from proxy.observe.record import RequestRecord
+from proxy.request.body import BodyWriter
 
 
 class Sink(NamedTuple):
@@ -26,25 +27,22 @@ class Sink(NamedTuple):
     # gone. Never returns while the sink is full without having suspended: a writer loops
     # on ``if full(): await drain()``, and a drain that neither waits nor raises spins it.
     drain: Callable[[], Awaitable[None]]
-
-
-class ClientGone(ConnectionResetError):
-    """The client left: its connection is closed or closing. Raised here only; callers catch
-    ``ConnectionError``, as for a reset from the socket itself."""
-
-    def __init__(self) -> None:
-        super().__init__("the client left")
+    # The bytes written and the first write's time onto the record: once the body is over,
+    # whatever ended it (a second call changes nothing).
+    settle: Callable[[], None]
+    # Writes whole chunks in chunked framing as they are (a relay's, from a chunked upstream),
+    # with their body bytes' count; None when the response is not chunked.
+    framed: Callable[[bytes, int], bool] | None
 
 
 def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: bool) -> Sink:
-    """For a response already prepared: its body's bytes go to the client's transport directly,
-    each write counted on ``record`` (``bytes_out``) and, with ``first_chunk``, the first one's
-    time stamped (a fan-out stream stamps its first stitched chunk itself: a keep-alive ping
-    is not one).
+    """For a response already prepared: its body's bytes go to the client's transport directly
+    (``BodyWriter``), counted for ``record`` (``bytes_out``) and, with ``first_chunk``, the
+    first one's time kept (a fan-out stream stamps its first stitched chunk itself: a
+    keep-alive ping is not one); ``settle`` hands both to ``record``.
 
     Writing or draining once the client is gone raises ``ClientGone``, the error callers
-    handle (uvloop itself would raise ``RuntimeError`` on a transport whose connection is
-    lost). A write that finds the client's socket reset marks the transport closing at once
+    handle. A write that finds the client's socket reset marks the transport closing at once
     and runs ``connection_lost`` only later: aiohttp's ``drain`` would return at once meanwhile
     (it waits only while the protocol is paused), so the check here comes first.
     """
@@ -57,54 +55,13 @@ def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: boo
         send_headers()
     protocol = request.protocol
     closing = transport.is_closing
-    send = transport.write
-    if record.bytes_out is None:
-        record.bytes_out = 0
+    high = transport.get_write_buffer_limits()[1]
+    chunked = bool(getattr(writer, "chunked", False))
+    body = BodyWriter(transport, high, chunked, first_chunk)
+    before = record.bytes_out or 0
 
     def full() -> bool:
         return protocol.writing_paused or closing()
-
-    # Four writes, so that none tests per chunk what is known once: the framing and the stamp.
-    if getattr(writer, "chunked", False):
-        if first_chunk:
-
-            def write(data: bytes) -> bool:
-                if closing():
-                    raise ClientGone()
-                if record.first_chunk_at is None:
-                    record.first_chunk_at = perf_counter()
-                record.bytes_out = (record.bytes_out or 0) + len(data)
-                send(b"%x\r\n%b\r\n" % (len(data), data))
-                return protocol.writing_paused or closing()
-
-        else:
-
-            def write(data: bytes) -> bool:
-                if closing():
-                    raise ClientGone()
-                record.bytes_out = (record.bytes_out or 0) + len(data)
-                send(b"%x\r\n%b\r\n" % (len(data), data))
-                return protocol.writing_paused or closing()
-
-    elif first_chunk:
-
-        def write(data: bytes) -> bool:
-            if closing():
-                raise ClientGone()
-            if record.first_chunk_at is None:
-                record.first_chunk_at = perf_counter()
-            record.bytes_out = (record.bytes_out or 0) + len(data)
-            send(data)
-            return protocol.writing_paused or closing()
-
-    else:
-
-        def write(data: bytes) -> bool:
-            if closing():
-                raise ClientGone()
-            record.bytes_out = (record.bytes_out or 0) + len(data)
-            send(data)
-            return protocol.writing_paused or closing()
 
     drain_writer = writer.drain
 
@@ -113,7 +70,12 @@ def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: boo
             raise ClientGone()
         await drain_writer()  # suspends: not closing and full means the protocol is paused
 
-    return Sink(write, full, drain)
+    def settle() -> None:
+        record.bytes_out = before + body.written
+        if body.first_at >= 0 and record.first_chunk_at is None:
+            record.first_chunk_at = body.first_at
+
+    return Sink(body.write, full, drain, settle, body.write_framed if chunked else None)
 
 
 _FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # as aiohttp's writer (RFC 9110 §5.5)

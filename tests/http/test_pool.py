@@ -909,3 +909,12 @@ async def test_a_body_cut_short_fails_the_response_and_closes_the_connection(
     assert b"".join(got) == b"half"
     pool.release(response)
     assert_nothing_held(pool)
+
+
+def test_the_state_numbers_are_their_members_values() -> None:
+    """The connection module compares plain ints on every read: each is its enum member."""
+    from proxy.http import connection as c
+
+    assert tuple(ResponseState) == (c.HEAD, c.BODY, c.ENDED, c.COMPLETE, c.FAILED)
+    assert tuple(Mode) == (c.ITERATE, c.RELAY)
+    assert tuple(ConnectionState) == (c.HEAD, c.BODY, c.IDLE, c.REUSABLE, c.SPENT, c.CLOSED)

@@ -1,8 +1,9 @@
-"""The client sink: chunked framing in place, every write counted on the request's record, and a
-gone client is a ConnectionResetError."""
+"""The client sink: chunked framing in place, every write counted for the request's record (handed
+to it when the body is over), and a gone client is a ConnectionResetError."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -14,8 +15,11 @@ from proxy.request.sink import client_sink
 
 
 class Transport:
+    HIGH = 64  # the high-water mark, in bytes
+
     def __init__(self) -> None:
         self.written: list[bytes] = []
+        self.buffered = 0  # what the kernel has not taken
         self.closing = False
 
     def write(self, data: bytes) -> None:
@@ -25,6 +29,12 @@ class Transport:
 
     def is_closing(self) -> bool:
         return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (self.HIGH // 4, self.HIGH)
 
 
 def record() -> RequestRecord:
@@ -67,8 +77,8 @@ def test_the_head_goes_first_and_bodies_are_framed_when_chunked(chunked: bool) -
 
 
 class Filling(Transport):
-    """Past its high-water mark from the second write on (the protocol is paused); the third
-    finds the socket reset (closing from then on)."""
+    """Past its high-water mark from the second write on (the protocol is paused, as uvloop
+    pauses it); the third finds the socket reset (closing from then on)."""
 
     def __init__(self, protocol: SimpleNamespace) -> None:
         super().__init__()
@@ -76,7 +86,8 @@ class Filling(Transport):
 
     def write(self, data: bytes) -> None:
         super().write(data)
-        self.protocol.writing_paused = len(self.written) >= 2
+        self.buffered = self.HIGH + 1 if len(self.written) == 2 else 0
+        self.protocol.writing_paused = len(self.written) == 2
         self.closing = len(self.written) >= 3
 
 
@@ -89,7 +100,9 @@ def test_a_write_that_fills_the_transport_or_finds_the_client_gone_says_it_is_fu
     protocol = SimpleNamespace(writing_paused=False)
     sink, _, _ = sink_for(chunked, None, first_chunk, protocol, Filling(protocol))
     assert [sink.write(b"a"), sink.write(b"b")] == [False, True]
+    assert sink.full()
     protocol.writing_paused = False  # drained
+    assert not sink.full()
     assert sink.write(b"c") is True  # the client is gone: full, so the writer's drain raises
 
 
@@ -104,24 +117,40 @@ def test_a_gone_client_is_a_connection_reset_and_the_sink_is_full(chunked: bool)
 
 
 @pytest.mark.parametrize("chunked", [True, False])
-def test_every_write_is_counted_on_the_record_and_the_first_stamped_when_asked(
+def test_every_write_is_counted_for_the_record_and_the_first_stamped_when_asked(
     chunked: bool,
 ) -> None:
     relayed = record()
+    relayed.bytes_out = 0  # answered: nothing written yet
     sink, _, _ = sink_for(chunked, relayed, first_chunk=True)
-    assert relayed.bytes_out == 0  # answered: nothing written yet
-    assert relayed.first_chunk_at is None
+    before = time.perf_counter()
     sink.write(b"data: x\n\n")
+    after = time.perf_counter()
+    sink.write(b"hello")
+    assert relayed.bytes_out == 0  # handed to the record once, when the body is over
+    assert relayed.first_chunk_at is None
+    sink.settle()
+    assert relayed.bytes_out == 14  # the body's bytes, not the chunked framing's
     stamped = relayed.first_chunk_at
     assert stamped is not None
-    sink.write(b"hello")
-    assert relayed.bytes_out == 14  # the body's bytes, not the chunked framing's
-    assert relayed.first_chunk_at == stamped
+    assert before <= stamped <= after  # the first write's time, not the second's
+    sink.settle()  # a second settle changes nothing
+    assert (relayed.bytes_out, relayed.first_chunk_at) == (14, stamped)
     stitched = record()
     sink, _, _ = sink_for(chunked, stitched, first_chunk=False)
     sink.write(b": keep-alive\n\n")  # a fan-out stamps its first stitched chunk itself
+    sink.settle()
     assert stitched.bytes_out == 14
     assert stitched.first_chunk_at is None
+
+
+def test_a_body_written_on_a_record_that_counted_already_adds_to_it() -> None:
+    counted = record()
+    counted.bytes_out = 5
+    sink, _, _ = sink_for(False, counted)
+    sink.write(b"abc")
+    sink.settle()
+    assert counted.bytes_out == 8
 
 
 def test_a_client_gone_before_the_body_is_a_connection_reset() -> None:
@@ -129,3 +158,19 @@ def test_a_client_gone_before_the_body_is_a_connection_reset() -> None:
     request = SimpleNamespace(writer=writer, protocol=None, transport=None)
     with pytest.raises(ConnectionResetError, match="the client left"):
         client_sink(cast(web.Request, request), record(), first_chunk=True)
+
+
+def test_whole_chunks_are_written_as_they_came_to_a_chunked_response_only() -> None:
+    counted = record()
+    sink, transport, _ = sink_for(True, counted)
+    assert sink.framed is not None
+    assert sink.framed(b"5\r\nhello\r\n3\r\nabc\r\n", 8) is False
+    assert transport.written == [b"5\r\nhello\r\n3\r\nabc\r\n"]
+    sink.settle()
+    assert counted.bytes_out == 8  # the body's bytes, as the relay counted them
+    assert counted.first_chunk_at is not None
+    transport.closing = True
+    with pytest.raises(ConnectionResetError):
+        sink.framed(b"1\r\nx\r\n", 1)
+    plain, _, _ = sink_for(False)
+    assert plain.framed is None  # a response of known length, or to HTTP/1.0
