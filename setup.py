@@ -21,15 +21,15 @@ COMPILED = [
     "proxy/core/sse.py",
     "proxy/core/stitch.py",
     "proxy/http/connection.py",
-    "proxy/request/body.py",
+    "proxy/request/sink.py",
 ]
 # Not proxy/request/fanout.py: compiled, its JSON fan-outs failed under the suite
 # (tests/request/test_fanout.py, tests/e2e/test_faults.py) though each passed alone; until that
 # is understood, the fan-out's writer and mailbox stay pure Python.
-# Nor proxy/request/sink.py (the writer it builds is proxy/request/body.py): its ExactHead
-# subclasses aiohttp's StreamResponse, which mypyc compiles into a class whose instances
-# aiohttp's own __init__ then fails on (SystemError); and mypyc cannot subclass
-# ConnectionResetError (ClientGone, in proxy/core/errors.py).
+# Nor proxy/request/passthrough.py: its ExactHead subclasses aiohttp's StreamResponse, which
+# mypyc compiles into a class whose instances aiohttp's own __init__ then fails on
+# (SystemError). And mypyc cannot subclass ConnectionResetError, so ClientGone is in
+# proxy/core/errors.py.
 
 
 def _say(message: str) -> None:

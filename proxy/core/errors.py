@@ -94,7 +94,7 @@ class ChildFailed(Exception):
 
 class ClientGone(ConnectionResetError):
     """The client left: its connection is closed or closing. Raised only where a response is
-    written to the client (``proxy.request.sink`` and ``body``); callers catch
+    written to the client (``proxy.request.sink``, and the head of a pass-through); callers catch
     ``ConnectionError``, as for a reset from the socket itself."""
 
     def __init__(self) -> None:

@@ -123,7 +123,7 @@ class UpstreamResponse:
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
         # A header value or the reason held bytes that are not UTF-8: see
-        # proxy.request.sink.ExactHead.
+        # proxy.request.passthrough.ExactHead.
         self.escaped = False
         self.state = HEAD  # a ResponseState, as its int
         self.error: BaseException | None = None  # why it FAILED

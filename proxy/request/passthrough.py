@@ -4,13 +4,16 @@ and end-to-end headers preserved; the body relayed from the upstream protocol it
 
 from __future__ import annotations
 
+import re
+
 from aiohttp import web
 
 from proxy.config.models import Upstream
+from proxy.core.errors import ClientGone
 from proxy.core.headers import request_headers, response_headers
 from proxy.http import HTTPClientError
 from proxy.observe.record import RequestRecord
-from proxy.request.sink import ExactHead, client_sink
+from proxy.request.sink import client_sink
 from proxy.upstream.service import Exchange, UpstreamRequest, Upstreams
 
 UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)  # a pass-through keeps that header
@@ -78,3 +81,31 @@ async def _relay(
         if request.transport is not None:
             request.transport.abort()
     return response
+
+
+_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # as aiohttp's writer (RFC 9110 §5.5)
+
+
+class ExactHead(web.StreamResponse):
+    """A relayed response whose head holds bytes that are not UTF-8 (a Latin-1 header value).
+
+    Such bytes reach the proxy as surrogate escapes; aiohttp's writer encodes a head as UTF-8,
+    and its C writer drops surrogates. This head is written here instead, each byte as the
+    upstream sent it; the body then goes through ``client_sink`` as for any relay. It leans on
+    aiohttp's internals (``_write_headers``, ``_req``): tests/meta/test_layers.py checks them.
+    """
+
+    async def _write_headers(self) -> None:  # aiohttp's step that serialises the head
+        request = self._req
+        assert request is not None
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ClientGone()
+        version = request.version
+        parts = [f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"]
+        parts += [f"{name}: {value}" for name, value in self.headers.items()]
+        for part in parts:
+            if _FORBIDDEN.search(part):
+                raise ValueError("a control character in a response header")
+        head = "\r\n".join(parts) + "\r\n\r\n"
+        transport.write(head.encode("utf-8", "surrogateescape"))

@@ -1,23 +1,25 @@
-"""Writing a response straight into the client's transport, past aiohttp's writer.
+"""Writing a response body straight into the client's transport, past aiohttp's writer: the
+client's side of every relayed and stitched chunk, compiled with the rest of the stream path
+(setup.py).
 
-The relay (pass-through) and the stitched stream (fan-out) both write here, through
-``proxy.request.body``'s writer: one ``transport.write`` per piece, chunked framing done in
-place, no coroutine per chunk, the bytes counted for the request's record. "The client left" is
-``ClientGone``. The response's head is aiohttp's, sent first (``ExactHead``'s when its bytes
-are not UTF-8); its ``write_eof`` still ends the body.
+The relay (pass-through) and the stitched stream (fan-out) both write here: one
+``transport.write`` per piece, chunked framing done in place, no coroutine per chunk. What the
+request's record needs (the bytes written, the first write's time) is kept by ``BodyWriter``
+and handed to the record once, when the body is over (``Sink.settle``): no attribute of a
+Python object is touched per chunk. "The client left" is ``ClientGone``. The response's head is
+aiohttp's, sent first; its ``write_eof`` still ends the body.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from time import perf_counter
+from typing import NamedTuple, Protocol
 
 from aiohttp import web
 
 from proxy.core.errors import ClientGone
 from proxy.observe.record import RequestRecord
-from proxy.request.body import BodyWriter
 
 
 class Sink(NamedTuple):
@@ -78,28 +80,55 @@ def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: boo
     return Sink(body.write, full, drain, settle, body.write_framed if chunked else None)
 
 
-_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # as aiohttp's writer (RFC 9110 §5.5)
+class Transport(Protocol):
+    """What the writer uses of an ``asyncio.WriteTransport``."""
+
+    def write(self, data: bytes) -> None: ...
+    def is_closing(self) -> bool: ...
+    def get_write_buffer_size(self) -> int: ...
 
 
-class ExactHead(web.StreamResponse):
-    """A relayed response whose head holds bytes that are not UTF-8 (a Latin-1 header value).
+class BodyWriter:
+    """Writes a body into ``transport``, framed as chunks when ``chunked``. Each write says
+    whether the transport is past its high-water mark ``high`` or closing now: the one test
+    per chunk. With ``stamp``, the first write's time is kept (``first_at``, else -1)."""
 
-    Such bytes reach the proxy as surrogate escapes; aiohttp's writer encodes a head as UTF-8,
-    and its C writer drops surrogates. This head is written here instead, each byte as the
-    upstream sent it; the body then goes through ``client_sink`` as for any relay.
-    """
+    def __init__(self, transport: Transport, high: int, chunked: bool, stamp: bool) -> None:
+        self._transport = transport
+        self._high = high
+        self._chunked = chunked
+        self._stamp = stamp
+        self.written = 0  # body bytes, not the chunked framing's
+        self.first_at = -1.0
 
-    async def _write_headers(self) -> None:  # aiohttp's step that serialises the head
-        request = self._req
-        assert request is not None
-        transport = request.transport
-        if transport is None or transport.is_closing():
+    def write(self, data: bytes) -> bool:
+        """Once the client is gone this raises ``ClientGone`` (uvloop itself would raise
+        ``RuntimeError`` on a transport whose connection is lost). A write that finds the
+        client's socket reset marks the transport closing at once, and the connection is lost
+        only later: so the check comes first, and closing counts as full."""
+        transport = self._transport
+        if transport.is_closing():
             raise ClientGone()
-        version = request.version
-        parts = [f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"]
-        parts += [f"{name}: {value}" for name, value in self.headers.items()]
-        for part in parts:
-            if _FORBIDDEN.search(part):
-                raise ValueError("a control character in a response header")
-        head = "\r\n".join(parts) + "\r\n\r\n"
-        transport.write(head.encode("utf-8", "surrogateescape"))
+        if self._stamp:
+            self._stamp = False
+            self.first_at = perf_counter()
+        size = len(data)
+        self.written += size
+        if self._chunked:
+            transport.write(b"%x\r\n%b\r\n" % (size, data))
+        else:
+            transport.write(data)
+        return transport.get_write_buffer_size() > self._high or transport.is_closing()
+
+    def write_framed(self, data: bytes, size: int) -> bool:
+        """``data`` is whole chunks in chunked framing already, holding ``size`` body bytes:
+        written as it is, to a chunked response only. As ``write`` otherwise."""
+        transport = self._transport
+        if transport.is_closing():
+            raise ClientGone()
+        if self._stamp:
+            self._stamp = False
+            self.first_at = perf_counter()
+        self.written += size
+        transport.write(data)
+        return transport.get_write_buffer_size() > self._high or transport.is_closing()

@@ -2,8 +2,8 @@
 (``max_connections``), a deadline for request headers (``client_timeouts.headers``), a prompt
 400 for HTTP/0.9, and OpenAI error bodies on the error pages aiohttp writes itself
 (``ErrorPages``, the admin listener's connections too); a request its parser refuses is counted
-and logged short. The one module, with ``proxy.request.sink``, that uses aiohttp's private
-members.
+and logged short. The one module, with ``proxy.request.passthrough``, that uses aiohttp's
+private members.
 """
 
 from __future__ import annotations

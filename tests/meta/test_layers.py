@@ -29,7 +29,7 @@ PURE_ALLOWED = frozenset({
 })  # fmt: skip
 
 # The two modules where the server leans on aiohttp's internals (the members below).
-AIOHTTP_INTERNALS = frozenset({"proxy.server.connection", "proxy.request.sink"})
+AIOHTTP_INTERNALS = frozenset({"proxy.server.connection", "proxy.request.passthrough"})
 
 # Each private member of aiohttp the server uses, by the class it belongs to.
 PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
