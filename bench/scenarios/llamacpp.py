@@ -7,11 +7,10 @@ import orjson
 from bench.report import Row, say, table
 from bench.scenario import Context, Scenario
 from bench.stats import median
-from bench.workload import StreamTiming, client, read_stream, run_async
+from bench.workload import CHAT_PATH, StreamTiming, chat_body, client, read_stream, run_async
 from tests.support.llamacpp import start_llama_server
 from tests.support.tinymodel import build_tiny_gguf
 
-CHAT = "/v1/chat/completions"
 ATTEMPTS = 3
 REQUEST_SECONDS = 300
 CONFIG = """\
@@ -30,17 +29,11 @@ async def _stream(
 ) -> StreamTiming:
     """One stream, timed; a request that failed is noted and sent again."""
     for _ in range(ATTEMPTS):
-        timing = await read_stream(session, url + CHAT, body)
+        timing = await read_stream(session, url + CHAT_PATH, body)
         if timing.status == 200:
             return timing
         failed.append(f"status {timing.status}")
     raise RuntimeError(f"{ATTEMPTS} failures in a row: {failed[-ATTEMPTS:]}")
-
-
-def _body(n: int, max_tokens: int) -> bytes:
-    messages = [{"role": "user", "content": "hi"}]
-    return orjson.dumps({"model": "tiny", "messages": messages, "max_tokens": max_tokens,
-                         "ignore_eos": True, "seed": 1, "stream": True, "n": n})  # fmt: skip
 
 
 async def _measure(ctx: Context) -> Row:
@@ -58,7 +51,9 @@ async def _measure(ctx: Context) -> Row:
             # stream, and the same rule for every path keeps them comparable.
             async with client(REQUEST_SECONDS, force_close=True) as session:
                 for path, start, url, n in cases:
-                    body = _body(n, o.max_tokens)
+                    body = orjson.dumps(
+                        chat_body(n, stream=True, max_tokens=o.max_tokens, seed=1, model="tiny")
+                    )
                     await _stream(session, url, body, failed)  # warm-up
                     timings = [await _stream(session, url, body, failed) for _ in range(o.reps)]
                     rows.append({"np": slots, "path": path, "stream_start": start, "n": n,

@@ -44,8 +44,8 @@ upstreams:
 """
 
 
-def _completions(prompts: int, n: int) -> bytes:
-    body = {"model": MODEL, "prompt": [f"p{i}" for i in range(prompts)], "n": n}
+def _completions(prompts: int, n: int, **fields: Any) -> bytes:
+    body = {"model": MODEL, "prompt": [f"p{i}" for i in range(prompts)], "n": n, **fields}
     return orjson.dumps({**body, "max_tokens": 4, "ignore_eos": True, "seed": 1})
 
 
@@ -189,12 +189,10 @@ async def _large_request_memory(proxy: Server, session: aiohttp.ClientSession) -
 async def _every_slot_free(proxy: Server, session: aiohttp.ClientSession) -> int:
     """A request that needs every upstream slot at once: it hangs if the mix leaked one."""
     url = proxy.url + COMPLETIONS_PATH
-    whole = _completions(SLOTS // 2, 2)
-    stream = orjson.dumps({**orjson.loads(whole), "stream": True})
     statuses: list[int | str] = []
     try:
         async with asyncio.timeout(60):
-            for body in (whole, stream):
+            for body in (_completions(SLOTS // 2, 2), _completions(SLOTS // 2, 2, stream=True)):
                 async with session.post(url, data=body, headers=HEADERS) as response:
                     await response.read()
                     statuses.append(response.status)
