@@ -9,7 +9,7 @@ and the Rust one in turn, the order reversed every other round. The Python front
 """
 
 import contextlib
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,8 +74,8 @@ def _cpu_watch(route: Route) -> Callable[[int], dict[str, float]]:
     /proc: other load on the machine is not in it)."""
     processes = _processes(route)
 
-    def seconds() -> Counter[str]:
-        found = Counter[str]()
+    def seconds() -> defaultdict[str, float]:
+        found: defaultdict[str, float] = defaultdict(float)
         for role, proc in processes:
             with contextlib.suppress(psutil.Error):
                 found[role] += sum(proc.cpu_times()[:2])  # user and system
