@@ -149,8 +149,8 @@ class Fleet:
         self.stop(*self.servers)
 
 
-def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:
-    """Wait until the servers are idle; the seconds it took.
+def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> None:
+    """Wait until the servers are idle (``timeout`` seconds at most).
 
     A server can go on working after the load generator has hung up (LiteLLM's proxy finishes
     the requests queued in it): that work must land in its own turn, not in the next one's.
@@ -161,7 +161,6 @@ def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:
         time.sleep(SETTLE_WINDOW)
         if sum(_cpu_seconds(servers).values()) - before <= SETTLE_BUSY * SETTLE_WINDOW:
             break
-    return time.monotonic() - started
 
 
 def _cpu_seconds(servers: Sequence[Server]) -> dict[str, float]:

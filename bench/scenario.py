@@ -86,12 +86,12 @@ class Context:
         return found
 
     def proxies(
-        self, upstream: str, suffix: str = "", config: str = PROXY_CONFIG, workers: int = 1
+        self, upstream: str, suffix: str = "", config: str = PROXY_CONFIG
     ) -> dict[str, Server]:
         """Each of ``trees`` as a server in front of ``upstream``; launched only (``ready``)."""
         return {
-            label: start_proxy(self.fleet, self.work, upstream, label + suffix, workers=workers,
-                               checkout=tree, config=config, env=env)
+            label: start_proxy(self.fleet, self.work, upstream, label + suffix, checkout=tree,
+                               config=config, env=env)
             for label, (tree, env) in self.trees(upstream).items()
         }  # fmt: skip
 
