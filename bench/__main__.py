@@ -183,7 +183,7 @@ def finish(results: Row, out: Path, stem: str, pictures: bool) -> int:
     """Targets checked, the report written (and the pictures, when asked for and the bench venv,
     which has matplotlib, is at hand)."""
     targets = [t for n in results["scenarios"] if n in results for t in load(n).targets(results[n])]
-    results["targets"] = [{**asdict(t), "verdict": t.verdict} for t in targets]
+    results["targets"] = targets
     out.mkdir(parents=True, exist_ok=True)  # the JSON with NaN (a moment not measured) as null
     options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
     (out / f"{stem}.json").write_bytes(orjson.dumps(results, default=str, option=options))
@@ -194,7 +194,7 @@ def finish(results: Row, out: Path, stem: str, pictures: bool) -> int:
         drawn = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         if drawn.returncode:
             print(f"bench: no picture: {drawn.stderr[-500:]}", flush=True)
-    lines = [f"  {t.verdict:<4}  {t.what}: {t.measured} (goal {t.goal})" for t in targets]
+    lines = ["  {verdict:<4}  {what}: {measured} (goal {goal})".format(**t) for t in targets]
     lines += [f"  left out {what}: {why}" for what, why in results["skipped"].items()]
     lines += [f"  ERROR {name}: {error}" for name, error in results["errors"].items()]
     print(f"\n== targets (results in {out / stem}.md)", *lines, sep="\n")

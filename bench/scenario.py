@@ -11,7 +11,7 @@ from typing import Any
 from bench.load import Loader, Tool
 from bench.procs import Fleet, Server, settle, wait_ready
 from bench.profile import recording
-from bench.report import Row, Target
+from bench.report import Row
 from bench.stack import PROXY_CONFIG, start_proxy
 
 PROXY = "n-proxy"
@@ -144,6 +144,6 @@ class Scenario:
     title: str
     run: Callable[[Context], Row]
     render: Callable[[Row], list[str]]
-    targets: Callable[[Row], list[Target]] = lambda _: []
+    targets: Callable[[Row], list[Row]] = lambda _: []
     full: Mapping[str, Any] = field(default_factory=dict)
     smoke: Mapping[str, Any] = field(default_factory=dict)

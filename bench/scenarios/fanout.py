@@ -5,7 +5,7 @@ n-proxy's CPU per chunk from /proc (what one core of it stitches)."""
 
 from collections.abc import Sequence
 
-from bench.report import Column, Row, Section, Target, pick, target
+from bench.report import Column, Row, Section, pick, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.scenarios.passthrough import measure
 from bench.stack import start_backend
@@ -86,7 +86,7 @@ COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _targets(data: Row) -> list[Target]:
+def _targets(data: Row) -> list[Row]:
     def at(stream: bool) -> object:
         return pick(data["summary"], n=GOAL_N, stream=stream, target=PROXY).get("ratio")
 
@@ -115,7 +115,7 @@ CHUNK_COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _chunk_targets(data: Row) -> list[Target]:
+def _chunk_targets(data: Row) -> list[Row]:
     proxy = pick(data["summary"], target=PROXY)
     what = "stitching, chunks per proxy CPU-second (one core)"
     return [target(what, proxy.get("chunks_per_cpu_s"), ">=", 50_000, "{:,.0f}/s")]

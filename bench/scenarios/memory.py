@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from bench.procs import ProcSample, Server
-from bench.report import Column, Row, Target, pick, say, table, target
+from bench.report import Column, Row, pick, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import numbers
@@ -149,7 +149,7 @@ def _render(data: Row) -> list[str]:
     ]
 
 
-def _targets(data: Row) -> list[Target]:
+def _targets(data: Row) -> list[Row]:
     mine = pick(data["summary"], proxy=PROXY)
     opened, stalled = mine.get("open_streams", {}), mine.get("slow_client", {})
     growth = max(numbers([opened.get("growth_early_to_late_kib"),

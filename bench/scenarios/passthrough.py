@@ -13,7 +13,7 @@ import orjson
 
 from bench import stack
 from bench.procs import CpuWatch, Server
-from bench.report import Column, Row, Target, missing, pick, say, table, target
+from bench.report import Column, Row, missing, pick, say, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles, ratio
 from bench.workload import HEADERS, Request, chat_request
@@ -225,7 +225,7 @@ def _render(data: Row) -> list[str]:
     ]
 
 
-def _targets(data: Row) -> list[Target]:
+def _targets(data: Row) -> list[Row]:
     rows, summary, c = data["runs"], data["summary"], HEADLINE
     proxy, at = pick(summary, target=PROXY, concurrency=c), f" (n=1, c={c})"
     low = pick(summary, target=PROXY, concurrency=1).get("added_p50_ms")
@@ -244,7 +244,7 @@ def _targets(data: Row) -> list[Target]:
     ]
 
 
-def _wire_targets(data: Row) -> list[Target]:
+def _wire_targets(data: Row) -> list[Row]:
     """At the lowest concurrency run and the one to compare at (1 and 16 but in a smoke run)."""
     (low, high), rows = _levels(data), data["runs"]
     added = pick(data["summary"], target=PROXY, concurrency=low).get("added_p50_ms")

@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 
 from bench.procs import Server, free_port
-from bench.report import Row, Target, table, target
+from bench.report import Row, table, target
 from bench.scenario import Context, Scenario
 from bench.stack import start_backend, start_proxy
 from bench.stats import median
@@ -295,7 +295,7 @@ def _render(data: Row) -> list[str]:
     return out
 
 
-def _targets(data: Row) -> list[Target]:
+def _targets(data: Row) -> list[Row]:
     out = []
     for r in data["summary"]:
         at = f" ({r['proxy']})"

@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 
 from bench.procs import Server
-from bench.report import Column, Row, Section, Target, say, target
+from bench.report import Column, Row, Section, say, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import medians
@@ -131,7 +131,7 @@ TARGETS = [  # the fast children's ms/token, what, the summary's key, its bound 
 ]  # fmt: skip
 
 
-def _targets(data: Row) -> list[Target]:
+def _targets(data: Row) -> list[Row]:
     rows = {r["fast_delay_ms"]: r for r in data["summary"] if r["proxy"] == PROXY}
     return [target(what, rows.get(delay, {}).get(key), "<=", bound, fmt)
             for delay, what, key, bound, fmt in TARGETS]  # fmt: skip
