@@ -109,10 +109,14 @@ class Fleet:
         self.servers: list[Server] = []
 
     def launch(
-        self, name: str, argv: Sequence[str], port: int, ready_path: str,
+        self, name: str, argv: Sequence[str], ready_path: str = "/health", port: int | None = None,
         env: Mapping[str, str] | None = None, cwd: Path | None = None, tree: bool = False,
     ) -> Server:  # fmt: skip
-        """Start without waiting (``wait_ready`` does), so servers boot side by side."""
+        """Start without waiting (``wait_ready`` does), so servers boot side by side; on ``port``
+        when its config names one, else on a free one given as ``--port``."""
+        if port is None:
+            port = free_port()
+            argv = [*argv, "--port", str(port)]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         with log.open("wb") as out:
