@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 
 from bench.procs import Server, free_port
-from bench.report import Row, table, target
+from bench.report import Row, cell, table, target
 from bench.scenario import Context, Scenario
 from bench.stack import start_backend, start_proxy
 from bench.stats import median
@@ -263,10 +263,6 @@ def _run(ctx: Context) -> Row:
     return {"summary": rows}
 
 
-def _kib(values: list[int]) -> str:
-    return ", ".join(f"{k:,}" for k in values)
-
-
 def _render(data: Row) -> list[str]:
     out = []
     for r in data["summary"]:
@@ -278,12 +274,12 @@ def _render(data: Row) -> list[str]:
             f" {CLIENT_SECONDS} s), a burst of {MAX_CONNECTIONS + 50} connections every"
             f" {BURST_EVERY:.0f} s (max_connections {MAX_CONNECTIONS}), {SLOTS} upstream slots."
             f" RSS under load, medians of the second and last fifths:"
-            f" {' and '.join(f'{k:,}' for k in r['busy_rss_kib'])} KiB.",
+            f" {cell(r['busy_rss_kib'], '{:,}')} KiB.",
             "",
             f"Large requests first, {len(memory['after_kib'])} rounds of a 2,048-child batch and a"
             f" 15 MiB body: RSS {memory['cold_kib']:,} KiB cold, 3 s after each round"
-            f" {_kib(memory['after_kib'])} KiB (peaks {_kib(memory['peak_kib'])}), kept after the"
-            f" warm-up round {memory['kept_after_warmup_kib']:+,} KiB.",
+            f" {cell(memory['after_kib'], '{:,}')} KiB (peaks {cell(memory['peak_kib'], '{:,}')}),"
+            f" kept after the warm-up round {memory['kept_after_warmup_kib']:+,} KiB.",
             *table([("t s", "t", ""), ("RSS KiB", "rss_kib", "{:,}"), ("fds", "fds", ""),
                     ("children in flight", "children_in_flight", "{:.0f}"),
                     ("client connections", "client_connections", "{:.0f}")], r["samples"]),
