@@ -109,6 +109,8 @@ def summarize(rows: Sequence[Row]) -> list[Row]:
             "errors": sum(r["errors"] for r in mine),
             **medians(mine, "other_load_cores", "steal_cores"),
         }
+        if name.endswith(f" n={FANOUT_N}"):  # wire's fan-out: children per second too
+            row["children_per_s"] = FANOUT_N * row["rps"]
         base = name.replace(PROXY, BASELINE, 1)
         if base != name and any(r["target"] == base for r in rows):
             row["baseline"] = base
@@ -203,13 +205,8 @@ def _render(data: Row) -> list[str]:
         (f"fan-out n={n} CPU per child over pass-through CPU/req", cpu(FANOUT, PROXY, n)),
         (f"fan-out n={n} CPU per child over the forwarder's CPU/req", cpu(FANOUT, FORWARDER, n)),
     ]
-    fanout = [f"{label} n={n}" for label in (PROXY, BASELINE)]
-    summary = [
-        {**r, "children_per_s": n * r["rps"] if r["target"] in fanout else None}
-        for r in data["summary"]
-    ]
     columns = list(COLUMNS)
-    if any(r["children_per_s"] is not None for r in summary):
+    if any("children_per_s" in r for r in data["summary"]):
         columns.insert(3, ("children/s", "children_per_s", "{:,.0f}"))
     return [
         f"Upstream: {data.get('upstream', 'backend')}. Ratios at c={high}, of req/s paired by"
@@ -218,7 +215,7 @@ def _render(data: Row) -> list[str]:
             [("ratio", "what", ""), ("measured", "value", "{:.2f}x")],
             [{"what": w, "value": v} for w, v in ratios if not missing(v)],
         ),
-        *table(columns, summary),
+        *table(columns, data["summary"]),
         "",
         NOTE,
         *baseline_table(data["summary"]),
