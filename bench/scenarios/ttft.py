@@ -85,15 +85,13 @@ async def _measure(ctx: Context, pairs: list[tuple[str, float, Server, Server]])
 
 
 def _run(ctx: Context) -> Row:
-    pairs, servers = [], {}
+    pairs = []
     for delay in (0.0, PACED_TOKEN_S):
         suffix = "-paced" if delay else ""
         backend = start_backend(ctx.fleet, name="backend" + suffix, token_delay=delay)
-        servers["backend" + suffix] = backend
-        for label, proxy in ctx.proxies(backend.url, suffix).items():
-            servers[proxy.name] = proxy
-            pairs.append((label, delay, proxy, backend))
-    ctx.ready(servers)
+        proxies = ctx.proxies(backend.url, suffix).items()
+        pairs += [(label, delay, proxy, backend) for label, proxy in proxies]
+    ctx.ready({server.name: server for *_, proxy, backend in pairs for server in (backend, proxy)})
     return run_async(_measure(ctx, pairs))
 
 
