@@ -9,7 +9,7 @@ from bench.report import Column, Row, Section, pick, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.scenarios.passthrough import measure
 from bench.stack import start_backend
-from bench.stats import grouped, median, medians, over, paired, ratio
+from bench.stats import grouped, median, medians, paired, ratio
 from bench.workload import chat_request, stream_events
 
 NATIVE = "native"
@@ -48,7 +48,7 @@ def summarize(rows: Sequence[Row]) -> list[Row]:
         native = [r for r in case if r["target"] == NATIVE]
         summary.append({
             "n": n, "stream": stream, "target": name, "errors": sum(r["errors"] for r in mine),
-            "ratio": median(paired(case, "target", name, NATIVE, over("rps"))),
+            "ratio": median(paired(case, "target", name, NATIVE, "rps")),
             "backend_ceiling": ratio(_backend_cpu(native), _backend_cpu(mine)),
             # Cores busy: is the proxy or the backend the bottleneck? (native: no proxy)
             "proxy_cores": 0.0 if name == NATIVE else median(r["cores"] for r in mine),

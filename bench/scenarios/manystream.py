@@ -144,7 +144,7 @@ def summarize(rows: list[Row]) -> list[Row]:
             row |= medians(mine, *MEDIANS)
             if name != DIRECT:
                 row["added_ms"] = [
-                    median(paired(timed, "contender", name, DIRECT, minus(f"{q}_ms")))
+                    median(paired(timed, "contender", name, DIRECT, f"{q}_ms", minus))
                     for q in ("p50", "p99")
                 ]
             out.append({**row, "not_started": max(r.get("not_started", 0) for r in mine)})

@@ -15,7 +15,7 @@ from bench import stack
 from bench.procs import CpuWatch, Server
 from bench.report import Column, Row, missing, pick, say, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
-from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles, ratio
+from bench.stats import grouped, median, medians, minus, paired, quartiles, ratio
 from bench.workload import HEADERS, Request, chat_request
 
 DIRECT = "direct"
@@ -24,7 +24,6 @@ LEAN = "lean forwarder"  # the aiohttp forwarder on n-proxy's own client: the fl
 FANOUT_N = 4  # wire: each n-proxy a second time, as a contender sent n = FANOUT_N
 FANOUT = f"{PROXY} n={FANOUT_N}"
 HEADLINE = 16  # the concurrency the goals are stated at
-RPS_RATIO = over("rps")
 
 
 def check(name: str, server: Server, request: Request) -> int:
@@ -88,10 +87,11 @@ def measure(
 
 
 def versus(
-    rows: Sequence[Row], name: str, base: str, c: int, value: Pairing = RPS_RATIO
-) -> list[float]:
+    rows: Sequence[Row], name: str, base: str, c: int, key: str = "rps",
+    op: Callable[[Any, Any], float] = ratio,
+) -> list[float]:  # fmt: skip
     """Per round at concurrency ``c``: ``value`` of ``name``'s row and ``base``'s."""
-    return paired([r for r in rows if r["concurrency"] == c], "target", name, base, value)
+    return paired([r for r in rows if r["concurrency"] == c], "target", name, base, key, op)
 
 
 def summarize(rows: Sequence[Row]) -> list[Row]:
@@ -104,8 +104,8 @@ def summarize(rows: Sequence[Row]) -> list[Row]:
             "concurrency": c,
             **medians(mine, "rps", "p50_ms", "p99_ms", "cpu_us_per_req", "backend_cpu_us_per_req"),
             "rps_vs_direct": median(versus(rows, name, DIRECT, c)),
-            "added_p50_ms": median(versus(rows, name, DIRECT, c, minus("p50_ms"))),
-            "added_p99_ms": median(versus(rows, name, DIRECT, c, minus("p99_ms"))),
+            "added_p50_ms": median(versus(rows, name, DIRECT, c, "p50_ms", minus)),
+            "added_p99_ms": median(versus(rows, name, DIRECT, c, "p99_ms", minus)),
             "errors": sum(r["errors"] for r in mine),
             **medians(mine, "other_load_cores", "steal_cores"),
         }
@@ -115,7 +115,7 @@ def summarize(rows: Sequence[Row]) -> list[Row]:
         if base != name and any(r["target"] == base for r in rows):
             row["baseline"] = base
             row["rps_vs_baseline"] = quartiles(versus(rows, name, base, c))
-            row["cpu_vs_baseline"] = quartiles(versus(rows, name, base, c, over("cpu_us_per_req")))
+            row["cpu_vs_baseline"] = quartiles(versus(rows, name, base, c, "cpu_us_per_req"))
         summary.append(row)
     return summary
 

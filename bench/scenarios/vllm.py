@@ -20,7 +20,7 @@ import psutil
 from bench.load import generate
 from bench.report import Column, Row, Section, say
 from bench.scenario import Context, Scenario
-from bench.stats import grouped, median, over, paired, quartiles
+from bench.stats import grouped, median, paired, quartiles
 from bench.workload import CHAT_PATH, chat_body, client, read_stream, run_async
 from tests.support import vllmserver
 
@@ -28,7 +28,6 @@ NATIVE = "python native n"
 PYTHON_FANOUT = "n-proxy > python"
 RUST_FANOUT = "n-proxy > rust"
 REQUEST_SECONDS = 300
-TOKENS_RATIO = over("tokens_per_s")
 # Whose CPU is counted, by process: vLLM's frontends and engine, and n-proxy.
 ROLES = ("rust frontend", "python frontend", "engine", "n-proxy")
 
@@ -148,7 +147,7 @@ def summarize(rows: list[Row]) -> list[Row]:
     for (mode, n, path), mine in groups:
         at = [r for r in rows if r["n"] == n and r["mode"] == mode]
         rates = [r["tokens_per_s"] for r in mine]
-        ratio = median(paired(at, "path", path, NATIVE, TOKENS_RATIO))
+        ratio = median(paired(at, "path", path, NATIVE, "tokens_per_s"))
         row: Row = {"mode": mode, "n": n, "path": path, "tokens_per_s": median(rates),
                     "tokens_per_s_range": [min(rates), max(rates)],
                     "tokens_per_s_ratio": ratio}  # fmt: skip
