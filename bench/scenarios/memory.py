@@ -104,12 +104,14 @@ async def slow_client(
 
 
 async def _measure(ctx: Context, backend: Server, proxies: dict[str, Server]) -> Row:
-    o, rows = ctx.options, []
+    """A row of each table per proxy: its open streams, then its slow client."""
+    o, data = ctx.options, {"open_streams": list[Row](), "slow_client": list[Row]()}
     for label, proxy in proxies.items():
         opened = await open_streams(proxy, o.streams[0], o.n[0], o.seconds)
         stalled = await slow_client(proxy, backend, o.n[-1], o.max_tokens, o.seconds * STALL_SHARE)
-        rows.append({"proxy": label, "open_streams": opened, "slow_client": stalled})
-    return {"summary": rows}
+        data["open_streams"].append({"proxy": label, **opened})
+        data["slow_client"].append({"proxy": label, **stalled})
+    return data
 
 
 def _run(ctx: Context) -> Row:
@@ -137,12 +139,9 @@ SLOW: list[Column] = [
 
 
 def _render(data: Row) -> list[str]:
-    def part(key: str) -> list[Row]:
-        return [{"proxy": r["proxy"], **r[key]} for r in data["summary"]]
-
     return [
-        *table(OPEN, part("open_streams")),
-        *table(SLOW, part("slow_client")),
+        *table(OPEN, data["open_streams"]),
+        *table(SLOW, data["slow_client"]),
         "",
         "Held in proxy = bytes it read minus bytes it wrote (/proc/PID/io), i.e. what sits in"
         " its user-space buffers; kernel socket buffers are not counted.",
@@ -150,8 +149,7 @@ def _render(data: Row) -> list[str]:
 
 
 def _targets(data: Row) -> list[Row]:
-    mine = pick(data["summary"], proxy=PROXY)
-    opened, stalled = mine.get("open_streams", {}), mine.get("slow_client", {})
+    opened, stalled = (pick(data[part], proxy=PROXY) for part in ("open_streams", "slow_client"))
     growth = max(numbers([opened.get("growth_early_to_late_kib"),
                           stalled.get("proxy_held_growth_late_kib")]), default=None)  # fmt: skip
     held = stalled.get("proxy_held_per_child_kib")
