@@ -12,7 +12,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 import psutil
 
@@ -101,7 +100,7 @@ def wait_ready(server: Server, timeout: float = READY_TIMEOUT) -> None:
     raise RuntimeError(f"{server.name} not ready on port {server.port} after {timeout:.0f} s")
 
 
-class Fleet:
+class Fleet(contextlib.AbstractContextManager["Fleet"]):
     """Owns every server it starts and stops them all on exit, in reverse order."""
 
     def __init__(self, log_dir: Path) -> None:
@@ -145,9 +144,6 @@ class Fleet:
                     server.log.write_bytes(server.log.read_bytes()[-LOG_TAIL_BYTES:])
             with contextlib.suppress(ValueError):
                 self.servers.remove(server)
-
-    def __enter__(self) -> Self:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop(*self.servers)

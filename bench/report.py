@@ -27,10 +27,8 @@ def version(argv: Sequence[str]) -> str:
         out = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    text = (out.stdout + out.stderr).strip().splitlines()
-    return (
-        text[0].split(" [")[0].split(" (")[0].removeprefix("nginx version: ") if text else "unknown"
-    )
+    first = (out.stdout + out.stderr).strip().splitlines() or ["unknown"]
+    return first[0].split(" [")[0].split(" (")[0].removeprefix("nginx version: ")
 
 
 def commit(tree: Path = ROOT) -> str:

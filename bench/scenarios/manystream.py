@@ -64,7 +64,7 @@ async def _client(
         "errors": [e.decode(errors="replace") for e in failed[:3]], "window_s": window,
         "chunks": len(latencies), "offered": offered,
         "delivered": len(latencies) / offered if offered else None,
-        "latency_ms": {q: percentile(latencies, p) * 1000 for q, p in QUANTILES},
+        **{f"{q}_ms": percentile(latencies, p) * 1000 for q, p in QUANTILES},
     }  # fmt: skip
     print("result " + json.dumps(result), flush=True)
 
@@ -88,7 +88,6 @@ def measure(
                 result["cpu"] = watch.stop().__dict__
             elif line.startswith("result "):
                 result.update(json.loads(line[7:]))
-                result |= {f"{q}_ms": v for q, v in result.pop("latency_ms").items()}
             if time.monotonic() > deadline:
                 break
         process.wait(timeout=30)
