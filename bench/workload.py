@@ -105,11 +105,11 @@ async def read_stream(
     return StreamTiming(response.status, headers_at, first_byte, first_token, end, events)
 
 
-def raw_post(path: str, body: bytes, *, close: bool = False) -> bytes:
-    """A JSON POST as bytes, for the clients that write it to a socket themselves."""
-    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    head += f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "")
-    return (head + "\r\n").encode() + body
+def raw_post(request: Request, *, close: bool = False) -> bytes:
+    """``request`` as the bytes of a POST, for the clients that write it to a socket themselves."""
+    head = f"POST {request.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(request.body)}\r\n" + ("Connection: close\r\n" if close else "")
+    return (head + "\r\n").encode() + request.body
 
 
 OnEvents = Callable[[float, bytes], None]

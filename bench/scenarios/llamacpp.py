@@ -2,12 +2,11 @@
 whole stream at -np 1 and -np 4, with ``stream_start: first`` and ``all``."""
 
 import aiohttp
-import orjson
 
 from bench.report import Row, say, table
 from bench.scenario import Context, Scenario
 from bench.stats import median
-from bench.workload import CHAT_PATH, StreamTiming, chat_body, client, read_stream, run_async
+from bench.workload import Request, StreamTiming, chat_request, client, read_stream, run_async
 from tests.support.llamacpp import start_llama_server
 from tests.support.tinymodel import build_tiny_gguf
 
@@ -25,11 +24,11 @@ upstreams:
 
 
 async def _stream(
-    session: aiohttp.ClientSession, url: str, body: bytes, failed: list[str]
+    session: aiohttp.ClientSession, url: str, request: Request, failed: list[str]
 ) -> StreamTiming:
     """One stream, timed; a request that failed is noted and sent again."""
     for _ in range(ATTEMPTS):
-        timing = await read_stream(session, url + CHAT_PATH, body)
+        timing = await read_stream(session, url + request.path, request.body)
         if timing.status == 200:
             return timing
         failed.append(f"status {timing.status}")
@@ -51,11 +50,11 @@ async def _measure(ctx: Context) -> Row:
             # stream, and the same rule for every path keeps them comparable.
             async with client(REQUEST_SECONDS, force_close=True) as session:
                 for path, start, url, n in cases:
-                    body = orjson.dumps(
-                        chat_body(n, stream=True, max_tokens=o.max_tokens, seed=1, model="tiny")
+                    request = chat_request(
+                        n, stream=True, max_tokens=o.max_tokens, seed=1, model="tiny"
                     )
-                    await _stream(session, url, body, failed)  # warm-up
-                    timings = [await _stream(session, url, body, failed) for _ in range(o.reps)]
+                    await _stream(session, url, request, failed)  # warm-up
+                    timings = [await _stream(session, url, request, failed) for _ in range(o.reps)]
                     rows.append({"np": slots, "path": path, "stream_start": start, "n": n,
                                  "first_token_ms": median(t.first_token_at * 1e3 for t in timings),
                                  "total_ms": median(t.end_at * 1e3 for t in timings)})  # fmt: skip

@@ -10,8 +10,6 @@ import sys
 import time
 from typing import cast
 
-import orjson
-
 from bench.load import QUANTILES
 from bench.procs import CpuWatch, Server
 from bench.report import ROOT, Row, say, table
@@ -19,7 +17,7 @@ from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import DIRECT, FORWARDER
 from bench.stack import start_forwarder, start_nginx, start_pacer
 from bench.stats import grouped, median, medians, minus, paired, percentile
-from bench.workload import CHAT_PATH, chat_body, open_raw, raw_post, run_async
+from bench.workload import chat_request, open_raw, raw_post, run_async
 
 _TS = re.compile(rb'"ts":([0-9]+\.[0-9]+)\}')
 RAMP_LIMIT = 15.0  # seconds for every stream to get its first chunk
@@ -34,7 +32,7 @@ async def _client(
     """The client process: opens the streams, waits for all to flow, then counts and times the
     chunks (receive time minus their ``ts``) for ``seconds``, between "start" and "end" lines."""
     steps = math.ceil((RAMP_LIMIT + warmup + seconds + 5) / step)
-    body = orjson.dumps(chat_body(n, stream=True, max_tokens=steps, seed=None))
+    request = raw_post(chat_request(n, stream=True, max_tokens=steps, seed=None))
     latencies: list[float] = []
     measuring = False
 
@@ -43,7 +41,7 @@ async def _client(
             latencies.extend(now - float(stamp) for stamp in _TS.findall(block))
 
     started = time.monotonic()
-    streams = await open_raw(port, raw_post(CHAT_PATH, body), requests, on_events)
+    streams = await open_raw(port, request, requests, on_events)
     left = max(RAMP_LIMIT - (time.monotonic() - started), 0.1)
     _, pending = await asyncio.wait([s.flowing for s in streams], timeout=left)
     failed = [s.error for s in streams if s.error]

@@ -5,14 +5,12 @@ import asyncio
 import time
 from typing import Any
 
-import orjson
-
 from bench.procs import ProcSample, Server
 from bench.report import Column, Row, pick, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import numbers
-from bench.workload import CHAT_PATH, chat_body, open_raw, raw_post, run_async, stream_events
+from bench.workload import chat_request, open_raw, raw_post, run_async, stream_events
 
 KIB = 1024
 OPEN_TOKENS = 40  # per open stream, paced to last --seconds
@@ -24,12 +22,12 @@ FLAT_KIB = 1024  # "flat": less than this much growth between early and late in 
 async def open_streams(proxy: Server, streams: int, n: int, life: float) -> dict[str, Any]:
     """``streams`` concurrent n-choice streams of OPEN_TOKENS tokens, each ``life`` seconds long."""
     x_demo = {"token_delay": life / OPEN_TOKENS}
-    body = orjson.dumps(chat_body(n, stream=True, max_tokens=OPEN_TOKENS, x_demo=x_demo))
+    request = chat_request(n, stream=True, max_tokens=OPEN_TOKENS, x_demo=x_demo)
     idle = proxy.sample()
-    warm_up = raw_post(CHAT_PATH, orjson.dumps(chat_body(n, stream=True, max_tokens=2)), close=True)
+    warm_up = raw_post(chat_request(n, stream=True, max_tokens=2), close=True)
     await (await open_raw(proxy.port, warm_up))[0].ended
     warm, opened = proxy.sample(), time.perf_counter()
-    held = await open_raw(proxy.port, raw_post(CHAT_PATH, body, close=True), streams)
+    held = await open_raw(proxy.port, raw_post(request, close=True), streams)
     await asyncio.wait([s.flowing for s in held], timeout=life / 2)
     flowing = sum(s.flowing.done() and not s.error for s in held)
     # Early (every stream flowing), middle and late in the streams' life.
@@ -66,7 +64,7 @@ async def slow_client(
 ) -> dict[str, Any]:
     """One stream the client stops reading while the backend generates with no delay."""
     before, backend_before = proxy.sample(), backend.sample()
-    request = raw_post(CHAT_PATH, orjson.dumps(chat_body(n, stream=True, max_tokens=tokens)))
+    request = raw_post(chat_request(n, stream=True, max_tokens=tokens))
     [stream] = await open_raw(proxy.port, request, rcvbuf=CLIENT_RCVBUF)
     assert stream.transport is not None
     try:

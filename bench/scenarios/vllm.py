@@ -14,14 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
-import orjson
 import psutil
 
 from bench.load import generate
 from bench.report import Column, Row, Section, say
 from bench.scenario import Context, Scenario
 from bench.stats import grouped, median, paired, quartiles
-from bench.workload import CHAT_PATH, chat_body, client, read_stream, run_async
+from bench.workload import CHAT_PATH, chat_request, client, read_stream, run_async
 from tests.support import vllmserver
 
 NATIVE = "python native n"
@@ -78,7 +77,7 @@ def _cpu_watch(route: Route) -> Callable[[int], dict[str, float]]:
 
 
 def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
-    return orjson.dumps(chat_body(n, stream=stream, max_tokens=max_tokens, seed=seed, model="tiny"))
+    return chat_request(n, stream=stream, max_tokens=max_tokens, seed=seed, model="tiny").body
 
 
 async def throughput(session: aiohttp.ClientSession, route: Route, n: int, ctx: Context) -> Row:
