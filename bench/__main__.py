@@ -59,13 +59,9 @@ def parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("measurement (each scenario has its own defaults)")
     o.add_argument("--smoke", action="store_true", help="tiny, seconds: proves it runs (CI)")
     for f in fields(Options):
-        flag, help = f.name.replace("_", "-"), f.metadata["help"]
-        if f.default is True:
-            o.add_argument(
-                f"--no-{flag}", dest=f.name, action="store_const", const=False, help=help
-            )
-        else:
-            o.add_argument(f"--{flag}", type=f.metadata["parse"], help=help)
+        switch = {"action": argparse.BooleanOptionalAction}  # --warm-up and --no-warm-up
+        how = switch if f.default is True else {"type": f.metadata["parse"]}
+        o.add_argument(f"--{f.name.replace('_', '-')}", help=f.metadata["help"], **how)
     c = p.add_argument_group("what runs")
     c.add_argument("--baseline", type=Path, help="another n-proxy checkout (with its .venv),\n"
                    "run beside this one in every scenario that runs n-proxy")  # fmt: skip
@@ -162,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args.env = dict(args.env)
     if args.render:
         saved = json.loads(args.render.read_text())
-        return finish(saved, args.render.parent, args.render.stem, _pictures(smoke=False))
+        return finish(saved, args.render.parent, args.render.stem, pictures=True)
     names = args.scenarios or list(SUITE)
     if unknown := [n for n in names if n not in NAMES]:
         raise SystemExit(f"bench: no scenario {', '.join(unknown)}; there are {' '.join(NAMES)}")
@@ -180,29 +176,25 @@ def main(argv: list[str] | None = None) -> int:
     results["meta"]["seconds"] = time.monotonic() - started
     out = args.out or (raw if args.smoke else RESULTS)
     stem = args.name or ("profile" if args.profile else names[0] if len(names) == 1 else "latest")
-    return finish(results, out, stem, _pictures(args.smoke))
+    return finish(results, out, stem, pictures=not args.smoke)
 
 
-def _pictures(smoke: bool) -> Path | None:
-    """The Python that draws the pictures: the bench venv's (it has matplotlib); not for smoke."""
-    python = WORK / "venv" / "bin" / "python"
-    return python if python.exists() and not smoke else None
-
-
-def finish(results: Row, out: Path, stem: str, chart_python: Path | None) -> int:
-    """Targets checked, the report written (and the pictures, when matplotlib is at hand)."""
+def finish(results: Row, out: Path, stem: str, pictures: bool) -> int:
+    """Targets checked, the report written (and the pictures, when asked for and the bench venv,
+    which has matplotlib, is at hand)."""
     targets = [t for n in results["scenarios"] if n in results for t in load(n).targets(results[n])]
-    results["targets"] = [{**asdict(t), "verdict": t.verdict} for t in targets]
+    results["targets"] = targets
     out.mkdir(parents=True, exist_ok=True)  # the JSON with NaN (a moment not measured) as null
     options = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
     (out / f"{stem}.json").write_bytes(orjson.dumps(results, default=str, option=options))
     (out / f"{stem}.md").write_text(render(results))
-    if chart_python and PICTURED & set(results):
-        argv = [str(chart_python), "-m", "bench.report", f"{out / stem}.json"]
+    python = WORK / "venv" / "bin" / "python"
+    if pictures and python.exists() and PICTURED & set(results):
+        argv = [str(python), "-m", "bench.report", f"{out / stem}.json"]
         drawn = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
         if drawn.returncode:
             print(f"bench: no picture: {drawn.stderr[-500:]}", flush=True)
-    lines = [f"  {t.verdict:<4}  {t.what}: {t.measured} (goal {t.goal})" for t in targets]
+    lines = ["  {verdict:<4}  {what}: {measured} (goal {goal})".format(**t) for t in targets]
     lines += [f"  left out {what}: {why}" for what, why in results["skipped"].items()]
     lines += [f"  ERROR {name}: {error}" for name, error in results["errors"].items()]
     print(f"\n== targets (results in {out / stem}.md)", *lines, sep="\n")

@@ -63,22 +63,21 @@ class Loader:
         connection errors, timeouts), ``seconds``, ``rps`` and the latency quantiles
         ``p50_ms``, ``p90_ms``, ``p99_ms`` and ``max_ms``."""
         self.work.mkdir(parents=True, exist_ok=True)
-        digest, url = hashlib.sha256(request.body).hexdigest()[:12], base_url + request.path
-        if self.tool == "python":
-            body = self.work / f"body-{digest}.json"
-            body.write_bytes(request.body)
-            argv = [sys.executable, "-m", "bench.load", url, str(body), str(concurrency)]
-            argv, timeout = [*argv, str(self.seconds)], self.seconds + 60
+        url, python = base_url + request.path, self.tool == "python"
+        if python:  # the body on its standard input
+            argv = [sys.executable, "-m", "bench.load", url, str(concurrency), str(self.seconds)]
+            timeout = self.seconds + 60
         else:
             assert self.wrk is not None, "the wrk tool needs the wrk binary"
-            script = self.work / f"wrk-{digest}.lua"
+            script = self.work / f"wrk-{hashlib.sha256(request.body).hexdigest()[:12]}.lua"
             script.write_text(_lua(request))
             seconds = max(1, round(self.seconds))  # wrk takes whole seconds
             # One thread: it keeps up with these servers and leaves the cores to them.
             argv = [self.wrk, "-t1", f"-c{concurrency}", f"-d{seconds}s", "-s", str(script)]
             argv += [f"--timeout={WRK_TIMEOUT_SECONDS}s", url]
             timeout = seconds + WRK_TIMEOUT_SECONDS + 30
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        body = request.body.decode() if python else None
+        out = subprocess.run(argv, input=body, capture_output=True, text=True, timeout=timeout)
         for line in out.stdout.splitlines():
             if line.startswith(_MARK):
                 found: dict[str, Any] = json.loads(line.removeprefix(_MARK))
@@ -126,8 +125,8 @@ async def generate(
     return latencies, errors, elapsed
 
 
-if __name__ == "__main__":  # the Python generator: URL BODY_FILE CONCURRENCY SECONDS
-    url, body, concurrency, seconds = sys.argv[1], Path(sys.argv[2]).read_bytes(), *sys.argv[3:5]
+if __name__ == "__main__":  # the Python generator: URL CONCURRENCY SECONDS, the body on stdin
+    url, concurrency, seconds, body = *sys.argv[1:4], sys.stdin.buffer.read()
     latencies, errors, elapsed = run_async(
         generate([(url, body)], int(concurrency), float(seconds))
     )

@@ -12,7 +12,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 import psutil
 
@@ -101,7 +100,7 @@ def wait_ready(server: Server, timeout: float = READY_TIMEOUT) -> None:
     raise RuntimeError(f"{server.name} not ready on port {server.port} after {timeout:.0f} s")
 
 
-class Fleet:
+class Fleet(contextlib.AbstractContextManager["Fleet"]):
     """Owns every server it starts and stops them all on exit, in reverse order."""
 
     def __init__(self, log_dir: Path) -> None:
@@ -109,10 +108,14 @@ class Fleet:
         self.servers: list[Server] = []
 
     def launch(
-        self, name: str, argv: Sequence[str], port: int, ready_path: str,
+        self, name: str, argv: Sequence[str], ready_path: str = "/health", port: int | None = None,
         env: Mapping[str, str] | None = None, cwd: Path | None = None, tree: bool = False,
     ) -> Server:  # fmt: skip
-        """Start without waiting (``wait_ready`` does), so servers boot side by side."""
+        """Start without waiting (``wait_ready`` does), so servers boot side by side; on ``port``
+        when its config names one, else on a free one given as ``--port``."""
+        if port is None:
+            port = free_port()
+            argv = [*argv, "--port", str(port)]
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         with log.open("wb") as out:
@@ -142,15 +145,12 @@ class Fleet:
             with contextlib.suppress(ValueError):
                 self.servers.remove(server)
 
-    def __enter__(self) -> Self:
-        return self
-
     def __exit__(self, *exc: object) -> None:
         self.stop(*self.servers)
 
 
-def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:
-    """Wait until the servers are idle; the seconds it took.
+def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> None:
+    """Wait until the servers are idle (``timeout`` seconds at most).
 
     A server can go on working after the load generator has hung up (LiteLLM's proxy finishes
     the requests queued in it): that work must land in its own turn, not in the next one's.
@@ -161,7 +161,6 @@ def settle(servers: Sequence[Server], timeout: float = SETTLE_TIMEOUT) -> float:
         time.sleep(SETTLE_WINDOW)
         if sum(_cpu_seconds(servers).values()) - before <= SETTLE_BUSY * SETTLE_WINDOW:
             break
-    return time.monotonic() - started
 
 
 def _cpu_seconds(servers: Sequence[Server]) -> dict[str, float]:

@@ -27,10 +27,8 @@ def version(argv: Sequence[str]) -> str:
         out = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    text = (out.stdout + out.stderr).strip().splitlines()
-    return (
-        text[0].split(" [")[0].split(" (")[0].removeprefix("nginx version: ") if text else "unknown"
-    )
+    first = (out.stdout + out.stderr).strip().splitlines() or ["unknown"]
+    return first[0].split(" [")[0].split(" (")[0].removeprefix("nginx version: ")
 
 
 def commit(tree: Path = ROOT) -> str:
@@ -119,27 +117,16 @@ class Section:
         return [self.text.format(**data), *table(self.columns, data["summary"]), *note]
 
 
-@dataclass(frozen=True)
-class Target:
-    """A goal as the performance notes state it, and what this run measured against it."""
-
-    what: str
-    goal: str
-    measured: str
-    passed: bool | None  # None: not measured in this run
-
-    @property
-    def verdict(self) -> str:
-        return {True: "pass", False: "MISS", None: "n/a"}[self.passed]
-
-
-def target(what: str, value: Any, op: str, bound: float, fmt: str) -> Target:
-    """``op`` is "<=" or ">="; ``fmt`` formats both the goal and the measured value."""
+def target(what: str, value: Any, op: str, bound: float, fmt: str) -> Row:
+    """A goal as the performance notes state it and what this run measured against it: a row of
+    the targets table. ``op`` is "<=" or ">="; ``fmt`` formats both the goal and the measured
+    value; the verdict is "pass", "MISS", or "n/a" when this run did not measure it."""
     goal = f"{op} {fmt.format(bound)}"
     if missing(value):
-        return Target(what, goal, "not measured", None)
+        return {"what": what, "goal": goal, "measured": "not measured", "verdict": "n/a"}
     ok = float(value) <= bound if op == "<=" else float(value) >= bound
-    return Target(what, goal, fmt.format(value), ok)
+    verdict = "pass" if ok else "MISS"
+    return {"what": what, "goal": goal, "measured": fmt.format(value), "verdict": verdict}
 
 
 COLORS = {"direct": "#4c72b0", "nginx": "#55a868", "n-proxy": "#c44e52", "n-proxy x2": "#dd8452",

@@ -11,7 +11,7 @@ from typing import Any
 from bench.load import Loader, Tool
 from bench.procs import Fleet, Server, settle, wait_ready
 from bench.profile import recording
-from bench.report import Row, Target
+from bench.report import Row
 from bench.stack import PROXY_CONFIG, start_proxy
 
 PROXY = "n-proxy"
@@ -30,7 +30,7 @@ def _option(default: Any, help: str, parse: Callable[[str], Any] | None = None) 
 @dataclass(frozen=True)
 class Options:
     """The options of every scenario, declared once: each is a flag of ``python -m bench``
-    (``max_tokens``: ``--max-tokens``; a true one: ``--no-warm-up``). Each scenario reads those
+    (``max_tokens``: ``--max-tokens``; a true one also ``--no-warm-up``). Each scenario reads those
     it needs, with its own defaults (``Scenario.full`` and ``.smoke``) under these."""
 
     rounds: int = _option(1, "rounds, each contender once per round")
@@ -40,7 +40,7 @@ class Options:
     max_tokens: int = _option(16, "tokens per choice")
     reps: int = _option(10, "repetitions (ttft, vllm streams, llamacpp)")
     streams: tuple[int, ...] = _option((200,), "open streams (manystream, memory)", _ints)
-    warm_up: bool = _option(True, "no warm-up before measuring")
+    warm_up: bool = _option(True, "a warm-up before measuring (default: yes)")
     workers: int = _option(2, "passthrough: also n-proxy with --workers N (1: not)")
     steps_ms: tuple[int, ...] = _option((50, 20), "manystream: the pacer's decode steps", _ints)
     retry_on: tuple[str, ...] = _option(("connect", "reset"), "llamacpp: n-proxy's retry_on",
@@ -86,12 +86,12 @@ class Context:
         return found
 
     def proxies(
-        self, upstream: str, suffix: str = "", config: str = PROXY_CONFIG, workers: int = 1
+        self, upstream: str, suffix: str = "", config: str = PROXY_CONFIG
     ) -> dict[str, Server]:
         """Each of ``trees`` as a server in front of ``upstream``; launched only (``ready``)."""
         return {
-            label: start_proxy(self.fleet, self.work, upstream, label + suffix, workers=workers,
-                               checkout=tree, config=config, env=env)
+            label: start_proxy(self.fleet, self.work, upstream, label + suffix, checkout=tree,
+                               config=config, env=env)
             for label, (tree, env) in self.trees(upstream).items()
         }  # fmt: skip
 
@@ -144,6 +144,6 @@ class Scenario:
     title: str
     run: Callable[[Context], Row]
     render: Callable[[Row], list[str]]
-    targets: Callable[[Row], list[Target]] = lambda _: []
+    targets: Callable[[Row], list[Row]] = lambda _: []
     full: Mapping[str, Any] = field(default_factory=dict)
     smoke: Mapping[str, Any] = field(default_factory=dict)

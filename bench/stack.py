@@ -6,7 +6,6 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from bench.pacer import BODY, HEALTH_PATH
 from bench.procs import Fleet, Server, free_port
@@ -93,21 +92,12 @@ LITELLM_ENV = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "Fal
                "LITELLM_LOG": "ERROR", "NO_PROXY": "127.0.0.1,localhost"}  # fmt: skip
 
 
-def _launch(
-    fleet: Fleet, name: str, argv: list[str], ready: str = "/health", **options: Any
-) -> Server:
-    """Every server but nginx is started this way: on a free port, given as ``--port``; launched
-    only (the caller waits, ``wait_ready``, so the servers boot side by side)."""
-    port = free_port()
-    return fleet.launch(name, [*argv, "--port", str(port)], port, ready, **options)
-
-
 def start_backend(
     fleet: Fleet, *, native_n: bool = False, name: str = "backend", token_delay: float = 0.0
 ) -> Server:
     """The demo backend on uvloop (this module as a script)."""
     argv = [sys.executable, "-m", "bench.stack", "--token-delay", str(token_delay)]
-    return _launch(fleet, name, argv + ["--native-n"] * native_n)
+    return fleet.launch(name, argv + ["--native-n"] * native_n)
 
 
 def start_proxy(
@@ -128,7 +118,7 @@ def start_proxy(
     argv += ["--workers", str(workers)] if workers > 1 else []
     clean = {k: "" for k in os.environ if k.startswith("OTEL_")}
     env = {**clean, **(env or {})}
-    return _launch(fleet, name, argv, env=env, cwd=checkout, tree=workers > 1)
+    return fleet.launch(name, argv, env=env, cwd=checkout, tree=workers > 1)
 
 
 def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Server:
@@ -136,14 +126,14 @@ def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Se
     forwarder on n-proxy's own upstream client (``--lean``)."""
     argv = [sys.executable, "-m", "bench.forwarder", "--upstream", upstream.url]
     name = "lean forwarder" if lean else "aiohttp forwarder"
-    return _launch(fleet, name, argv + ["--lean"] * lean)
+    return fleet.launch(name, argv + ["--lean"] * lean)
 
 
 def start_pacer(fleet: Fleet, step: float | None, name: str) -> Server:
     """``bench.pacer``: paced streams of a chunk every ``step`` seconds, or (None) the canned
     answer."""
     argv = [sys.executable, "-m", "bench.pacer"]
-    return _launch(fleet, name, argv + (["--step", str(step)] if step else ["--canned"]))
+    return fleet.launch(name, argv + (["--step", str(step)] if step else ["--canned"]))
 
 
 def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server | None = None) -> Server:
@@ -160,7 +150,7 @@ def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server | None = 
         locations=_PROXY if upstream else canned))  # fmt: skip
     argv = [nginx, "-p", str(home), "-c", str(home / "nginx.conf"), "-g", "daemon off;"]
     name = "nginx" if upstream else "canned nginx"
-    return fleet.launch(name, argv, port, "/health", tree=True)  # its worker is a child
+    return fleet.launch(name, argv, port=port, tree=True)  # its worker is a child
 
 
 def start_canned(fleet: Fleet, work: Path, nginx: str | None) -> Server:
@@ -174,8 +164,7 @@ def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> S
     config = work / "litellm.yaml"
     config.write_text(_LITELLM_CONFIG.format(model=MODEL, url=upstream.url, key=BENCH_KEY))
     argv = [litellm, "--config", str(config), "--host", "127.0.0.1", "--num_workers", "1"]
-    return _launch(fleet, "litellm", argv, "/health/liveliness", env=LITELLM_ENV, cwd=work,
-                   tree=True)  # fmt: skip
+    return fleet.launch("litellm", argv, "/health/liveliness", env=LITELLM_ENV, cwd=work, tree=True)
 
 
 if __name__ == "__main__":  # the demo backend, as ``n-proxy-devserver`` serves it, on uvloop

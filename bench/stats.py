@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 Row = dict[str, Any]
-Pairing = Callable[[Row, Row], float]  # a value from a row and its base row of the same round
 NAN = float("nan")
 
 
@@ -52,26 +51,24 @@ def percentile(ascending: Sequence[float], q: float) -> float:
     return ascending[rank - 1]
 
 
-def paired(
-    rows: Sequence[Row], field: str, mine: object, base: object, value: Pairing
-) -> list[float]:
-    """``value(row, base row of the same round)`` for each round that measured both."""
-    by_round = {r["round"]: r for r in rows if r[field] == base}
-    return [
-        value(r, by_round[r["round"]]) for r in rows if r[field] == mine and r["round"] in by_round
-    ]
-
-
-def over(key: str) -> Pairing:
-    """For ``paired``: the row's ``key`` over its base row's."""
-    return lambda r, b: ratio(r[key], b[key])
-
-
-def minus(key: str) -> Pairing:
-    """For ``paired``: the row's ``key`` minus its base row's."""
-    return lambda r, b: float(r[key] - b[key])
-
-
 def ratio(a: Any, b: Any) -> float:
     """a / b, NaN when either was not measured or b is 0."""
     return float(a) / float(b) if numbers([a]) and numbers([b]) and b else NAN
+
+
+def minus(a: Any, b: Any) -> float:
+    return float(a - b)
+
+
+def paired(
+    rows: Sequence[Row], field: str, mine: object, base: object, key: str,
+    op: Callable[[Any, Any], float] = ratio,
+) -> list[float]:  # fmt: skip
+    """``op`` (``ratio`` or ``minus``) of ``key`` in ``mine``'s row and in ``base``'s of the same
+    round, for each round that measured both."""
+    by_round = {r["round"]: r for r in rows if r[field] == base}
+    return [
+        op(r[key], by_round[r["round"]][key])
+        for r in rows
+        if r[field] == mine and r["round"] in by_round
+    ]

@@ -33,11 +33,11 @@ class Request:
 
 def chat_body(
     n: int = 1, *, stream: bool = False, max_tokens: int = 16, seed: int | None = SEED,
-    x_demo: dict[str, Any] | None = None,
+    x_demo: dict[str, Any] | None = None, model: str = MODEL,
 ) -> dict[str, Any]:  # fmt: skip
     """A chat request; ``ignore_eos`` makes every choice exactly ``max_tokens`` long."""
     message = {"role": "user", "content": "Benchmark the proxy, please."}
-    body = {"model": MODEL, "messages": [message], "max_tokens": max_tokens, "ignore_eos": True}
+    body = {"model": model, "messages": [message], "max_tokens": max_tokens, "ignore_eos": True}
     optional = {
         "n": n if n != 1 else None,
         "stream": stream or None,
@@ -82,7 +82,6 @@ class StreamTiming:
     first_token_at: float  # when the event carrying it had arrived whole
     end_at: float
     events: int
-    size: int
 
 
 async def read_stream(
@@ -91,27 +90,26 @@ async def read_stream(
     """POST ``body`` and read the answer to its end; times are relative to ``started``."""
     t0 = time.perf_counter() if started is None else started
     first_byte = first_token = float("nan")
-    events = size = 0
-    rest = b""
+    events, rest = 0, b""
     async with session.post(url, data=body, headers=HEADERS) as response:
         headers_at = time.perf_counter() - t0
         async for data in response.content.iter_any():
-            now, size = time.perf_counter() - t0, size + len(data)
-            if size == len(data):
+            now = time.perf_counter() - t0
+            if math.isnan(first_byte):
                 first_byte = now
             block, rest = whole_events(rest + data)
             events += block.count(_EVENT)
             if math.isnan(first_token) and _TOKEN.search(block):
                 first_token = now
         end = time.perf_counter() - t0
-    return StreamTiming(response.status, headers_at, first_byte, first_token, end, events, size)
+    return StreamTiming(response.status, headers_at, first_byte, first_token, end, events)
 
 
-def raw_post(path: str, body: bytes, *, close: bool = False) -> bytes:
-    """A JSON POST as bytes, for the clients that write it to a socket themselves."""
-    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-    head += f"Content-Length: {len(body)}\r\n" + ("Connection: close\r\n" if close else "")
-    return (head + "\r\n").encode() + body
+def raw_post(request: Request, *, close: bool = False) -> bytes:
+    """``request`` as the bytes of a POST, for the clients that write it to a socket themselves."""
+    head = f"POST {request.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(request.body)}\r\n" + ("Connection: close\r\n" if close else "")
+    return (head + "\r\n").encode() + request.body
 
 
 OnEvents = Callable[[float, bytes], None]

@@ -64,7 +64,7 @@ def _run(ctx: Context) -> Row:
     backend = start_backend(ctx.fleet, token_delay=0.02)
     proxy = start_proxy(ctx.fleet, ctx.work, backend.url,
                         config=_PROXY_CONFIG.replace("ADMIN", admin))  # fmt: skip
-    prometheus = ctx.fleet.launch("prometheus", argv, port, "/-/ready")
+    prometheus = ctx.fleet.launch("prometheus", argv, "/-/ready", port)
     ctx.ready({"backend": backend, PROXY: proxy, "prometheus": prometheus})
     mix = [(proxy.url + path, orjson.dumps(body)) for path, body in _MIX]
     workers, seconds = ctx.options.concurrency[0], ctx.options.seconds

@@ -5,11 +5,11 @@ n-proxy's CPU per chunk from /proc (what one core of it stitches)."""
 
 from collections.abc import Sequence
 
-from bench.report import Column, Row, Section, Target, pick, target
+from bench.report import Column, Row, Section, pick, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.scenarios.passthrough import measure
 from bench.stack import start_backend
-from bench.stats import grouped, median, medians, over, paired, ratio
+from bench.stats import grouped, median, medians, paired, ratio
 from bench.workload import chat_request, stream_events
 
 NATIVE = "native"
@@ -48,7 +48,7 @@ def summarize(rows: Sequence[Row]) -> list[Row]:
         native = [r for r in case if r["target"] == NATIVE]
         summary.append({
             "n": n, "stream": stream, "target": name, "errors": sum(r["errors"] for r in mine),
-            "ratio": median(paired(case, "target", name, NATIVE, over("rps"))),
+            "ratio": median(paired(case, "target", name, NATIVE, "rps")),
             "backend_ceiling": ratio(_backend_cpu(native), _backend_cpu(mine)),
             # Cores busy: is the proxy or the backend the bottleneck? (native: no proxy)
             "proxy_cores": 0.0 if name == NATIVE else median(r["cores"] for r in mine),
@@ -86,7 +86,7 @@ COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _targets(data: Row) -> list[Target]:
+def _targets(data: Row) -> list[Row]:
     def at(stream: bool) -> object:
         return pick(data["summary"], n=GOAL_N, stream=stream, target=PROXY).get("ratio")
 
@@ -115,7 +115,7 @@ CHUNK_COLUMNS: list[Column] = [
 ]  # fmt: skip
 
 
-def _chunk_targets(data: Row) -> list[Target]:
+def _chunk_targets(data: Row) -> list[Row]:
     proxy = pick(data["summary"], target=PROXY)
     what = "stitching, chunks per proxy CPU-second (one core)"
     return [target(what, proxy.get("chunks_per_cpu_s"), ">=", 50_000, "{:,.0f}/s")]

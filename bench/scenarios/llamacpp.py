@@ -2,16 +2,14 @@
 whole stream at -np 1 and -np 4, with ``stream_start: first`` and ``all``."""
 
 import aiohttp
-import orjson
 
 from bench.report import Row, say, table
 from bench.scenario import Context, Scenario
 from bench.stats import median
-from bench.workload import StreamTiming, client, read_stream, run_async
+from bench.workload import Request, StreamTiming, chat_request, client, read_stream, run_async
 from tests.support.llamacpp import start_llama_server
 from tests.support.tinymodel import build_tiny_gguf
 
-CHAT = "/v1/chat/completions"
 ATTEMPTS = 3
 REQUEST_SECONDS = 300
 CONFIG = """\
@@ -26,21 +24,15 @@ upstreams:
 
 
 async def _stream(
-    session: aiohttp.ClientSession, url: str, body: bytes, failed: list[str]
+    session: aiohttp.ClientSession, url: str, request: Request, failed: list[str]
 ) -> StreamTiming:
     """One stream, timed; a request that failed is noted and sent again."""
     for _ in range(ATTEMPTS):
-        timing = await read_stream(session, url + CHAT, body)
+        timing = await read_stream(session, url + request.path, request.body)
         if timing.status == 200:
             return timing
         failed.append(f"status {timing.status}")
     raise RuntimeError(f"{ATTEMPTS} failures in a row: {failed[-ATTEMPTS:]}")
-
-
-def _body(n: int, max_tokens: int) -> bytes:
-    messages = [{"role": "user", "content": "hi"}]
-    return orjson.dumps({"model": "tiny", "messages": messages, "max_tokens": max_tokens,
-                         "ignore_eos": True, "seed": 1, "stream": True, "n": n})  # fmt: skip
 
 
 async def _measure(ctx: Context) -> Row:
@@ -58,9 +50,11 @@ async def _measure(ctx: Context) -> Row:
             # stream, and the same rule for every path keeps them comparable.
             async with client(REQUEST_SECONDS, force_close=True) as session:
                 for path, start, url, n in cases:
-                    body = _body(n, o.max_tokens)
-                    await _stream(session, url, body, failed)  # warm-up
-                    timings = [await _stream(session, url, body, failed) for _ in range(o.reps)]
+                    request = chat_request(
+                        n, stream=True, max_tokens=o.max_tokens, seed=1, model="tiny"
+                    )
+                    await _stream(session, url, request, failed)  # warm-up
+                    timings = [await _stream(session, url, request, failed) for _ in range(o.reps)]
                     rows.append({"np": slots, "path": path, "stream_start": start, "n": n,
                                  "first_token_ms": median(t.first_token_at * 1e3 for t in timings),
                                  "total_ms": median(t.end_at * 1e3 for t in timings)})  # fmt: skip

