@@ -41,7 +41,7 @@ T = TypeVar("T")
 # The upstream client stops reading a child's socket once it buffers twice this (inflated bytes
 # included), and the mailbox holds at most one more read per child: what a child behind a slow
 # client holds stays a few times this, however long its stream. The bench measures it, the
-# client's write buffer included ("bytes held per child", bench/memory.py).
+# client's write buffer included ("bytes held per child", bench/scenarios/memory.py).
 CHILD_READ_BUFFER = 16 * 1024
 
 
