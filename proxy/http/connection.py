@@ -253,8 +253,7 @@ class UpstreamResponse:
             self.fail(exc)
             return
         if full:
-            self.connection.pause()
-            _wake(self._parked)
+            self._wait_for_drain()
 
     def _to_sink(self, data: bytes) -> None:
         try:
@@ -263,8 +262,12 @@ class UpstreamResponse:
             self.fail(exc)
             return
         if full:
-            self.connection.pause()
-            _wake(self._parked)  # the relay's task waits for the drain
+            self._wait_for_drain()
+
+    def _wait_for_drain(self) -> None:
+        """The sink is full: reading pauses, and the relay's task wakes to wait for the drain."""
+        self.connection.pause()
+        _wake(self._parked)
 
     def _pump(self) -> None:
         """Inflate what the consumer has room for; reading waits while input is left over."""

@@ -85,9 +85,9 @@ class Observers:
 class RequestRecord:
     """One client request: where it went, what it sent back, how long each part took.
 
-    Times are ``perf_counter`` seconds. Bytes written to the client are counted by the writer
-    (``bytes_out``, one add per write) and its first body chunk stamped by it
-    (``first_chunk_at``); no step is called per chunk.
+    Times are ``perf_counter`` seconds. Bytes written to the client (``bytes_out``) and the
+    first body chunk's time (``first_chunk_at``) are kept by the writer and set here once the
+    body is over (``proxy.request.sink``'s ``settle``); nothing here is touched per chunk.
     """
 
     __slots__ = (

@@ -106,23 +106,12 @@ class BodyWriter:
         ``RuntimeError`` on a transport whose connection is lost). A write that finds the
         client's socket reset marks the transport closing at once, and the connection is lost
         only later: so the check comes first, and closing counts as full."""
-        transport = self._transport
-        if transport.is_closing():
-            raise ClientGone()
-        if self._stamp:
-            self._stamp = False
-            self.first_at = perf_counter()
         size = len(data)
-        self.written += size
-        if self._chunked:
-            transport.write(b"%x\r\n%b\r\n" % (size, data))
-        else:
-            transport.write(data)
-        return transport.get_write_buffer_size() > self._high or transport.is_closing()
+        return self.write_framed(b"%x\r\n%b\r\n" % (size, data) if self._chunked else data, size)
 
     def write_framed(self, data: bytes, size: int) -> bool:
-        """``data`` is whole chunks in chunked framing already, holding ``size`` body bytes:
-        written as it is, to a chunked response only. As ``write`` otherwise."""
+        """``data`` as it goes on the wire, holding ``size`` body bytes: from ``write``, or
+        whole chunks in chunked framing already (to a chunked response only). As ``write``."""
         transport = self._transport
         if transport.is_closing():
             raise ClientGone()
