@@ -63,6 +63,12 @@ HOSTILE = {
         200,
         b"x" * BIG,
     ),
+    "response-after-chunked-terminator-in-a-later-read": Hostile(
+        CHUNKED + b"5\r\nhello\r\n",
+        200,
+        b"hello world",
+        later=b"6\r\n world\r\n0\r\n\r\n" + SMUGGLED,
+    ),
     "bad-chunk-size-mid-body": Hostile(
         CHUNKED + b"5\r\nhello\r\n", 200, b"hello world", False, b"6\r\n world\r\nZZ\r\nmore\r\n"
     ),
