@@ -7,7 +7,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from bench.pacer import BODY, HEALTH_PATH
+from bench.pacer import BODY, HEALTH_PATH, paced_argv
 from bench.procs import Fleet, Server, free_port
 from bench.workload import BENCH_KEY, CHAT_PATH, MODEL, on_uvloop
 
@@ -129,11 +129,10 @@ def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Se
     return fleet.launch(name, argv + ["--lean"] * lean)
 
 
-def start_pacer(fleet: Fleet, step: float | None, name: str) -> Server:
-    """``bench.pacer``: paced streams of a chunk every ``step`` seconds, or (None) the canned
-    answer."""
-    argv = [sys.executable, "-m", "bench.pacer"]
-    return fleet.launch(name, argv + (["--step", str(step)] if step else ["--canned"]))
+def start_pacer(fleet: Fleet, step: float, name: str) -> Server:
+    """The native pacer (``bench.pacer.paced_argv``): paced streams, a chunk every ``step``
+    seconds."""
+    return fleet.launch(name, paced_argv(step))
 
 
 def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server | None = None) -> Server:
@@ -154,9 +153,11 @@ def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server | None = 
 
 
 def start_canned(fleet: Fleet, work: Path, nginx: str | None) -> Server:
-    """The canned upstream (``bench.pacer.BODY``): nginx, or ``bench.pacer --canned`` without it;
+    """The canned upstream (``bench.pacer.BODY``): nginx, or ``python -m bench.pacer`` without it;
     named "canned nginx" or "canned python", so a report says which it was."""
-    return start_nginx(fleet, work, nginx) if nginx else start_pacer(fleet, None, "canned python")
+    if nginx:
+        return start_nginx(fleet, work, nginx)
+    return fleet.launch("canned python", [sys.executable, "-m", "bench.pacer"])
 
 
 def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> Server:

@@ -136,3 +136,43 @@ def test_canned_fallback_server_answers_like_nginx(tmp_path: Path, bench_env: Be
     assert parsed["choices"][0]["index"] == 0
     assert parsed["usage"]["total_tokens"] > 0
     assert bench_env.apt_calls() == []
+
+
+def test_native_pacer_streams_the_chunks_bench_pacer_defines(tmp_path: Path) -> None:
+    """The paced upstream in C writes ``bench.pacer.chunk`` for each step, ends each stream with
+    the finishing chunk and the last one, and answers the next request on the same connection."""
+    from bench.pacer import _FINISH, chunk
+    from bench.procs import Fleet, wait_ready
+    from bench.stack import start_pacer
+
+    with Fleet(tmp_path / "logs") as fleet:
+        server = start_pacer(fleet, 0.01, "pacer")
+        wait_ready(server, timeout=20)
+        body = b'{"max_tokens": 3, "stream": true}'
+        post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+            len(body),
+            body,
+        )
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(post * 2 + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = b""
+            while not received.endswith(b"ok\n"):
+                data = sock.recv(65536)
+                assert data, received
+                received += data
+    answers = received.split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200"] * 3
+    for answer in answers[:2]:
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert b"Transfer-Encoding: chunked" in head
+        chunks = []
+        while body:
+            size, _, rest = body.partition(b"\r\n")
+            chunks.append(rest[: int(size, 16)])
+            body = rest[int(size, 16) + 2 :]
+        assert chunks[-1] == b""
+        assert chunks[-2] == _FINISH
+        stamps = [float(c[c.rindex(b'"ts":') + 5 : -3]) for c in chunks[:-2]]
+        assert chunks[:-2] == [chunk(at) for at in stamps]
+        assert len(stamps) == 3
+        assert stamps == sorted(stamps)
