@@ -31,6 +31,7 @@ from proxy.request.handler import Generations, InFlight
 from proxy.server.admin import build_admin_app
 from proxy.server.app import GENERATIONS, build_app
 from proxy.server.connection import ClientConnection, ConnectionCap, ErrorPages, Listener
+from proxy.server.memory import settle_collector
 from proxy.upstream.service import Upstreams
 
 _CUT_GRACE = 1.0  # seconds for cut streams to write their last event before sockets close
@@ -205,6 +206,7 @@ async def run(
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload)
+    settle_collector()
     if ready is not None:
         ready()
     try:

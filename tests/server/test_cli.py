@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.cli import main
+from proxy.server.memory import YOUNG_THRESHOLD
 from proxy.server.workers import EXIT_MARGIN, MiB, announce
 from tests.support.ports import free_port
 from tests.support.servers import with_upstream
@@ -509,3 +510,42 @@ async def test_a_worker_that_never_exits_is_killed_past_its_drain_and_the_superv
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             await asyncio.wait_for(process.wait(), 10)
+
+
+def test_a_serving_process_freezes_its_start_up_objects_out_of_the_collector() -> None:
+    """``run`` settles the cyclic collector before the proxy is announced (proxy.server.memory):
+    what start-up made is frozen, so a full collection under load scans only what the requests
+    hold, and young collections come every YOUNG_THRESHOLD objects rather than 700."""
+    script = """
+import asyncio, gc, json, os, signal
+from proxy.config.models import Listen, single_upstream_config
+from proxy.server.process import Server, run
+
+async def main() -> None:
+    config = single_upstream_config(
+        "http://127.0.0.1:9", listen=Listen(host="127.0.0.1", port=0),
+        drain_seconds=0.1, drain_grace_seconds=0.0,
+    )
+    server = Server(config)
+    await server.start()
+    before = gc.get_freeze_count(), gc.get_threshold()
+
+    def ready() -> None:
+        after = gc.get_freeze_count(), gc.get_threshold(), len(gc.get_objects())
+        print(json.dumps([before, after]), flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    await run(server, ready=ready)
+
+asyncio.run(main())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (frozen_before, thresholds_before), (frozen, thresholds, tracked) = json.loads(done.stdout)
+    assert frozen_before == 0
+    assert thresholds_before == [700, 10, 10]
+    assert thresholds == [YOUNG_THRESHOLD, 10, 10]
+    assert frozen > 20_000  # the modules, the app and the config
+    assert tracked < frozen / 10  # what a later full collection scans
