@@ -10,7 +10,7 @@ from typing import cast
 
 from bench import native
 from bench.procs import CpuWatch, Server
-from bench.report import ROOT, Row, say, table
+from bench.report import ROOT, Row, pick, say, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import DIRECT, FORWARDER
 from bench.stack import start_forwarder, start_nginx, start_pacer
@@ -93,10 +93,14 @@ def _run(ctx: Context) -> Row:
 
 
 def summarize(rows: list[Row]) -> list[Row]:
-    """Medians per (streams, step, contender); added latency against direct in the same round."""
+    """Medians per (streams, step, contender); added latency against direct in the same round;
+    against nginx, paired by round: CPU per chunk, and the added p99 (added_p99 below)."""
     out = []
     for (streams, step_ms), case in grouped(rows, "streams", "step_ms"):
         timed = [r for r in case if "p50_ms" in r]
+        for r in timed:
+            base = pick(timed, round=r["round"], contender=DIRECT)
+            r["added_p99_ms"] = minus(r["p99_ms"], base["p99_ms"]) if base else None
         for (name,), mine in grouped(case, "contender"):
             row = {"streams": streams, "step_ms": step_ms, "contender": name}
             row |= medians(mine, *MEDIANS)
@@ -105,7 +109,36 @@ def summarize(rows: list[Row]) -> list[Row]:
                     median(paired(timed, "contender", name, DIRECT, f"{q}_ms", minus))
                     for q in ("p50", "p99")
                 ]
+            if name not in (DIRECT, "nginx"):
+                row["cpu_vs_nginx"], row["p99_vs_nginx"] = (
+                    median(paired(timed, "contender", name, "nginx", key))
+                    for key in ("cpu_us_per_chunk", "added_p99_ms")
+                )
             out.append({**row, "not_started": max(r.get("not_started", 0) for r in mine)})
+    return out
+
+
+# The goals of the stream path, each at the most streams run: CPU per chunk against nginx's at a
+# 50 ms step; at 20 ms (50,000 chunks a second for 1,000 streams), the chunks delivered and the
+# added p99 against nginx's.
+CPU_GOALS = ((1, 1.2), (4, 1.4))
+LOADED_STEP_MS, DELIVERED_GOAL, P99_GOAL = 20, 0.99, 2.0
+
+
+def _targets(data: Row) -> list[Row]:
+    summary = data["summary"]
+    streams = max((r["streams"] for r in summary), default=0)
+    out = []
+    for n, bound in CPU_GOALS:
+        row = pick(summary, streams=streams, step_ms=50, contender=f"{PROXY} n={n}")
+        what = f"CPU per chunk over nginx's, n={n} ({streams} x 50 ms)"
+        out.append(target(what, row.get("cpu_vs_nginx"), "<=", bound, "{:.2f}x"))
+    for n, _ in CPU_GOALS:
+        row = pick(summary, streams=streams, step_ms=LOADED_STEP_MS, contender=f"{PROXY} n={n}")
+        at = f"n={n} ({streams} x {LOADED_STEP_MS} ms)"
+        out.append(target(f"delivered, {at}", row.get("delivered"), ">=", DELIVERED_GOAL, "{:.1%}"))
+        what = f"added p99 over nginx's, {at}"
+        out.append(target(what, row.get("p99_vs_nginx"), "<=", P99_GOAL, "{:.2f}x"))
     return out
 
 
@@ -118,17 +151,20 @@ def _render(data: Row) -> list[str]:
     return [
         f"Medians of {data['options']['rounds']} round(s) of {data['options']['seconds']:g} s."
         " CPU from /proc of the contender's processes only; added latency = the contender's"
-        " minus direct's in the same round.",
+        " minus direct's in the same round; over nginx: the ratios of CPU per chunk and of added"
+        " p99, each paired by round.",
         *table([("streams x step", "group", ""), ("contender", "contender", ""),
                 ("CPU µs / chunk", "cpu_us_per_chunk", "{:.1f}"),
+                ("CPU over nginx", "cpu_vs_nginx", "{:.2f}x"),
                 ("cores", "proxy_cores", "{:.2f}"), ("delivered", "delivered", "{:.1%}"),
                 ("added p50 / p99 ms", "added_ms", "{:+.1f}"),
+                ("added p99 over nginx", "p99_vs_nginx", "{:.2f}x"),
                 ("not started", "not_started", "")], rows),
     ]  # fmt: skip
 
 
 MANYSTREAM = Scenario(
-    "manystream", "Many paced streams", _run, _render,
+    "manystream", "Many paced streams", _run, _render, _targets,
     full={"rounds": 1, "seconds": 5.0, "streams": (200, 1000)},
     smoke={"seconds": 0.5, "streams": (8,)},
 )  # fmt: skip
