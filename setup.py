@@ -25,7 +25,8 @@ COMPILED = [
 ]
 # Not proxy/request/fanout.py: compiled, its JSON fan-outs failed under the suite
 # (tests/request/test_fanout.py, tests/e2e/test_faults.py) though each passed alone; until that
-# is understood, the fan-out's writer and mailbox stay pure Python.
+# is understood it stays pure Python. What a stream's chunks run through of it (its writer, the
+# mailbox, the keep-alive timer) is in proxy/request/sink.py, compiled.
 # Nor proxy/request/passthrough.py: its ExactHead subclasses aiohttp's StreamResponse, which
 # mypyc compiles into a class whose instances aiohttp's own __init__ then fails on
 # (SystemError). And mypyc cannot subclass ConnectionResetError, so ClientGone is in

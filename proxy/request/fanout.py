@@ -3,16 +3,13 @@
 The I/O shell around ``plan`` and ``stitch``: children run as tasks, each taking its own upstream
 slot; every pending child is cancelled (its connection closed, its slot or place in line given
 back) in a ``finally``, so nothing generates for a client that is gone. A stream's children hand
-their events to its one writer through a bounded ``Mailbox`` (backpressure reaches the upstream),
-and a ``PingTimer`` wakes the writer to send a keep-alive when nothing was written for a while.
+their events to its one writer (``proxy.request.sink.merge``, compiled) through its mailbox.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
-from collections import deque
 from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -24,17 +21,15 @@ from multidict import CIMultiDict
 from proxy.config.models import Config, Upstream
 from proxy.core.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
 from proxy.core.plan import Plan
-from proxy.core.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
+from proxy.core.sse import MAX_EVENT_BYTES, SSEDecoder
 from proxy.core.stitch import (
-    StreamError,
     StreamStitcher,
-    error_event,
     finish_reasons,
     stitch_json,
 )
 from proxy.http import HTTPClientError
 from proxy.observe.record import ChildRecord, RequestRecord
-from proxy.request.sink import Sink, client_sink
+from proxy.request.sink import Mailbox, client_sink, merge
 from proxy.upstream.service import Exchange, Ticket, UpstreamRequest, Upstreams, upstream_error
 
 T = TypeVar("T")
@@ -220,17 +215,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 answered = True
                 start.answer(None)
                 decoder = SSEDecoder(max_event_bytes=fanout.max_event_bytes)
-
-                def feed(data: bytes) -> bool:
-                    # Called from the upstream protocol as bytes arrive: no task hop per chunk.
-                    events = decoder.feed_raw(data)
-                    if events:
-                        return mailbox.put_nowait((pos, events))
-                    if decoder.comment is not None:  # only a read with no event looks
-                        comment, decoder.comment = decoder.comment, None
-                        return mailbox.put_nowait((pos, comment))
-                    return mailbox.full()
-
+                feed = mailbox.feeder(pos, decoder)
                 await response.relay(feed, mailbox.full, mailbox.room)
                 await mailbox.put((pos, decoder.close_raw()))
             await mailbox.put((pos, None))
@@ -258,7 +243,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             streams = fanout.fanouts.streams
             streams.add(mailbox)
             try:
-                await _merge(stitcher, mailbox, sink, config.sse_keepalive_seconds, fanout.record)
+                await merge(stitcher, mailbox, sink, config.sse_keepalive_seconds, fanout.record)
             finally:
                 sink.settle()
                 streams.discard(mailbox)
@@ -282,83 +267,6 @@ def _release(tickets: Sequence[Ticket]) -> None:
     """Every place back, granted or still queued: a task cancelled before it ran holds one too."""
     for ticket in tickets:
         ticket.place.release()
-
-
-async def _merge(
-    stitcher: StreamStitcher, mailbox: Mailbox, sink: Sink, seconds: float, record: RequestRecord
-) -> None:
-    """Write chunks as they arrive, then the merged tail or one error event.
-
-    Everything one wake-up finds leaves in one write, straight into the client's transport;
-    past its high-water mark the writer waits for the drain, and the children's reads stall
-    behind the full mailbox. With nothing written for ``seconds`` (0: never), an SSE
-    comment keeps load balancers from cutting a stream whose next child is still queued
-    (docs/behaviour.md#keep-alive).
-    """
-    plan = stitcher.plan
-    running = len(plan.children)
-    write, drain = sink.write, sink.drain
-    keepalive = PingTimer(mailbox, seconds, running)
-
-    async def send(data: bytes) -> None:
-        now_full = write(data)  # counted for the record by the sink
-        keepalive.wrote()
-        if now_full:
-            await drain()
-
-    try:
-        while running:
-            out: list[bytes] = []
-            pulse: bytes | None = None  # a child's comment, to pass on when nothing else goes
-            try:
-                items = await mailbox.take()
-                if items is None:
-                    await send(PING)
-                    continue
-                if not items:
-                    raise StreamError(None, mailbox.cut_reason or "cut")
-                for pos, item in items:
-                    if isinstance(item, list):
-                        for data, event in item:
-                            chunk = stitcher.chunk(pos, data, event)
-                            if chunk is not None:
-                                out.append(chunk)
-                    elif item is None:
-                        running -= 1
-                        if not stitcher.finished(pos):
-                            index = plan.children[pos].index
-                            raise StreamError(index, "stream ended before finishing")
-                    elif isinstance(item, bytes):
-                        if keepalive.heard(pos) and pulse is None:
-                            pulse = item + b"\n\n" if len(item) <= MAX_COMMENT_BYTES else PING
-                    else:
-                        raise StreamError(plan.children[pos].index, _reason(item))
-            except StreamError as error:
-                out.append(error_event(error))
-                await send(b"".join(out))
-                return
-            if out:
-                if record.first_chunk_at is None:
-                    record.first_chunk_at = time.perf_counter()
-                await send(out[0] if len(out) == 1 else b"".join(out))
-            # A pulse is stamped by ``heard``: a ``send`` would stamp it later.
-            elif pulse is not None and write(pulse):
-                await drain()
-        await send(stitcher.tail())
-    finally:
-        keepalive.close()
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, ChildFailed):
-        return f"upstream answered {exc.status}"
-    if isinstance(exc, TimeoutError):
-        return "upstream went idle (timeout)"
-    if isinstance(exc, ProxyError):
-        return exc.message
-    if isinstance(exc, ValueError):
-        return f"upstream stream is malformed: {exc}"
-    return f"upstream connection broke ({type(exc).__name__})"
 
 
 async def _all_or_first_failure(awaitables: Sequence[Awaitable[T]]) -> list[T]:
@@ -391,138 +299,3 @@ async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> int:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     return len(running)
-
-
-# ---- the hand-off between a stream's child tasks and its one writer
-
-# A child's events, a comment line it sent, a failure, or None: the child ended cleanly.
-Item = list[RawEvent] | bytes | BaseException | None
-PING = b": keep-alive\n\n"  # an SSE comment: load balancers see bytes, clients ignore it
-MAX_COMMENT_BYTES = 1024  # a child's comment passed on as it is; a longer one as ``PING``
-
-
-def _wake(future: asyncio.Future[None] | None) -> None:
-    """Let the task parked on ``future`` run on; a future already done is left as it is."""
-    if future is not None and not future.done():
-        future.set_result(None)
-
-
-class Mailbox:
-    """A bounded hand-off from the child tasks to the one writer.
-
-    Bounded so a slow client stalls the children's reads (backpressure reaches the upstream);
-    ``cut`` wakes the writer at once, for a drain that has run out of time.
-    """
-
-    def __init__(self, size: int) -> None:
-        self._items: deque[tuple[int, Item]] = deque()
-        self._size = size
-        self._getter: asyncio.Future[None] | None = None
-        self._putters: deque[asyncio.Future[None]] = deque()
-        self.cut_reason: str | None = None
-        self._pinged = False
-
-    async def put(self, item: tuple[int, Item]) -> None:
-        while len(self._items) >= self._size:
-            await self._taken()
-        self.put_nowait(item)
-
-    def full(self) -> bool:
-        """Over the bound: as ``put`` blocks, one item per child may wait without a pause."""
-        return len(self._items) > self._size
-
-    def put_nowait(self, item: tuple[int, Item]) -> bool:
-        """Past the bound by at most one item per child: its reader pauses until ``room``,
-        so a child behind a slow client still holds about one read in the proxy. Returns
-        ``full()``."""
-        items = self._items
-        items.append(item)
-        _wake(self._getter)
-        return len(items) > self._size
-
-    async def room(self) -> None:
-        """Until the mailbox is back within its bound."""
-        while self.full():
-            await self._taken()
-
-    async def _taken(self) -> None:
-        """Until the writer next takes what is waiting."""
-        putter = asyncio.get_running_loop().create_future()
-        self._putters.append(putter)
-        try:
-            await putter
-        finally:
-            if putter in self._putters:
-                self._putters.remove(putter)
-
-    async def take(self) -> list[tuple[int, Item]] | None:
-        """Everything waiting (at least one item), [] once cut, None when woken by ``ping``."""
-        if not self._items and self.cut_reason is None and not self._pinged:
-            getter = self._getter = asyncio.get_running_loop().create_future()
-            await getter
-        if self.cut_reason is not None:
-            return []
-        self._pinged = False
-        if not self._items:
-            return None
-        items = list(self._items)
-        self._items.clear()
-        while self._putters:
-            _wake(self._putters.popleft())
-        return items
-
-    def ping(self) -> None:
-        """Wake the writer with nothing to take (its keep-alive is due)."""
-        self._pinged = True
-        _wake(self._getter)
-
-    def cut(self, reason: str) -> None:
-        self.cut_reason = reason
-        _wake(self._getter)
-
-
-class PingTimer:
-    """Pings the mailbox after ``seconds`` with nothing written (0: never), and decides which of
-    the children's own comments reach the client (docs/behaviour.md#keep-alive).
-
-    One timer per stream, moved on lazily when it fires: a write costs a clock read, not a
-    timer of its own. A child's comment passes when nothing was written since that child's
-    previous one (or since the stream began): with every child pulsing at the server's
-    interval and nothing else to send, the client gets one comment per interval, not one per
-    child; once chunks flow, none.
-    """
-
-    def __init__(self, mailbox: Mailbox, seconds: float, children: int) -> None:
-        self._mailbox = mailbox
-        self._seconds = seconds
-        self._loop = asyncio.get_running_loop()
-        self._written_at = self._loop.time()
-        self._heard = [self._written_at] * children  # each child's previous comment
-        self._timer: asyncio.TimerHandle | None = None
-        if seconds:
-            self._timer = self._loop.call_at(self._written_at + seconds, self._check)
-
-    def wrote(self) -> None:
-        self._written_at = self._loop.time()
-
-    def heard(self, pos: int) -> bool:
-        """Child ``pos`` sent a comment: True when the client should get one now, which the
-        caller then writes (or chunks in its place); it counts as written at this moment."""
-        now = self._loop.time()
-        quiet = self._written_at <= self._heard[pos]
-        self._heard[pos] = now
-        if quiet:
-            self._written_at = now  # the same instant: this child's next comment may pass too
-        return quiet
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        due = self._written_at + self._seconds
-        if now >= due:
-            self._mailbox.ping()
-            due = now + self._seconds
-        self._timer = self._loop.call_at(due, self._check)
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()

@@ -563,7 +563,7 @@ def streams(draw: st.DrawFn) -> tuple[Plan, list[tuple[int, bytes | None]]]:
 def stitch(
     stitcher: Stitching, decoders: Sequence[Decoding], reads: list[tuple[int, bytes | None]]
 ) -> list[Any]:
-    """What the client is sent, as ``fanout._merge`` sends it: chunk by chunk, then the tail."""
+    """What the client is sent, as ``sink.merge`` sends it: chunk by chunk, then the tail."""
     sent: list[Any] = []
     try:
         for pos, read in reads:
