@@ -114,6 +114,10 @@ def _nowhere(data: bytes) -> bool:
     raise AssertionError("a body relayed before relay() began")
 
 
+def _ignore(data: bytes) -> None:
+    """A body piece for a response that is over."""
+
+
 class UpstreamResponse:
     def __init__(self, connection: Reading, method: str, limit: int, inflate: bool) -> None:
         self.connection = connection  # the one it arrives on, for ``ConnectionPool.release``
@@ -308,6 +312,7 @@ class UpstreamResponse:
             return
         self.state = COMPLETE
         self._stop_idle()
+        self.on_body = _ignore  # no more pieces come; and the bound ``_buffer`` was a cycle
         _wake(self._parked)
 
     def fail(self, exc: BaseException) -> None:
@@ -316,6 +321,7 @@ class UpstreamResponse:
         self.state = FAILED
         self.error = exc
         self._stop_idle()
+        self.on_body = _ignore
         if not self.head.done():
             self.head.set_exception(exc)
             self.head.exception()  # retrieved here: the caller may have stopped waiting

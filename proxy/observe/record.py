@@ -111,7 +111,9 @@ class RequestRecord:
         self.fanned_out = False
         self.n = 1
         self.request_id: str | None = None  # a fan-out's parent id; else the client's, if any
-        self.children: list[ChildRecord] = []  # its upstream requests, in child order
+        self.children: list[
+            ChildRecord
+        ] = []  # its upstream requests, in child order, until it ends
         self.status = 499  # nginx's "client closed request", kept when the client leaves first
         self.relayed = True  # the body follows the upstream's as it arrives (not stitched)
         self.bytes_in = 0
@@ -151,6 +153,9 @@ class RequestRecord:
             self.bytes_in >= large.body_bytes or len(self.children) >= large.children
         ):
             large.ended(self)
+        # Its observers have read them: letting them go breaks the cycle with each child's
+        # ``record``, so that an ended request is freed at once, not left to the cyclic collector.
+        self.children = []
 
     @property
     def seconds(self) -> float:
