@@ -160,10 +160,7 @@ static void serve(int fd) {
     connection *c = &conns[fd];
     while (c->open && !c->steps) {
         char *end = memmem(c->in.data, c->in.len, "\r\n\r\n", 4);
-        if (!end) {
-            if (c->in.len > MAX_REQUEST) close_conn(fd);
-            return;
-        }
+        if (!end) return;
         size_t head = (size_t)(end - c->in.data) + 4;
         const char *length = find_header(c->in.data, head, "content-length:");
         long body = length ? strtol(length, NULL, 10) : 0;
@@ -198,7 +195,9 @@ static void readable(int fd) {
     char chunk[READ_SIZE];
     ssize_t got = recv(fd, chunk, sizeof chunk, 0);
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-    if (got <= 0 || append(&conns[fd].in, chunk, (size_t)got) < 0) {
+    /* Bounded while a stream holds the requests pipelined behind it, too. */
+    if (got <= 0 || conns[fd].in.len + (size_t)got > MAX_REQUEST ||
+        append(&conns[fd].in, chunk, (size_t)got) < 0) {
         close_conn(fd);
         return;
     }

@@ -8,6 +8,7 @@ its PATH that records the call and fails, and each test asserts that none came.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -176,3 +177,34 @@ def test_native_pacer_streams_the_chunks_bench_pacer_defines(tmp_path: Path) -> 
         assert chunks[:-2] == [chunk(at) for at in stamps]
         assert len(stamps) == 3
         assert stamps == sorted(stamps)
+
+
+def test_native_pacer_closes_a_connection_that_sends_past_its_bound(tmp_path: Path) -> None:
+    """Request bytes held unanswered are bounded (1 MiB) while a stream is open, too."""
+    from bench.procs import Fleet, wait_ready
+    from bench.stack import start_pacer
+
+    with Fleet(tmp_path / "logs") as fleet:
+        server = start_pacer(fleet, 0.05, "pacer")
+        wait_ready(server, timeout=20)
+        body = b'{"max_tokens": 100000}'  # 83 minutes of chunks, unless it is cut
+        post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+            len(body),
+            body,
+        )
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(post)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
+            with contextlib.suppress(ConnectionError):
+                sock.sendall(b"x" * (1 << 16) * 17)  # past 1 MiB, behind the open stream
+            received = 0
+            while data := _recv_or_reset(sock):  # chunks until the pacer closes it
+                received += len(data)
+                assert received < 1 << 16, "the stream went on"  # about 250 chunks, 12 s
+
+
+def _recv_or_reset(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(65536)
+    except ConnectionResetError:
+        return b""
