@@ -116,19 +116,7 @@ def test_canned_fallback_server_answers_like_nginx(tmp_path: Path, bench_env: Be
     with Fleet(tmp_path / "logs") as fleet:
         server = start_canned(fleet, tmp_path, nginx=None)
         wait_ready(server, timeout=20)
-        post = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 2\r\n\r\n{}"
-        )
-        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-            sock.sendall(post * 2 + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            received = b""
-            while received.count(b"HTTP/1.1 ") < 3 or not received.endswith(b"ok\n"):
-                chunk = sock.recv(65536)
-                assert chunk, received
-                received += chunk
-    answers = received.split(b"HTTP/1.1 ")[1:]
-    assert [a[:3] for a in answers] == [b"200"] * 3
+        answers = _two_posts_then_health(server.port, _post(b"{}"))
     for answer in answers[:2]:
         head, body = answer.split(b"\r\n\r\n", 1)
         assert b"Content-Type: application/json" in head
@@ -149,20 +137,7 @@ def test_native_pacer_streams_the_chunks_bench_pacer_defines(tmp_path: Path) -> 
     with Fleet(tmp_path / "logs") as fleet:
         server = start_pacer(fleet, 0.01, "pacer")
         wait_ready(server, timeout=20)
-        body = b'{"max_tokens": 3, "stream": true}'
-        post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
-            len(body),
-            body,
-        )
-        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-            sock.sendall(post * 2 + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            received = b""
-            while not received.endswith(b"ok\n"):
-                data = sock.recv(65536)
-                assert data, received
-                received += data
-    answers = received.split(b"HTTP/1.1 ")[1:]
-    assert [a[:3] for a in answers] == [b"200"] * 3
+        answers = _two_posts_then_health(server.port, _post(b'{"max_tokens": 3, "stream": true}'))
     for answer in answers[:2]:
         head, body = answer.split(b"\r\n\r\n", 1)
         assert b"Transfer-Encoding: chunked" in head
@@ -187,11 +162,7 @@ def test_native_pacer_closes_a_connection_that_sends_past_its_bound(tmp_path: Pa
     with Fleet(tmp_path / "logs") as fleet:
         server = start_pacer(fleet, 0.05, "pacer")
         wait_ready(server, timeout=20)
-        body = b'{"max_tokens": 100000}'  # 83 minutes of chunks, unless it is cut
-        post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
-            len(body),
-            body,
-        )
+        post = _post(b'{"max_tokens": 100000}')  # 83 minutes of chunks, unless it is cut
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(post)
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
@@ -208,3 +179,23 @@ def _recv_or_reset(sock: socket.socket) -> bytes:
         return sock.recv(65536)
     except ConnectionResetError:
         return b""
+
+
+def _post(body: bytes) -> bytes:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+def _two_posts_then_health(port: int, post: bytes) -> list[bytes]:
+    """``post`` twice and a health check, pipelined on one connection: the three answers, each
+    200, in order."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(post * 2 + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        received = b""
+        while received.count(b"HTTP/1.1 ") < 3 or not received.endswith(b"ok\n"):
+            data = sock.recv(65536)
+            assert data, received
+            received += data
+    answers = received.split(b"HTTP/1.1 ")[1:]
+    assert [a[:3] for a in answers] == [b"200"] * 3
+    return answers
