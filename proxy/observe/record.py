@@ -111,9 +111,8 @@ class RequestRecord:
         self.fanned_out = False
         self.n = 1
         self.request_id: str | None = None  # a fan-out's parent id; else the client's, if any
-        self.children: list[
-            ChildRecord
-        ] = []  # its upstream requests, in child order, until it ends
+        # Its upstream requests, in child order; let go when it ends (``ended``).
+        self.children: list[ChildRecord] = []
         self.status = 499  # nginx's "client closed request", kept when the client leaves first
         self.relayed = True  # the body follows the upstream's as it arrives (not stitched)
         self.bytes_in = 0
