@@ -285,7 +285,7 @@ async def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(30):
             answer = await reader.read()
     finally:
         writer.close()

@@ -209,7 +209,7 @@ async def relay(cut: list[bytes]) -> tuple[Relayed, UpstreamResponse]:
     await asyncio.sleep(0)  # the relay has begun
     for data in reads:
         connection.data_received(data)
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(30):
         await task
     return relayed, response
 

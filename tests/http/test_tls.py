@@ -85,7 +85,7 @@ async def _chat(url: str, n: int) -> tuple[int, dict[str, object]]:
         b"POST %s HTTP/1.1\r\nHost: p\r\nConnection: close\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (CHAT.encode(), len(body), body)
     )
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(30):
         raw = await reader.read()
     writer.close()
     head, _, payload = raw.partition(b"\r\n\r\n")
@@ -104,7 +104,7 @@ async def test_https_upstream_is_served_by_the_proxys_own_pool(start_tls: Start)
             assert len(body["choices"]) == n  # type: ignore[arg-type]
         connections = runner.app[GENERATIONS].upstreams.connections
         assert connections.idle_connections() >= 1  # the TLS connections are the pool's own
-        await asyncio.wait_for(upstream.health.wait(), 10)
+        await asyncio.wait_for(upstream.health.wait(), 30)
         assert ("/health", f"{host}:{port}") in upstream.seen
     finally:
         await runner.cleanup()
@@ -131,7 +131,7 @@ async def test_a_replica_reached_by_address_verifies_the_configured_host_name(
     try:
         pool = runner.app[GENERATIONS].upstreams
         state = pool.state(source)
-        await state.wait_for(lambda: state.replicas.urls == [f"https://{host}:{port}"], 10)
+        await state.wait_for(lambda: state.replicas.urls == [f"https://{host}:{port}"], 30)
         got, body = await _chat(url, 2)
         assert got == status, body
         if status == 200:

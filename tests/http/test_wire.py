@@ -201,7 +201,7 @@ async def test_the_upstream_urls_path_prefixes_requests_and_health_checks(
         port = int(url.rsplit(":", 1)[1])
         assert (await _get(port, "/ok/one"))[0] == 200
         assert [s.path for s in upstream.requests("/base/ok")] == ["/base/ok/one"]
-        await asyncio.wait_for(upstream.health.wait(), 10)
+        await asyncio.wait_for(upstream.health.wait(), 30)
         assert upstream.requests("/base/health")
         assert not upstream.requests("/health")
     finally:

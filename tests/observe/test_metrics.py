@@ -199,7 +199,7 @@ def held(values: Samples, backend: Backend) -> dict[str, float]:
 async def test_what_a_request_holds_is_on_metrics_while_held_and_back_at_zero_after(
     http: aiohttp.ClientSession, server: Server, backend: Backend
 ) -> None:
-    await asyncio.wait_for(server.upstreams.health_checked.wait(), 10)  # its first check is over
+    await asyncio.wait_for(server.upstreams.health_checked.wait(), 30)  # its first check is over
     before = held(await scrape(http, server), backend)
     before.pop("n_proxy_upstream_connections_idle")  # a health check's, kept for reuse
     assert set(before.values()) == {0}

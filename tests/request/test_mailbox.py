@@ -14,7 +14,7 @@ async def test_put_blocks_past_the_bound_until_the_writer_takes() -> None:
     await asyncio.sleep(0)
     assert not second.done()
     assert await box.take() == [(0, None)]
-    await asyncio.wait_for(second, 1)
+    await asyncio.wait_for(second, 10)
     assert await box.take() == [(1, None)]
 
 
@@ -23,7 +23,7 @@ async def test_cut_wakes_the_writer_with_nothing() -> None:
     taking = asyncio.create_task(box.take())
     await asyncio.sleep(0)
     box.cut("drain ran out of time")
-    assert await asyncio.wait_for(taking, 1) == []
+    assert await asyncio.wait_for(taking, 10) == []
     assert box.cut_reason == "drain ran out of time"
 
 
@@ -32,7 +32,7 @@ async def test_ping_wakes_the_writer_with_none_then_items_flow_again() -> None:
     taking = asyncio.create_task(box.take())
     await asyncio.sleep(0)
     box.ping()
-    assert await asyncio.wait_for(taking, 1) is None
+    assert await asyncio.wait_for(taking, 10) is None
     box.put_nowait((2, None))
     assert await box.take() == [(2, None)]
 
@@ -53,7 +53,7 @@ async def test_ping_timer_pings_only_after_the_quiet_period() -> None:
     timer = PingTimer(box, 0.05, 1)
     try:
         taking = asyncio.create_task(box.take())
-        assert await asyncio.wait_for(taking, 2) is None  # nothing written: the ping came
+        assert await asyncio.wait_for(taking, 10) is None  # nothing written: the ping came
     finally:
         timer.close()
 

@@ -40,7 +40,7 @@ class Recorder(RecordingUpstream):
             await response.prepare(request)
             await response.write(b"data: part1\n\n")
             self.first_part_sent.set()
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(30):
                 await self.release.wait()
             await response.write(b"data: part2\n\n")
             await response.write_eof()
@@ -178,7 +178,7 @@ async def test_absolute_uri_and_host_never_choose_the_destination(
         b"Host: evil.example\r\nConnection: close\r\n\r\n"
     )
     await writer.drain()
-    reply = await asyncio.wait_for(reader.read(), 5)
+    reply = await asyncio.wait_for(reader.read(), 30)
     writer.close()
     assert reply.startswith(b"HTTP/1.1 418")
     assert rec.seen[0].target == "/steal?x=1"
@@ -235,5 +235,5 @@ async def test_the_request_line_counts_a_passed_through_body_whole_or_streamed(
 
 async def proxy_idle(proxy: Proxy) -> None:
     """Until the request's handler ended (its log line is written as it ends)."""
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(30):
         await proxy.app[IN_FLIGHT].wait_idle()

@@ -132,8 +132,8 @@ async def _late_500(
     assert "choice 2" in errors[0]["error"]["message"]
     assert "500" in errors[0]["error"]["message"]
     assert not [p for p in payloads[:-1] if "error" not in p and not p["choices"]]  # no usage
-    await gate.wait_for(lambda g: {0, 1} <= g.closed, timeout=3)  # the proxy closed them
-    await backend.state.wait_for(lambda s: {"0_late", "1_late"} <= set(s.aborted), timeout=3)
+    await gate.wait_for(lambda g: {0, 1} <= g.closed, timeout=10)  # the proxy closed them
+    await backend.state.wait_for(lambda s: {"0_late", "1_late"} <= set(s.aborted), timeout=10)
 
 
 async def test_first_answer_being_a_500_is_that_status_and_aborts_the_others(

@@ -130,7 +130,7 @@ async def test_max_concurrency_queues_then_answers_429_with_retry_after(
         assert (await rejected.json())["error"]["type"] == "rate_limit_error"
     assert not queued.done()
     holder.close()  # frees both slots: the queued request now goes through
-    response = await asyncio.wait_for(queued, 5)
+    response = await asyncio.wait_for(queued, 30)
     assert response.status == 200
     response.release()
 
@@ -184,7 +184,7 @@ def url(server: Server, path: str, admin: bool = False) -> str:
 
 
 async def wait_ready(http: aiohttp.ClientSession, server: Server) -> None:
-    await asyncio.wait_for(server.upstreams.health_checked.wait(), 5)
+    await asyncio.wait_for(server.upstreams.health_checked.wait(), 30)
     async with http.get(url(server, "/readyz", admin=True)) as r:
         assert r.status == 200
 
@@ -223,7 +223,7 @@ async def test_readyz_fails_during_drain_while_a_stream_completes(
         raw = await stream.read()
     assert raw.endswith(b"data: [DONE]\n\n")
     assert b'"error"' not in raw
-    await asyncio.wait_for(drain, 5)
+    await asyncio.wait_for(drain, 30)
     assert not backend.state.active
 
 
@@ -341,7 +341,7 @@ upstreams:
         env={},
     )
     server = await servers.server(config)
-    await asyncio.wait_for(server.upstreams.health_checked.wait(), 10)
+    await asyncio.wait_for(server.upstreams.health_checked.wait(), 30)
     async with http.get(url(server, "/readyz", admin=True)) as r:
         assert r.status == (200 if ready else 503)
         body = await r.json()

@@ -215,7 +215,7 @@ async def run_scenario(seed: int) -> None:
             if not task.done():
                 task.cancel()  # a child alone: its request fails, its slot comes back
                 cancelled.add(j)
-    async with asyncio.timeout(5):  # no request hangs
+    async with asyncio.timeout(30):  # no request hangs
         results = await asyncio.gather(*requests, return_exceptions=True)
     for j, result in enumerate(results):
         if j not in cancelled:
@@ -262,7 +262,7 @@ async def test_queued_n10_clients_leaving_at_once_give_every_slot_back(
         assert slots.audit(asyncio.get_running_loop().time(), patience=0) is None
 
         body = {**endless, "n": 10, "max_tokens": 3, "stream": False}
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(30):
             async with http.post(proxy.url + "/v1/chat/completions", json=body) as response:
                 assert response.status == 200
                 assert len((await response.json())["choices"]) == 10
