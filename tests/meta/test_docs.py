@@ -4,7 +4,7 @@ resolves (its file, and its anchor to a heading), every path they name exists, e
 code's comments and docstrings cite resolves too, while they cite no document the repository
 does not have. Every shell command they show (bench/README.md's and deploy/README.md's too) that
 runs one of the project's own commands names real flags, subcommands, scenarios, markers, tests,
-extras and files."""
+extras and files; and a bench report the docs cite is the one from the commit they cite."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from bench.__main__ import parser as bench_parser
+from bench.__main__ import report_stem
 from bench.scenarios import NAMES as SCENARIOS
 from proxy import cli
 from proxy.devserver.cli import parser as devserver_parser
@@ -397,6 +398,36 @@ def test_every_shell_command_names_real_flags_files_and_tests(
     assert not broken, broken
 
 
+def stamped_commit(report: Path) -> str | None:
+    """The commit a bench report's stamp says the proxy ran at."""
+    match = re.search(r"proxy at (?:commit )?([0-9a-f]{7,40})", report.read_text("utf-8"), re.I)
+    return None if match is None else match.group(1)
+
+
+def stamp_mismatches(text: str, results: Path) -> list[str]:
+    """Each bench figure's stamped commit against the report its command writes, where that
+    report is committed."""
+    found = []
+    for match in _STAMP.finditer(text):
+        command, commit = match.group(1), match.group(3)
+        for words in simple_commands(command):
+            program, args, _ = _program(words)
+            parsed = _bench(program, args) if program in ("bench/run", "-m bench") else None
+            if not isinstance(parsed, argparse.Namespace) or parsed.out is not None:
+                continue
+            report = results / f"{report_stem(parsed)}.md"
+            ran = stamped_commit(report) if report.exists() else None
+            if ran is not None and not (ran.startswith(commit) or commit.startswith(ran)):
+                found.append(f"`{command}` at {commit}, but {report.name} is from {ran}")
+    return found
+
+
+@pytest.mark.parametrize("doc", SHELL_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_cited_bench_figure_is_from_the_commit_of_its_committed_report(doc: Path) -> None:
+    mismatches = stamp_mismatches(doc.read_text("utf-8"), ROOT / "bench" / "results")
+    assert not mismatches, mismatches
+
+
 # The checker's own rules, on literal input.
 
 
@@ -522,3 +553,16 @@ def test_a_bad_flag_file_scenario_marker_test_or_extra_is_reported(
 ) -> None:
     [error] = command_errors(line, pytestconfig._parser)
     assert wrong in error
+
+
+def test_a_cited_figure_from_another_commit_than_its_report_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "latest.md").write_text("Command: `bench/run`\nproxy at commit 97f3463\n", "utf-8")
+    (tmp_path / "wire.md").write_text("n-proxy at commit dbbb885; baseline at 10d161d\n", "utf-8")
+    page = (
+        "Command: `python -m bench` (what `bench/run` runs). Commit: 0ef9823. Date: today.\n"
+        "Command: `python -m bench wire --rounds 3 --baseline DIR`. Commit:\ndbbb885.\n"
+        "Command: `python -m bench wire --name obscost-on`. Commit: 0ef9823 (not committed).\n"
+    )
+    assert stamp_mismatches(page, tmp_path) == [
+        "`python -m bench` at 0ef9823, but latest.md is from 97f3463"
+    ]
