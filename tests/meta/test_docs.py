@@ -28,6 +28,7 @@ from bench.__main__ import report_stem
 from bench.scenarios import NAMES as SCENARIOS
 from proxy import cli
 from proxy.devserver.cli import parser as devserver_parser
+from tests.meta.test_layers import AIOHTTP_INTERNALS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
@@ -426,6 +427,22 @@ def stamp_mismatches(text: str, results: Path) -> list[str]:
 def test_each_cited_bench_figure_is_from_the_commit_of_its_committed_report(doc: Path) -> None:
     mismatches = stamp_mismatches(doc.read_text("utf-8"), ROOT / "bench" / "results")
     assert not mismatches, mismatches
+
+
+def test_the_modules_named_for_aiohttp_internals_are_those_the_layer_test_holds() -> None:
+    """pyproject.toml's reason for ``aiohttp<4`` and architecture.md's house rule name the
+    modules that use aiohttp's internals: those ``AIOHTTP_INTERNALS`` lists."""
+    pyproject = (ROOT / "pyproject.toml").read_text("utf-8")
+    architecture = (ROOT / "docs" / "architecture.md").read_text("utf-8")
+    reason = re.search(r"((?:[ \t]*#.*\n)+)[ \t]*\"aiohttp[<>=]", pyproject)
+    rule = re.search(r"\*\*The layer contract\.\*\*(.*?)\n- ", architecture, re.S)
+    assert reason is not None
+    assert rule is not None
+    for text in (reason.group(1), rule.group(1)):
+        named = {
+            p.removesuffix(".py").replace("/", ".") for p in re.findall(r"proxy/[\w/]+\.py", text)
+        }
+        assert named == AIOHTTP_INTERNALS, text
 
 
 # The checker's own rules, on literal input.
