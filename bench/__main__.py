@@ -175,8 +175,16 @@ def main(argv: list[str] | None = None) -> int:
         run(load(name), args, found, raw / name, results)
     results["meta"]["seconds"] = time.monotonic() - started
     out = args.out or (raw if args.smoke else RESULTS)
-    stem = args.name or ("profile" if args.profile else names[0] if len(names) == 1 else "latest")
-    return finish(results, out, stem, pictures=not args.smoke)
+    return finish(results, out, report_stem(args), pictures=not args.smoke)
+
+
+def report_stem(args: argparse.Namespace) -> str:
+    """The report's file name: ``--name``, else ``profile`` with ``--profile``, else the one
+    scenario's, else ``latest`` (docs cite a report by the command that writes it)."""
+    names = args.scenarios or SUITE
+    return str(
+        args.name or ("profile" if args.profile else names[0] if len(names) == 1 else "latest")
+    )
 
 
 def finish(results: Row, out: Path, stem: str, pictures: bool) -> int:

@@ -79,14 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def check_config(args: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="n-proxy check-config",
-        description="Validate an n-proxy YAML config: exit 0 if it loads, 1 with the first error "
-        "(naming its YAML key) if not. ${ENV} placeholders are expanded from the environment. "
-        "A running proxy validates the file the same way when SIGHUP makes it reload it.",
-    )
-    parser.add_argument("file", metavar="FILE", help="the YAML config to check")
-    path = parser.parse_args(args).file
+    path = _check_config_parser().parse_args(args).file
     try:
         config = load_config(path)
     except ConfigError as exc:
@@ -94,6 +87,17 @@ def check_config(args: Sequence[str]) -> int:
         return 1
     print(f"{path}: ok ({len(config.upstreams)} upstreams, {len(config.routes)} routes)")
     return 0
+
+
+def _check_config_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="n-proxy check-config",
+        description="Validate an n-proxy YAML config: exit 0 if it loads, 1 with the first error "
+        "(naming its YAML key) if not. ${ENV} placeholders are expanded from the environment. "
+        "A running proxy validates the file the same way when SIGHUP makes it reload it.",
+    )
+    parser.add_argument("file", metavar="FILE", help="the YAML config to check")
+    return parser
 
 
 def _schema_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ from proxy.devserver.config import DevConfig
 from proxy.server.backlog import listen_backlog
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="n-proxy-devserver", description="A deterministic OpenAI-compatible n=1 backend."
     )
@@ -20,7 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-delay", type=float, default=0.0, help="seconds per token")
     parser.add_argument("--native-n", action="store_true", help="answer n>1 natively")
     parser.add_argument("--model", default="demo-model")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     config = DevConfig(token_delay=args.token_delay, native_n=args.native_n, model=args.model)
     app = build_app(config)
     web.run_app(

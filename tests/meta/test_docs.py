@@ -2,18 +2,33 @@
 resolves (its file, and its anchor to a heading), every path they name exists, every
 ``tests/...::test_name`` they cite is a test in that file, and every ``docs/...md#anchor`` the
 code's comments and docstrings cite resolves too, while they cite no document the repository
-does not have."""
+does not have. Every shell command they show (bench/README.md's and deploy/README.md's too) that
+runs one of the project's own commands names real flags, subcommands, scenarios, markers, tests,
+extras and files; and a bench report the docs cite is the one from the commit they cite."""
 
 from __future__ import annotations
 
+import argparse
 import ast
+import contextlib
 import io
+import json
 import re
+import shlex
 import tokenize
+import tomllib
 from functools import cache
 from pathlib import Path
 
 import pytest
+import yaml
+
+from bench.__main__ import parser as bench_parser
+from bench.__main__ import report_stem
+from bench.scenarios import NAMES as SCENARIOS
+from proxy import cli
+from proxy.devserver.cli import parser as devserver_parser
+from tests.meta.test_layers import AIOHTTP_INTERNALS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
@@ -182,6 +197,254 @@ def test_the_code_cites_only_documents_the_repository_has() -> None:
     assert not found, found
 
 
+# The shell commands the docs show. Each line of a ```sh, ```bash or ```console block (only its
+# `$ ` lines when it has any: the rest is output), each `$ ` line outside blocks, and each bench
+# figure's "Command: `...`" is read as the shell would split it; every part of a chain that runs
+# one of the project's commands is parsed by that command's own parser, without running it.
+
+SHELL_DOCS = sorted({*DOCS, ROOT / "bench" / "README.md", ROOT / "deploy" / "README.md"})
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text("utf-8"))
+EXTRAS = frozenset(PYPROJECT["project"]["optional-dependencies"])
+SCRIPTS = frozenset(PYPROJECT["project"]["scripts"])
+MARKERS = frozenset(
+    re.split(r"[:(]", line, maxsplit=1)[0].strip()
+    for line in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]
+)
+
+_SHELL_FENCE = re.compile(r"^\s*```(?:sh|bash|console)\s*$")
+_PROMPT = re.compile(r"^\s*\$ (.*)$")
+# A bench figure's stamp: its command, then (before any other command) the commit it measured.
+_STAMP = re.compile(r"Command: `([^`]+)`((?:(?!Command:).)*?)Commit:\s*([0-9a-f]{7,40})", re.S)
+_CHAIN = frozenset({"&&", "||", ";", "|", "&", "(", ")"})
+_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
+_ANGLED = re.compile(r"<[^\s<>][^<>]*>")  # a placeholder: <commit>, <that digest>
+
+
+def _joined(lines: list[str]) -> list[str]:
+    """Lines continued with a trailing backslash, joined."""
+    joined, pending = [], ""
+    for line in lines:
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+        else:
+            joined.append(pending + line)
+            pending = ""
+    return joined
+
+
+def shell_commands(text: str) -> list[str]:
+    """The command lines of a page's shell examples and bench stamps."""
+    commands: list[str] = []
+    block: list[str] = []
+    shell = fenced = False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            if shell:
+                prompted = [m.group(1) for b in block if (m := _PROMPT.match(b))]
+                commands += _joined(prompted or block)
+            fenced, block = not fenced, []
+            shell = fenced and _SHELL_FENCE.match(line) is not None
+        elif fenced:
+            block.append(line)
+        elif match := _PROMPT.match(line):
+            commands.append(match.group(1))
+    return commands + [m.group(1) for m in _STAMP.finditer(text)]
+
+
+def _uncommented(line: str) -> str:
+    """The line up to its comment: a ``#`` that starts a word, outside quotes."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def simple_commands(line: str) -> list[list[str]]:
+    """The words of each command a line chains (``&&``, ``|``, ``;``, a subshell's parentheses),
+    then those of each command substituted in a word (``"$(pgrep -x n-proxy)"``). Placeholders
+    are left out: ``<commit>``, and a word with ``...`` in it (a variable set to one stays set)."""
+    lexer = shlex.shlex(_ANGLED.sub("", _uncommented(line)), posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    substituted: list[list[str]] = []
+    redirected = False
+    for word in lexer:
+        substituted += [
+            c for inner in re.findall(r"\$\(([^()]*)\)", word) for c in simple_commands(inner)
+        ]
+        if word in _CHAIN:
+            commands.append([])
+        elif set(word) <= set("<>&") and set(word) & set("<>"):
+            redirected = True  # ``> file``: neither the redirection nor its file is an argument
+        elif redirected:
+            redirected = False
+        elif "..." not in word or _ASSIGNMENT.match(word):
+            commands[-1].append(word)
+    return [c for c in commands if c] + substituted
+
+
+def _arguments(words: list[str]) -> list[str]:
+    """The arguments, optional ones unbracketed (``[--skip nginx]``)."""
+    words = [word.removeprefix("[") for word in words]
+    return [word[:-1] if word.endswith("]") and "[" not in word else word for word in words]
+
+
+def _parsed(parser: argparse.ArgumentParser, args: list[str]) -> argparse.Namespace | str | None:
+    """``args`` parsed by ``parser``: its namespace, argparse's complaint when it refuses them,
+    or None when they only ask for help or the version."""
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            return parser.parse_args(args)
+        except SystemExit as exit:
+            return said.getvalue().strip().splitlines()[-1] if exit.code else None
+
+
+def _proxy_parser(args: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    if args[:1] == ["check-config"]:
+        return cli._check_config_parser(), args[1:]
+    if args[:1] == ["config-schema"]:
+        return cli._schema_parser(), args[1:]
+    return cli._parser(), args
+
+
+def _pytest_errors(args: list[str], parser: pytest.Parser) -> list[str]:
+    try:
+        options, unknown = parser.parse_known_and_unknown_args(args)
+    except pytest.UsageError as exc:
+        return [str(exc)]
+    errors: list[str | None] = [f"no option {word}" for word in unknown]
+    for target in options.file_or_dir:
+        path, _, test = str(target).partition("::")
+        errors.append(missing_path(path, test.partition("[")[0] or None))
+    used = set(re.findall(r"\w+", options.markexpr or "")) - {"and", "or", "not"}
+    errors += [f"-m {name}: no such marker in pyproject.toml" for name in sorted(used - MARKERS)]
+    return [e for e in errors if e]
+
+
+def _program(words: list[str]) -> tuple[str, list[str], set[str]]:
+    """The program a command runs, without a venv's ``bin/`` (``pytest``), or the module a Python
+    runs (``-m bench``); its arguments; the variables set for it (``N_PROXY_VLLM_PYTHON=...``)."""
+    given = set()
+    while len(words) > 1 and _ASSIGNMENT.match(words[0]):
+        given.add(words[0].partition("=")[0])
+        words = words[1:]
+    program, args = re.sub(r"^.*/bin/", "", words[0]), _arguments(words[1:])
+    if re.fullmatch(r"python[\d.]*", program) and args[:1] == ["-m"] and len(args) > 1:
+        return f"-m {args[1]}", args[2:], given
+    return program, args, given
+
+
+def _bench(program: str, args: list[str]) -> argparse.Namespace | str | None:
+    """A bench command's arguments, parsed (``bench/run`` takes ``--install-tools`` itself)."""
+    if program == "bench/run":
+        args = [a for a in args if a != "--install-tools"]
+    return _parsed(bench_parser(), args)
+
+
+def _needed(config: Path) -> set[str]:
+    """The variables a config's ``${NAME}`` placeholders need: it does not load without them."""
+    values = json.dumps(yaml.safe_load(config.read_text("utf-8")))
+    return set(re.findall(r"\$\{(\w+)\}", values))
+
+
+def command_errors(line: str, pytest_parser: pytest.Parser) -> list[str]:
+    """What is wrong with the project's commands in one command line."""
+    errors: list[str | None] = []
+    moved = False  # after a ``cd`` in the line, relative paths are not the repository's
+    for words in simple_commands(line):
+        program, args, given = _program(words)
+        moved = moved or program == "cd"
+        parsed: argparse.Namespace | str | None = None
+        if program in ("n-proxy", "-m proxy"):
+            parsed = _parsed(*_proxy_parser(args))
+            configs = [ROOT / a for a in args if a.endswith(".yaml") and (ROOT / a).is_file()]
+            unset = {name for config in configs for name in _needed(config)} - given
+            errors += [f"{name} not set, and the config needs it" for name in sorted(unset)]
+        elif program in ("n-proxy-devserver", "-m proxy.devserver"):
+            parsed = _parsed(devserver_parser(), args)
+        elif program in ("bench/run", "-m bench"):
+            parsed = _bench(program, args)
+            if isinstance(parsed, argparse.Namespace):
+                errors += [f"no scenario {s}" for s in parsed.scenarios if s not in SCENARIOS]
+        elif program in ("pytest", "-m pytest"):
+            errors += _pytest_errors(args, pytest_parser)
+        elif program in ("pip", "pip3", "-m pip") and args[:1] == ["install"]:
+            extras = [
+                e for a in args if (m := re.fullmatch(r"\.\[(.*)\]", a)) for e in m[1].split(",")
+            ]
+            errors += [f"no extra {e} in pyproject.toml" for e in extras if e not in EXTRAS]
+        elif program == "pidof" and "-x" not in args:  # it matches the interpreter, not these
+            errors += [f"pidof finds no {a}: pgrep -x {a} does" for a in args if a in SCRIPTS]
+        elif program not in ("bash", "sh"):
+            continue
+        errors.append(parsed if isinstance(parsed, str) else None)
+        if not moved:
+            paths = [a.partition("=")[2] if a.startswith("-") else a for a in args]
+            errors += [missing_path(p, None) for p in paths if _PATH.fullmatch(p) and "::" not in p]
+    return [f"{line.strip()}: {e}" for e in errors if e]
+
+
+@pytest.mark.parametrize("doc", SHELL_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_shell_command_names_real_flags_files_and_tests(
+    doc: Path, pytestconfig: pytest.Config
+) -> None:
+    commands = shell_commands(doc.read_text("utf-8"))
+    broken = [e for line in commands for e in command_errors(line, pytestconfig._parser)]
+    assert not broken, broken
+
+
+def stamped_commit(report: Path) -> str | None:
+    """The commit a bench report's stamp says the proxy ran at."""
+    match = re.search(r"proxy at (?:commit )?([0-9a-f]{7,40})", report.read_text("utf-8"), re.I)
+    return None if match is None else match.group(1)
+
+
+def stamp_mismatches(text: str, results: Path) -> list[str]:
+    """Each bench figure's stamped commit against the report its command writes, where that
+    report is committed."""
+    found = []
+    for match in _STAMP.finditer(text):
+        command, commit = match.group(1), match.group(3)
+        for words in simple_commands(command):
+            program, args, _ = _program(words)
+            parsed = _bench(program, args) if program in ("bench/run", "-m bench") else None
+            if not isinstance(parsed, argparse.Namespace) or parsed.out is not None:
+                continue
+            report = results / f"{report_stem(parsed)}.md"
+            ran = stamped_commit(report) if report.exists() else None
+            if ran is not None and not (ran.startswith(commit) or commit.startswith(ran)):
+                found.append(f"`{command}` at {commit}, but {report.name} is from {ran}")
+    return found
+
+
+@pytest.mark.parametrize("doc", SHELL_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_cited_bench_figure_is_from_the_commit_of_its_committed_report(doc: Path) -> None:
+    mismatches = stamp_mismatches(doc.read_text("utf-8"), ROOT / "bench" / "results")
+    assert not mismatches, mismatches
+
+
+def test_the_modules_named_for_aiohttp_internals_are_those_the_layer_test_holds() -> None:
+    """pyproject.toml's reason for ``aiohttp<4`` and architecture.md's house rule name the
+    modules that use aiohttp's internals: those ``AIOHTTP_INTERNALS`` lists."""
+    pyproject = (ROOT / "pyproject.toml").read_text("utf-8")
+    architecture = (ROOT / "docs" / "architecture.md").read_text("utf-8")
+    reason = re.search(r"((?:[ \t]*#.*\n)+)[ \t]*\"aiohttp[<>=]", pyproject)
+    rule = re.search(r"\*\*The layer contract\.\*\*(.*?)\n- ", architecture, re.S)
+    assert reason is not None
+    assert rule is not None
+    for text in (reason.group(1), rule.group(1)):
+        named = {
+            p.removesuffix(".py").replace("/", ".") for p in re.findall(r"proxy/[\w/]+\.py", text)
+        }
+        assert named == AIOHTTP_INTERNALS, text
+
+
 # The checker's own rules, on literal input.
 
 
@@ -239,4 +502,84 @@ def test_paths_are_found_in_prose_and_commands_but_not_inside_urls(tmp_path: Pat
         ("tests/core/test_sse.py", "test_x*"),
         ("bench/run", None),
         ("deploy/kubernetes/overlays/vllm", None),
+    ]
+
+
+def test_commands_are_read_from_shell_blocks_prompts_and_bench_stamps() -> None:
+    page = (
+        "```sh\nn-proxy --upstream http://127.0.0.1:8000 \\\n  --port 9000   # a comment\n```\n"
+        "```console\n$ n-proxy check-config my.yaml\nmy.yaml: ok (1 upstreams, 0 routes)\n```\n"
+        '```json\n{"n": 2}\n```\n'
+        "$ bash .ci/run\n"
+        "Command: `python -m bench wire --rounds 3` (DIR a checkout).\nCommit: 0ef9823.\n"
+    )
+    assert shell_commands(page) == [
+        "n-proxy --upstream http://127.0.0.1:8000    --port 9000   # a comment",
+        "n-proxy check-config my.yaml",
+        "bash .ci/run",
+        "python -m bench wire --rounds 3",
+    ]
+    assert simple_commands(
+        "(cd /tmp/np && A=1 B='x y' .venv/bin/pytest -q | tee out) > log  # it's a note"
+    ) == [["cd", "/tmp/np"], ["A=1", "B=x y", ".venv/bin/pytest", "-q"], ["tee", "out"]]
+    assert simple_commands('kill -HUP "$(pgrep -x n-proxy)"') == [
+        ["kill", "-HUP", "$(pgrep -x n-proxy)"],
+        ["pgrep", "-x", "n-proxy"],
+    ]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "n-proxy --upstream http://127.0.0.1:8000 --port 9000 --log-level warning  # it's fine",
+        "CHAT_API_KEY=... n-proxy --config config/full.yaml && n-proxy config-schema > s.json",
+        "python -m proxy --version; n-proxy check-config /etc/n-proxy/config.yaml",
+        "n-proxy-devserver --port 8000 --token-delay 0.01",
+        "bench/run --install-tools wire && python -m bench wire [--skip nginx] --baseline DIR",
+        "git worktree add /tmp/np-before <commit>",
+        "(cd /tmp/np-before && .venv/bin/pip install -q -e '.[fast]') && pip install '.[otel]'",
+        "N_PROXY_VLLM_PYTHON=/x .venv/bin/pytest -m 'vllm and not fast' tests/backends",
+        "pytest tests/core/test_usage.py::test_prompt_counted_once_and_completions_summed",
+        'kill -HUP "$(pgrep -x n-proxy)"',
+    ],
+)
+def test_a_good_command_passes(line: str, pytestconfig: pytest.Config) -> None:
+    assert command_errors(line, pytestconfig._parser) == []
+
+
+@pytest.mark.parametrize(
+    ("line", "wrong"),
+    [
+        ("n-proxy --upstream http://127.0.0.1:8000 --max_n 16", "unrecognized arguments: --max_n"),
+        ("n-proxy check-config my.yaml --strict", "unrecognized arguments: --strict"),
+        ("n-proxy --config config/nothing.yaml", "config/nothing.yaml: no such file"),
+        ("n-proxy check-config config/full.yaml", "CHAT_API_KEY not set, and the config needs it"),
+        ("n-proxy-devserver --token-delay 0.01 --tokens 3", "unrecognized arguments: --tokens"),
+        ("bench/run --install-tools wier", "no scenario wier"),
+        ("python -m bench wire --rounds three", "argument --rounds: invalid"),
+        ("A=1 .venv/bin/pytest -m vlm tests/backends/test_vllm.py", "-m vlm: no such marker"),
+        (".venv/bin/pytest tests/core/test_usage.py::test_nope", "::test_nope: no such test"),
+        (".venv/bin/pytest --no-such-option", "no option --no-such-option"),
+        (".venv/bin/pip install -e '.[tests]'", "no extra tests in pyproject.toml"),
+        ("bash .ci/nothing", ".ci/nothing: no such file"),
+        ('kill -HUP "$(pidof -s n-proxy)"', "pidof finds no n-proxy"),
+    ],
+)
+def test_a_bad_flag_file_scenario_marker_test_or_extra_is_reported(
+    line: str, wrong: str, pytestconfig: pytest.Config
+) -> None:
+    [error] = command_errors(line, pytestconfig._parser)
+    assert wrong in error
+
+
+def test_a_cited_figure_from_another_commit_than_its_report_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "latest.md").write_text("Command: `bench/run`\nproxy at commit 97f3463\n", "utf-8")
+    (tmp_path / "wire.md").write_text("n-proxy at commit dbbb885; baseline at 10d161d\n", "utf-8")
+    page = (
+        "Command: `python -m bench` (what `bench/run` runs). Commit: 0ef9823. Date: today.\n"
+        "Command: `python -m bench wire --rounds 3 --baseline DIR`. Commit:\ndbbb885.\n"
+        "Command: `python -m bench wire --name obscost-on`. Commit: 0ef9823 (not committed).\n"
+    )
+    assert stamp_mismatches(page, tmp_path) == [
+        "`python -m bench` at 0ef9823, but latest.md is from 97f3463"
     ]
