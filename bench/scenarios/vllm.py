@@ -40,6 +40,7 @@ REQUEST_SECONDS = 300
 WARM_UP_TOKENS = 8
 # Whose CPU is counted, by process: vLLM's frontends and engine, and n-proxy.
 ROLES = ("rust frontend", "python frontend", "engine", "n-proxy")
+OTHER = "other"  # every other process on the machine, the client left out
 
 
 @dataclass(frozen=True)
@@ -76,22 +77,31 @@ def _processes(route: Route) -> list[tuple[str, psutil.Process]]:
     return found
 
 
-def _cpu_watch(route: Route) -> Callable[[int], dict[str, float]]:
-    """Starts counting; what it returns gives each role's CPU ms per request since then (from
-    /proc: other load on the machine is not in it)."""
-    processes = _processes(route)
+def _cpu_watch(route: Route) -> Callable[[int], Row]:
+    """Starts counting; what it returns gives, since then, each role's CPU ms per request (from
+    /proc: other load on the machine is not in it) and the cores everything else used: other
+    work on a shared machine, which moves the figures of a turn."""
+    processes, began = _processes(route), time.monotonic()
 
     def seconds() -> defaultdict[str, float]:
         found: defaultdict[str, float] = defaultdict(float)
         for role, proc in processes:
             with contextlib.suppress(psutil.Error):
                 found[role] += sum(proc.cpu_times()[:2])  # user and system
+        machine = psutil.cpu_times()
+        found[OTHER] = machine.user + machine.nice + machine.system - sum(found.values())
+        found[OTHER] -= sum(psutil.Process().cpu_times()[:2])  # the client: this process
         return found
 
     before = seconds()
-    return lambda requests: {
-        role: (cpu - before[role]) / max(requests, 1) * 1e3 for role, cpu in seconds().items()
-    }
+
+    def spent(requests: int) -> Row:
+        cpu = {role: used - before[role] for role, used in seconds().items()}
+        other = cpu.pop(OTHER) / (time.monotonic() - began)
+        per_request = {role: s / max(requests, 1) * 1e3 for role, s in cpu.items()}
+        return {"cpu_ms": per_request, "other_load_cores": max(0.0, other)}
+
+    return spent
 
 
 def _body(n: int, max_tokens: int, stream: bool, seed: int) -> bytes:
@@ -111,7 +121,7 @@ async def throughput(session: aiohttp.ClientSession, route: Route, n: int, ctx: 
         raise RuntimeError(f"{errors} of {len(latencies) + errors} JSON requests failed")
     tokens = len(latencies) * n * o.max_tokens
     return {"mode": "json", "tokens": tokens, "tokens_per_s": tokens / elapsed,
-            "requests": len(latencies), "cpu_ms": cpu(len(latencies))}  # fmt: skip
+            "requests": len(latencies), **cpu(len(latencies))}  # fmt: skip
 
 
 async def one_request(
@@ -135,7 +145,7 @@ async def streams(session: aiohttp.ClientSession, route: Route, n: int, ctx: Con
     timings = [await one_request(session, route, n, o.max_tokens, rep) for rep in range(o.reps)]
     tokens = n * o.max_tokens
     return {"mode": "stream", "first_token_ms": [first * 1e3 for first, _ in timings],
-            "stream_ms": [end * 1e3 for _, end in timings], "cpu_ms": cpu(o.reps),
+            "stream_ms": [end * 1e3 for _, end in timings], **cpu(o.reps),
             "tokens_per_s": median(tokens / end for _, end in timings)}  # fmt: skip
 
 
@@ -189,6 +199,7 @@ def summarize(rows: list[Row]) -> list[Row]:
                     "tokens_per_s_range": [min(rates), max(rates)],
                     "tokens_per_s_ratio": ratio, "tokens_per_s_over_loop": over_loop}  # fmt: skip
         row |= {f"cpu_ms {role}": median(r["cpu_ms"].get(role) for r in mine) for role in ROLES}
+        row["other_load_cores"] = median(r["other_load_cores"] for r in mine)
         for key in ("first_token_ms", "stream_ms") if mode == "stream" else ():
             q1, q2, q3 = quartiles(x for r in mine for x in r[key])
             row[key], row[key + "_iqr"] = q2, [q1, q3]
@@ -228,6 +239,7 @@ COLUMNS: list[Column] = [
     ("first token ms", "first_token_ms", "{:.0f}"),
     ("quartiles", "first_token_ms_iqr", "{:.0f}"), ("whole stream ms", "stream_ms", "{:.0f}"),
     *((f"CPU ms/request: {role}", f"cpu_ms {role}", "{:.1f}") for role in ROLES),
+    ("other load, cores", "other_load_cores", "{:.2f}"),
 ]  # fmt: skip
 
 
@@ -241,7 +253,8 @@ TEXT = (
     " ratios over the Python frontend's native n, and of each fan-out over the client's loop on"
     " the same frontend, paired by round; first token (a client loop's first) and whole stream"
     " (its last): median and quartiles over every stream. The Rust frontend's launcher counts as"
-    " its Python frontend."
+    " its Python frontend. Other load: the cores every other process used (the client left out),"
+    " median over rounds; it should be near 0."
 )
 VLLM = Scenario(
     "vllm", "vLLM's Python frontend with native n, and n-proxy fanning out over it and over the"
