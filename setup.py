@@ -20,8 +20,13 @@ from setuptools.command.build_ext import build_ext
 COMPILED = [
     "proxy/core/sse.py",
     "proxy/core/stitch.py",
+    "proxy/core/template.py",
+    "proxy/http/chunks.py",
     "proxy/http/connection.py",
+    "proxy/http/response.py",
+    "proxy/request/mailbox.py",
     "proxy/request/sink.py",
+    "proxy/request/writer.py",
 ]
 # Not proxy/request/fanout.py: compiled, its JSON fan-outs failed under the suite
 # (tests/request/test_fanout.py, tests/e2e/test_faults.py) though each passed alone; until that

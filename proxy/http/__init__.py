@@ -3,7 +3,6 @@ from the protocol, keep-alive pooling. It knows nothing of LLMs, n or replicas, 
 aiohttp: its failures are its own (``proxy.http.errors``).
 """
 
-from proxy.http.connection import UpstreamResponse
 from proxy.http.errors import (
     BadResponse,
     BodyTooLong,
@@ -15,6 +14,7 @@ from proxy.http.errors import (
     ResponseTimeout,
 )
 from proxy.http.pool import ConnectionPool
+from proxy.http.response import UpstreamResponse
 
 __all__ = [
     "BadResponse",

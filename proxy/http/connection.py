@@ -1,12 +1,13 @@
-"""One HTTP/1.1 connection to an upstream: an ``asyncio.Protocol`` around httptools' parser.
+"""One HTTP/1.1 connection to an upstream: an ``asyncio.Protocol`` around httptools' parser, and
+the request's head as it goes on the wire.
 
-At most one response is in flight, and the parser stops at its end: a byte past the final
-message (a Content-Length shorter than the body sent, a 204 with a body, a second response)
-is never delivered nor parsed as the next answer; it spoils the connection, which is closed,
-never pooled. The head is capped on raw bytes as they arrive, partial lines included.
-A request body goes out as the transport takes it (``pause_writing``), and a connection whose
-request was not all written when its answer ended is never pooled either: the server may read
-the rest as a request of its own. Failures are ``proxy.http.errors``'.
+At most one response is in flight (``proxy.http.response``), and the parser stops at its end: a
+byte past the final message (a Content-Length shorter than the body sent, a 204 with a body, a
+second response) is never delivered nor parsed as the next answer; it spoils the connection,
+which is closed, never pooled. The head is capped on raw bytes as they arrive, partial lines
+included. A request body goes out as the transport takes it (``pause_writing``), and a
+connection whose request was not all written when its answer ended is never pooled either: the
+server may read the rest as a request of its own. Failures are ``proxy.http.errors``'.
 
 A connection is in one ``ConnectionState`` at a time::
 
@@ -15,482 +16,24 @@ A connection is in one ``ConnectionState`` at a time::
                      └──a HEAD request's head──────────────────▶ SPENT
     any ──the server's EOF, connection lost, abort, spoil, discard──▶ CLOSED (never left)
 
-Reading and writing pauses are flow control, not states: they mirror the transport's.
-
-The response on a connection (``UpstreamResponse``) has its head at once and its body iterated or
-relayed, inflated in bounded steps: one exchange on one connection in one module, as httpcore's
-``http11.py``. The connection's parser hands body bytes in; the consumer takes them out, either
-as an async iterator (fan-out JSON) or through a sink called from ``data_received`` (relays: no
-task, queue or iterator per chunk). A read of nothing but whole chunks, from between two, skips
-the parser (``_whole_chunks``): to a relay whose client is chunked too, it goes on as it came.
-Nothing is held further than ``limit`` bytes ahead of the consumer, compressed input included:
-reading pauses instead. The idle clock runs only while the proxy waits on the upstream, never
-while it waits on its own client.
-
-A response is in one ``ResponseState`` at a time, and read in one ``Mode``::
-
-    HEAD ──head──▶ BODY ──last byte in──▶ ENDED ──last byte handed on──▶ COMPLETE
-    any but COMPLETE ──fail──▶ FAILED           (without inflation, ENDED is COMPLETE at once)
-    ITERATE ──relay()──▶ RELAY
+Reading and writing pauses are flow control, not states: they mirror the transport's. A read
+of nothing but whole chunks, from between two, skips the parser (``proxy.http.chunks``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import select
-import zlib
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from enum import IntEnum
-from typing import Final, Protocol, cast
+from typing import Final, cast
 
 import httptools
 from multidict import CIMultiDict
 
-from proxy.core.encoding import INFLATED, Inflater
-from proxy.http.errors import BadResponse, BodyTooLong, Disconnected, ResponseTimeout
-
-
-def _wake(future: asyncio.Future[None] | None) -> None:
-    """Let whoever waits on ``future`` run on; a future already done is left as it is."""
-    if future is not None and not future.done():
-        future.set_result(None)
-
-
-# ---- the response
-
-
-BodyPiece = Callable[[bytes], None]  # takes one parsed piece of a body
-# Takes relayed bytes; True when it is full now, so reading pauses until its drain (one call
-# per read: the write and the test that follows it are one).
-BodySink = Callable[[bytes], bool]
-# The same for bytes that are whole chunks in chunked framing, as the upstream sent them, with
-# the number of body bytes they hold: a relay to a chunked client writes them on as they are.
-FramedSink = Callable[[bytes, int], bool]
-
-
-class ResponseState(IntEnum):
-    HEAD = 0  # waiting for the head
-    BODY = 1  # the head is in; the body arrives
-    ENDED = 2  # every byte of the message arrived; inflated bytes are still to be handed on
-    COMPLETE = 3  # every body byte was handed on (buffered for the iterator, or to the sink)
-    FAILED = 4  # ``error`` says why
-
-
-class Mode(IntEnum):
-    ITERATE = 0  # body bytes are buffered (up to ``limit``) for ``__anext__``
-    RELAY = 1  # body bytes go to the sink from ``data_received`` (``relay``)
-
-
-# ``UpstreamResponse.state`` and ``.mode`` hold these plain ints, compared on every read: an enum
-# member's lookup and an IntEnum's comparison each cost more than the int comparison itself.
-# Final literals, so that the compiled build inlines them (a module global is a dict lookup);
-# tests/http/test_pool.py checks that each equals its member.
-HEAD: Final = 0  # ResponseState.HEAD, and ConnectionState.HEAD as well
-BODY: Final = 1  # ResponseState.BODY, and ConnectionState.BODY as well
-ENDED: Final = 2
-COMPLETE: Final = 3
-FAILED: Final = 4
-ITERATE: Final = 0
-RELAY: Final = 1
-
-
-class Reading(Protocol):
-    """What a response needs of its connection (``proxy.http.connection.UpstreamConnection``)."""
-
-    loop: asyncio.AbstractEventLoop
-    paused: bool
-
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    def abort(self) -> None: ...
-
-
-def _never() -> bool:
-    return False
-
-
-def _nowhere(data: bytes) -> bool:
-    raise AssertionError("a body relayed before relay() began")
-
-
-def _ignore(data: bytes) -> None:
-    """A body piece for a response that is over."""
-
-
-class UpstreamResponse:
-    def __init__(self, connection: Reading, method: str, limit: int, inflate: bool) -> None:
-        self.connection = connection  # the one it arrives on, for ``ConnectionPool.release``
-        self._loop = connection.loop
-        self.method = method
-        self.status = 0
-        self.reason = ""
-        self.headers: CIMultiDict[str] = CIMultiDict()
-        # A header value or the reason held bytes that are not UTF-8: see
-        # proxy.request.passthrough.ExactHead.
-        self.escaped = False
-        self.state = HEAD  # a ResponseState, as its int
-        self.error: BaseException | None = None  # why it FAILED
-        self.mode = ITERATE  # a Mode, as its int
-        self.until_close = False  # a body delimited by the connection closing
-        self._limit = limit
-        self._inflate = inflate
-        self._inflater: Inflater | None = None
-        self.head: asyncio.Future[None] = self._loop.create_future()
-        self._chunks: deque[bytes] = deque()  # ITERATE: bytes the consumer has not taken
-        self._buffered = 0
-        self._parked: asyncio.Future[None] | None = None  # the consumer's task, waiting for more
-        self._waiting_since: float | None = None  # ITERATE: when the consumer began to wait
-        self._sink: BodySink = _nowhere  # RELAY: where bytes go as they arrive
-        self._sink_full: Callable[[], bool] = _never
-        self._framed: FramedSink | None = None  # RELAY: where whole chunks go as they came
-        self._out: list[bytes] = []  # RELAY: this read's pieces, written in one go after it
-        self.last_data = 0.0  # RELAY: when bytes last came
-        self._idle = 0.0
-        self._idle_timer: asyncio.TimerHandle | None = None
-        self.on_body: BodyPiece = self._buffer  # a body piece parsed (``_bind_body``)
-
-    def __repr__(self) -> str:
-        state, mode = ResponseState(self.state).name, Mode(self.mode).name
-        return f"<UpstreamResponse {self.method} {self.status} {state} {mode}>"
-
-    @property
-    def content_type(self) -> str:
-        raw = self.headers.get("Content-Type")
-        if not raw:
-            return "application/octet-stream"
-        return raw.split(";", 1)[0].strip().lower()
-
-    @property
-    def content_length(self) -> int | None:
-        """The body's length as the consumer will see it, when known."""
-        raw = self.headers.get("Content-Length")
-        if raw is None or self._inflater is not None:
-            return None
-        try:
-            return int(raw)
-        except ValueError:
-            return None
-
-    # ---- parser side (called from UpstreamConnection.data_received)
-
-    def on_head(self, status: int, until_close: bool) -> None:
-        self.status = status
-        self.until_close = until_close
-        if self._inflate:
-            coding = self.headers.get("Content-Encoding", "").strip().lower()
-            if coding in INFLATED:
-                self._inflater = Inflater(coding)
-                self._bind_body()
-            elif coding not in ("", "identity"):
-                self.fail(BadResponse(f"cannot decode Content-Encoding {coding}"))
-                return
-        if self.state == HEAD:
-            self.state = BODY
-            self.head.set_result(None)
-
-    def _bind_body(self) -> None:
-        """Where body pieces go, chosen when the inflation or the mode is decided, so the
-        per-piece path makes no test: compressed input waits in the inflater (inflated after
-        each read, as far as there is room), a relay's pieces in ``_out``, else the buffer."""
-        if self._inflater is not None:
-            self.on_body = self._inflater.feed
-        elif self.mode == RELAY:
-            self.on_body = self._out.append
-        else:
-            self.on_body = self._buffer
-
-    def _buffer(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > self._limit:
-            self.connection.pause()
-        _wake(self._parked)
-
-    def on_end(self) -> None:
-        """The message's last byte arrived (the connection's end, for a close-delimited body)."""
-        if self.state != BODY:
-            return  # it failed already
-        self.state = ENDED
-        if self._inflater is None:
-            # A relay's last read reaches the sink before the body is complete, so an error the
-            # sink raises on it (a malformed stream) is still this response's failure.
-            self.after_read()
-            self._completed()
-        # else: complete once the last input is inflated (``_pump``)
-
-    def on_close(self, clean: bool) -> None:
-        """The connection is gone (``clean``: without an error): the end of a body delimited
-        by it, or a failure when the message was not over."""
-        state = self.state
-        if state == BODY and self.until_close and clean:
-            self.on_end()
-            self.after_read()
-        elif state == BODY:
-            self.fail(BadResponse("upstream closed the connection mid-body"))
-        elif state == HEAD:
-            self.fail(Disconnected("upstream closed before a response"))
-
-    def after_read(self) -> None:
-        """After one ``data_received``: relayed pieces leave in one write, input is inflated."""
-        if self.mode == RELAY:
-            self.last_data = self._loop.time()
-            out = self._out
-            if out:
-                data = out[0] if len(out) == 1 else b"".join(out)
-                out.clear()
-                self._to_sink(data)
-        if self._inflater is not None:
-            self._pump()
-
-    def on_chunks(self, data: bytes, size: int) -> None:
-        """``data`` is whole chunks of a chunked body, ``size`` body bytes in all (from
-        ``UpstreamConnection.data_received``): written on in their framing where the relay's
-        sink takes it, else handed on piece by piece as the parser would."""
-        framed = self._framed
-        if framed is None:
-            _chunk_pieces(data, self.on_body)
-            return
-        try:
-            full = framed(data, size)
-        except Exception as exc:  # the client is gone: the relay raises it
-            self.fail(exc)
-            return
-        if full:
-            self._wait_for_drain()
-
-    def _to_sink(self, data: bytes) -> None:
-        try:
-            full = self._sink(data)
-        except Exception as exc:  # e.g. a malformed stream: the relay raises it
-            self.fail(exc)
-            return
-        if full:
-            self._wait_for_drain()
-
-    def _wait_for_drain(self) -> None:
-        """The sink is full: reading pauses, and the relay's task wakes to wait for the drain."""
-        self.connection.pause()
-        _wake(self._parked)
-
-    def _pump(self) -> None:
-        """Inflate what the consumer has room for; reading waits while input is left over."""
-        inflater = self._inflater
-        assert inflater is not None
-        try:
-            if self.mode == RELAY:
-                full = self._sink_full
-                while inflater.pending and self.state != FAILED:
-                    if full():
-                        break
-                    data = inflater.read(self._limit)
-                    if data:
-                        self._to_sink(data)
-            else:
-                while inflater.pending and self._buffered < self._limit:
-                    data = inflater.read(self._limit - self._buffered)
-                    if data:
-                        self._chunks.append(data)
-                        self._buffered += len(data)
-                        _wake(self._parked)
-            if inflater.pending:
-                self.connection.pause()
-            elif self.state == ENDED:
-                tail = inflater.close()
-                if tail:
-                    if self.mode == RELAY:
-                        self._to_sink(tail)
-                    else:
-                        self._chunks.append(tail)
-                        self._buffered += len(tail)
-                self._completed()
-        except zlib.error as exc:
-            self.fail(BadResponse(f"bad compressed body: {exc}"))
-
-    def _completed(self) -> None:
-        if self.state == FAILED:
-            return
-        self.state = COMPLETE
-        self._stop_idle()
-        self.on_body = _ignore  # no more pieces come; and the bound ``_buffer`` was a cycle
-        _wake(self._parked)
-
-    def fail(self, exc: BaseException) -> None:
-        if self.state >= COMPLETE:
-            return  # complete, or failed already
-        self.state = FAILED
-        self.error = exc
-        self._stop_idle()
-        self.on_body = _ignore
-        if not self.head.done():
-            self.head.set_exception(exc)
-            self.head.exception()  # retrieved here: the caller may have stopped waiting
-        _wake(self._parked)
-        self.connection.abort()
-
-    def finish(self) -> bool:
-        """The caller is done with this response: its idle clock stops. Whether every body
-        byte was handed on, so that its connection may carry another request."""
-        self._stop_idle()
-        return self.state == COMPLETE
-
-    # ---- head and timeouts
-
-    async def wait_head(self, first_byte: float) -> None:
-        timer = self._loop.call_later(
-            first_byte,
-            self.fail,
-            ResponseTimeout(f"no response head from upstream within {first_byte} s"),
-        )
-        try:
-            await self.head
-        finally:
-            timer.cancel()
-
-    def start_idle(self, idle: float) -> None:
-        self._idle = idle
-        self.last_data = self._loop.time()
-        if self.state < COMPLETE:
-            self._idle_timer = self._loop.call_later(idle, self._check_idle)
-
-    def _stop_idle(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-
-    def _idle_since(self) -> float | None:
-        """When the idle clock started, or None while it is stopped."""
-        if self.state == ENDED:
-            return None  # the upstream said all it had: what is left is the consumer's
-        if self.mode == RELAY:
-            return None if self.connection.paused else self.last_data
-        if self._chunks or self._parked is None:
-            return None  # the consumer is busy elsewhere: not the upstream's silence
-        return self._waiting_since
-
-    def _check_idle(self) -> None:
-        self._idle_timer = None
-        if self.state >= COMPLETE:
-            return
-        since = self._idle_since()
-        now = self._loop.time()
-        if since is not None and now - since >= self._idle:
-            self.fail(ResponseTimeout(f"no data from upstream for {self._idle} s"))
-            return
-        start = since if since is not None else now
-        self._idle_timer = self._loop.call_at(start + self._idle, self._check_idle)
-
-    # ---- iterator mode
-
-    def __aiter__(self) -> UpstreamResponse:
-        return self
-
-    async def __anext__(self) -> bytes:
-        inflater = self._inflater
-        while not self._chunks:
-            state = self.state
-            if state == FAILED:
-                assert self.error is not None
-                raise self.error
-            if inflater is not None and inflater.pending:
-                self._pump()
-                continue
-            if state == COMPLETE:
-                raise StopAsyncIteration
-            self.connection.resume()
-            self._waiting_since = self._loop.time()
-            try:
-                await self._park()
-            finally:
-                self._waiting_since = None
-        chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self._buffered = 0
-        if inflater is None or not inflater.pending:
-            self.connection.resume()
-        return data
-
-    async def read(self, limit: int) -> bytes:
-        return await read_capped(self, limit)
-
-    # ---- relay mode
-
-    async def relay(
-        self,
-        sink: BodySink,
-        paused: Callable[[], bool],
-        drain: Callable[[], Awaitable[None]],
-        framed: FramedSink | None = None,
-    ) -> None:
-        """Hand every body byte to ``sink`` from ``data_received``, until the body ends.
-
-        ``sink`` returns whether its buffer is full after the write, and ``paused`` says the
-        same between writes; reading then pauses, this task awaits ``drain()`` and
-        resumes reading. ``drain`` must suspend until there is room, or raise (the sink's
-        client is gone, which ends the relay at once): one that returns at once while the
-        sink stays full would spin this loop and freeze the event loop. Raises the body's
-        failure; cancelling it aborts the connection.
-
-        With ``framed`` (a sink writing to a client in chunked framing), a read that is whole
-        chunks of an uncompressed chunked body goes there as it came: neither parsed into
-        pieces nor framed again.
-        """
-        self.mode = RELAY
-        self._bind_body()
-        self._sink = sink
-        self._sink_full = paused
-        self._framed = framed if self._inflater is None else None
-        if self._chunks:  # anything read before the relay began
-            data = b"".join(self._chunks)
-            self._chunks.clear()
-            self._buffered = 0
-            if self.state == COMPLETE:
-                sink(data)  # the whole body came first: an error the sink raises is raised here
-            else:
-                self._to_sink(data)
-        inflater = self._inflater
-        while True:
-            state = self.state
-            if state == FAILED:
-                assert self.error is not None
-                raise self.error
-            if state == COMPLETE:
-                return
-            if paused():
-                self.connection.pause()
-                await drain()
-                self.last_data = self._loop.time()  # the idle clock stood still meanwhile
-                continue
-            if inflater is not None and inflater.pending:
-                self._pump()
-                continue
-            self.connection.resume()
-            await self._park()
-
-    async def _park(self) -> None:
-        """Until the parser side has more for the consumer, the body ends, or it fails."""
-        self._parked = self._loop.create_future()
-        try:
-            await self._parked
-        finally:
-            self._parked = None
-
-
-async def read_capped(body: AsyncIterator[bytes], limit: int) -> bytes:
-    """A whole body; ``BodyTooLong`` the moment it grows past ``limit`` bytes."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in body:
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLong(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-# ---- the connection
-
+from proxy.http.chunks import whole_chunks
+from proxy.http.errors import BadResponse
+from proxy.http.response import UpstreamResponse
 
 MAX_HEAD = 256 * 1024  # status line and headers together, interim (1xx) heads included
 _NO_BODY_STATUS = frozenset({204, 304})
@@ -513,8 +56,11 @@ class ConnectionState(IntEnum):
     CLOSED = 5  # the server sent its EOF, the transport is gone, or this side aborted
 
 
-# ``UpstreamConnection.state`` holds these plain ints, as a response's state (above); HEAD and
-# BODY are the same two numbers there.
+# ``UpstreamConnection.state`` holds these plain ints, compared on every read (as a response's
+# state does, proxy.http.response): Final, so that the compiled build inlines them;
+# tests/http/test_pool.py checks that each equals its member.
+HEAD: Final = 0
+BODY: Final = 1
 IDLE: Final = 2
 REUSABLE: Final = 3
 SPENT: Final = 4
@@ -660,7 +206,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._recent = data if len(data) >= 8 else self._recent[-8:] + data
         error: BaseException | None = None
         try:
-            if state == BODY and self._at_boundary and (size := _whole_chunks(data)) > 0:
+            if state == BODY and self._at_boundary and (size := whole_chunks(data)) > 0:
                 # Nothing but whole chunks, from where the parser stands between two: it would
                 # stand there again after them, so it need not see them.
                 response.on_chunks(data, size)
@@ -826,58 +372,6 @@ class UpstreamConnection(asyncio.Protocol):
         what it has and fails no further when the transport goes."""
         self.response = None
         self.abort()
-
-
-_MAX_CHUNK_DIGITS: Final = 8  # a longer chunk size is the parser's to judge
-
-
-def _whole_chunks(data: bytes) -> int:
-    """The body bytes in ``data`` when it is nothing but whole chunks, each ``HEX CRLF data
-    CRLF`` with no extension, none the last (zero-sized) chunk; else 0, and the parser reads
-    it. What passes here is a part of the chunked framing the parser accepts."""
-    end = len(data)
-    at = 0
-    total = 0
-    while at < end:
-        size = 0
-        start = at
-        while at < end and at - start <= _MAX_CHUNK_DIGITS:
-            c = data[at]
-            if 48 <= c <= 57:  # 0-9
-                size = size * 16 + c - 48
-            elif 97 <= c <= 102:  # a-f
-                size = size * 16 + c - 87
-            elif 65 <= c <= 70:  # A-F
-                size = size * 16 + c - 55
-            else:
-                break
-            at += 1
-        if size == 0 or at - start > _MAX_CHUNK_DIGITS:
-            return 0
-        if at + 2 > end or data[at] != 13 or data[at + 1] != 10:
-            return 0
-        at += 2 + size
-        if at + 2 > end or data[at] != 13 or data[at + 1] != 10:
-            return 0
-        at += 2
-        total += size
-    return total
-
-
-def _chunk_pieces(data: bytes, into: BodyPiece) -> None:
-    """Each chunk's data of ``data``, which ``_whole_chunks`` passed, to ``into``."""
-    at = 0
-    end = len(data)
-    while at < end:
-        size = 0
-        c = data[at]
-        while c != 13:
-            size = size * 16 + (c - 48 if c <= 57 else (c | 32) - 87)
-            at += 1
-            c = data[at]
-        at += 2
-        into(data[at : at + size])
-        at += size + 2
 
 
 def _crlf_after_end(data: bytes, own: int | None) -> bool:

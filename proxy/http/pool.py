@@ -1,5 +1,5 @@
 """Keep-alive HTTP/1.1 connections to the upstreams, http and https alike; the proxy's only
-upstream client (``proxy.http.connection`` per connection and its answer).
+upstream client (``proxy.http.connection`` per connection, ``proxy.http.response`` per answer).
 
 A request is sent once: a failure is the caller's to retry or not (``retry_on``), so the pool
 never repeats one behind its back, with one exception: a safe request (GET, HEAD, OPTIONS,
@@ -21,13 +21,9 @@ from collections.abc import Mapping
 from multidict import CIMultiDict
 
 from proxy.core.url import Origin, parse_origin
-from proxy.http.connection import (
-    ConnectionState,
-    UpstreamConnection,
-    UpstreamResponse,
-    request_head,
-)
+from proxy.http.connection import ConnectionState, UpstreamConnection, request_head
 from proxy.http.errors import ClientClosed, ConnectFailed, ConnectTimeout, Disconnected
+from proxy.http.response import UpstreamResponse
 from proxy.observe.log import log_event
 
 BODY_BUFFER = 64 * 1024  # bytes read ahead of the consumer at most, inflated bytes included

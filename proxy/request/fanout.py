@@ -3,7 +3,7 @@
 The I/O shell around ``plan`` and ``stitch``: children run as tasks, each taking its own upstream
 slot; every pending child is cancelled (its connection closed, its slot or place in line given
 back) in a ``finally``, so nothing generates for a client that is gone. A stream's children hand
-their events to its one writer (``proxy.request.sink.merge``, compiled) through its mailbox.
+their events to its one writer (``proxy.request.writer.merge``, compiled) through its mailbox.
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from proxy.config.models import Config, Upstream
 from proxy.core.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
 from proxy.core.plan import Plan
 from proxy.core.sse import MAX_EVENT_BYTES, SSEDecoder
-from proxy.core.stitch import (
-    StreamStitcher,
-    finish_reasons,
-    stitch_json,
-)
+from proxy.core.stitch import StreamStitcher, finish_reasons, stitch_json
 from proxy.http import HTTPClientError
 from proxy.observe.record import ChildRecord, RequestRecord
-from proxy.request.sink import Mailbox, client_sink, merge
+from proxy.request.mailbox import Mailbox
+from proxy.request.sink import client_sink
+from proxy.request.writer import merge
 from proxy.upstream.service import Exchange, Ticket, UpstreamRequest, Upstreams, upstream_error
 
 T = TypeVar("T")

@@ -8,8 +8,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.observe.metrics import Metrics
-from proxy.request.handler import Generations, InFlight
+from proxy.request.handler import InFlight
 from proxy.request.responses import SERVER
+from proxy.server.generations import Generations
 from proxy.upstream.service import Upstreams
 
 

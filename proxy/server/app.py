@@ -1,7 +1,7 @@
 """The proxy's aiohttp application: the one handler on every path, the upstreams started and
 stopped with the app, the request record's observers, and the demo notice's header.
 
-What serves a config is a ``Generation`` (``proxy.request.handler``): the config, its
+What serves a config is a ``Generation`` (``proxy.server.generations``): the config, its
 ``Upstreams`` and the handler bound to them, built here; a reload makes a new one current.
 """
 
@@ -20,8 +20,9 @@ from proxy.observe.log import RequestLine
 from proxy.observe.metrics import MULTIPROCESS, Metrics, RequestMetrics
 from proxy.observe.record import Observer, Observers
 from proxy.observe.tracing import Tracing
-from proxy.request.handler import Generation, Generations, Handler, InFlight, server_header
+from proxy.request.handler import Handler, InFlight, server_header
 from proxy.server.connection import EveryPath
+from proxy.server.generations import Generation, Generations
 from proxy.server.memory import Trimmer
 from proxy.upstream.discovery import Resolver
 from proxy.upstream.service import Upstreams

@@ -6,7 +6,7 @@ Drain: readiness fails at once; new connections are still served for ``drain_gra
 all, after which fan-out streams are cut cleanly (one error event and ``[DONE]``).
 
 Reload: the file is read and validated again, as ``check-config`` does; a config that loads
-serves every new request (``proxy.server.app.Generations``) while the requests in flight end on
+serves every new request (``proxy.server.generations.Generations``) while the requests in flight end on
 the old one; one that does not is logged in one line naming its key, and the old one stays.
 """
 
@@ -27,10 +27,11 @@ from proxy.observe.clienterrors import ClientErrors
 from proxy.observe.log import log_event
 from proxy.observe.metrics import Metrics
 from proxy.observe.tracing import tracing_from_env
-from proxy.request.handler import Generations, InFlight
+from proxy.request.handler import InFlight
 from proxy.server.admin import build_admin_app
 from proxy.server.app import GENERATIONS, build_app
 from proxy.server.connection import ClientConnection, ConnectionCap, ErrorPages, Listener
+from proxy.server.generations import Generations
 from proxy.server.memory import settle_collector
 from proxy.upstream.service import Upstreams
 

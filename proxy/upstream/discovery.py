@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable
 from proxy.core.url import parse_origin
 from proxy.observe.log import log_event
 from proxy.observe.metrics import Metrics
-from proxy.upstream.state import UpstreamState, resolved_addresses
+from proxy.upstream.replicas import resolved_addresses
+from proxy.upstream.state import UpstreamState
 
 # (host, port) -> every address it resolves to now; tests inject their own.
 Resolver = Callable[[str, int], Awaitable[list[str]]]

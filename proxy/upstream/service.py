@@ -38,7 +38,10 @@ from proxy.observe.log import log_event, logger
 from proxy.observe.metrics import Metrics
 from proxy.observe.record import ChildRecord
 from proxy.upstream.discovery import Resolver, discover, resolve
-from proxy.upstream.state import Place, Reason, Replica, UpstreamState, Verdict, parse_retry_after
+from proxy.upstream.replicas import Replica
+from proxy.upstream.retry import Reason, Verdict, parse_retry_after
+from proxy.upstream.slots import Place
+from proxy.upstream.state import UpstreamState
 
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 _DISCARD_SECONDS = 1.0  # ... if it comes this soon: a retry must not wait on a stalled body

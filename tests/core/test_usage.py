@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.core.stitch import merge_usage
+from proxy.core.usage import merge_usage
 
 
 def usage(prompt: int, completion: int, **extra: Any) -> dict[str, Any]:

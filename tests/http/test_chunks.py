@@ -12,13 +12,9 @@ import zlib
 import httptools
 import pytest
 
-from proxy.http.connection import (
-    COMPLETE,
-    UpstreamConnection,
-    UpstreamResponse,
-    _chunk_pieces,
-    _whole_chunks,
-)
+from proxy.http.chunks import chunk_pieces, whole_chunks
+from proxy.http.connection import UpstreamConnection
+from proxy.http.response import COMPLETE, UpstreamResponse
 
 HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 CASES = 300  # random bodies, each cut into reads at random places
@@ -62,9 +58,9 @@ def chunk(data: bytes, size_line: bytes | None = None) -> bytes:
 def test_whole_chunks_are_counted_and_cut_as_the_parser_cuts_them(data: bytes) -> None:
     parsed = parse(HEAD + data + b"0\r\n\r\n")
     assert parsed.complete
-    assert _whole_chunks(data) == len(b"".join(parsed.pieces))
+    assert whole_chunks(data) == len(b"".join(parsed.pieces))
     pieces: list[bytes] = []
-    _chunk_pieces(data, pieces.append)
+    chunk_pieces(data, pieces.append)
     assert pieces == parsed.pieces
 
 
@@ -95,7 +91,7 @@ def test_whole_chunks_are_counted_and_cut_as_the_parser_cuts_them(data: bytes) -
     ],
 )
 def test_anything_else_is_left_to_the_parser(data: bytes) -> None:
-    assert _whole_chunks(data) == 0
+    assert whole_chunks(data) == 0
 
 
 class Transport:

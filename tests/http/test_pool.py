@@ -20,14 +20,8 @@ from proxy.http import (
     ResponseTimeout,
     UpstreamResponse,
 )
-from proxy.http.connection import (
-    WRITE_PIECE,
-    ConnectionState,
-    Mode,
-    ResponseState,
-    UpstreamConnection,
-    _crlf_after_end,
-)
+from proxy.http.connection import WRITE_PIECE, ConnectionState, UpstreamConnection, _crlf_after_end
+from proxy.http.response import Mode, ResponseState
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 Serve = Callable[[Handler], Awaitable[tuple["Raw", str]]]
@@ -912,9 +906,11 @@ async def test_a_body_cut_short_fails_the_response_and_closes_the_connection(
 
 
 def test_the_state_numbers_are_their_members_values() -> None:
-    """The connection module compares plain ints on every read: each is its enum member."""
+    """The connection and the response compare plain ints on every read: each is its enum
+    member's value, in the module of its own state machine."""
     from proxy.http import connection as c
+    from proxy.http import response as r
 
-    assert tuple(ResponseState) == (c.HEAD, c.BODY, c.ENDED, c.COMPLETE, c.FAILED)
-    assert tuple(Mode) == (c.ITERATE, c.RELAY)
+    assert tuple(ResponseState) == (r.HEAD, r.BODY, r.ENDED, r.COMPLETE, r.FAILED)
+    assert tuple(Mode) == (r.ITERATE, r.RELAY)
     assert tuple(ConnectionState) == (c.HEAD, c.BODY, c.IDLE, c.REUSABLE, c.SPENT, c.CLOSED)

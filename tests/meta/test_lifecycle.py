@@ -24,7 +24,7 @@ import pytest
 from proxy.server.app import GENERATIONS
 from proxy.devserver import DevConfig, start_devserver
 from proxy.config.models import Listen
-from proxy.request.sink import Mailbox
+from proxy.request.mailbox import Mailbox
 from proxy.server.process import Server
 from tests.support.servers import Backend, proxy_config, start_proxy
 
@@ -182,7 +182,7 @@ def test_leaks_fail_by_name_with_what_was_held_and_clean_tests_pass(
     assert "run_child" in unread
     pending = errors["test_task_of_the_proxy_left_pending"]
     assert "1 tasks of the proxy still pending after the test's fixtures were torn down" in pending
-    assert "proxy/request/sink.py:" in pending
+    assert "proxy/request/mailbox.py:" in pending
     assert "was never shut down" in errors["test_proxy_never_shut_down"]
     # Judged before aiohttp's cleanup cancels the handler, whose finally would hide the leak.
     closed = errors["test_server_closed_mid_request"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.request.sink import Mailbox, PingTimer
+from proxy.request.mailbox import Mailbox, PingTimer
 
 
 async def test_put_blocks_past_the_bound_until_the_writer_takes() -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.upstream.state import (
+from proxy.upstream.replicas import (
     Address,
     Change,
     Ejection,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.upstream.state import Backoff, RetryBudget, RetryPolicy, Verdict, parse_retry_after
+from proxy.upstream.retry import Backoff, RetryBudget, RetryPolicy, Verdict, parse_retry_after
 
 # --- backoff ------------------------------------------------------------------------------------
 

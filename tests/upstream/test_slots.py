@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from proxy.config.models import Config
 from proxy.core.errors import Overloaded
 from proxy.server.app import GENERATIONS
-from proxy.upstream.state import Place, Slots
+from proxy.upstream.slots import Place, Slots
 from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
 CLIENTS = 50

@@ -1,0 +1,55 @@
+"""The children's usage merged into the one a native-n server reports (docs/behaviour.md#usage):
+the prompt counted once per prompt, completion tokens summed over every child. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from proxy.core.plan import is_int, is_number
+
+
+def merge_usage(
+    usages: Sequence[Mapping[str, Any] | None], prompt_heads: Sequence[int]
+) -> dict[str, Any] | None:
+    """Merge per-child usage; ``prompt_heads`` are the positions of each prompt's choice 0.
+
+    The prompt is counted once per prompt (it was processed once by a native-n server), cached
+    tokens are child 0's, completion tokens and their details are summed over every child.
+    """
+    present = [u for u in usages if isinstance(u, Mapping)]
+    if not present:
+        return None
+    merged = dict(present[0])
+    prompt_tokens = 0
+    for head in prompt_heads:
+        usage = usages[head] if head < len(usages) else None
+        if isinstance(usage, Mapping):
+            prompt_tokens += _int(usage.get("prompt_tokens"))
+    completion_tokens = sum(_int(u.get("completion_tokens")) for u in present)
+    merged["prompt_tokens"] = prompt_tokens
+    merged["completion_tokens"] = completion_tokens
+    merged["total_tokens"] = prompt_tokens + completion_tokens
+    details = [u.get("completion_tokens_details") for u in present]
+    if any(isinstance(d, Mapping) for d in details):
+        merged["completion_tokens_details"] = _sum_details(details)
+    return merged
+
+
+def _sum_details(details: Sequence[object]) -> dict[str, Any]:
+    total: dict[str, Any] = {}
+    for detail in details:
+        if not isinstance(detail, Mapping):
+            continue
+        for key, value in detail.items():
+            if is_number(value):
+                previous = total.get(key)
+                total[key] = (previous if is_number(previous) else 0) + value
+            else:
+                total.setdefault(key, value)
+    return total
+
+
+def _int(value: object) -> int:
+    return value if is_int(value) else 0

@@ -1,0 +1,107 @@
+"""What serves a config: a ``Generation`` holds the config, its ``Upstreams`` and the ``Handler``
+bound to them. A reload (``Generations.replace``) makes a new one current: a request keeps the
+generation it began in to its end, and an old generation's upstreams (health checks, discovery,
+connection pool) are closed once its last request is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from proxy.config.models import Config
+from proxy.request.handler import Handler, Requests
+from proxy.upstream.service import Upstreams
+
+# A new generation's first health round is awaited this long at most before it takes requests,
+# so that a reload does not make /readyz fail while its checks are under way.
+_FIRST_HEALTH_SECONDS = 5.0
+
+
+@dataclass(eq=False)
+class Generation:
+    """One loaded config and what serves it; counts the requests that began in it."""
+
+    config: Config
+    upstreams: Upstreams
+    handler: Handler
+    begun: Requests = field(default_factory=Requests)
+
+
+class Generations:
+    """The current generation, and the older ones whose requests are still running."""
+
+    def __init__(self, build: Callable[[Config], Generation], config: Config) -> None:
+        self._build = build
+        self.current = build(config)
+        self.retiring: list[Generation] = []
+        self._retirements: set[asyncio.Task[None]] = set()
+
+    @property
+    def config(self) -> Config:
+        return self.current.config
+
+    @property
+    def upstreams(self) -> Upstreams:
+        """The current generation's: where new requests go."""
+        return self.current.upstreams
+
+    def __iter__(self) -> Iterator[Generation]:
+        yield self.current
+        yield from self.retiring
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """Every generation's background loops, and the waits to close the old ones."""
+        own: set[asyncio.Task[None]] = set(self._retirements)
+        for generation in self:
+            own |= set(generation.upstreams.loops)
+        return own
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        generation = self.current  # read once: the request ends in the generation it began in
+        generation.begun.enter()
+        try:
+            return await generation.handler.handle(request)
+        finally:
+            generation.begun.leave()
+
+    async def replace(self, config: Config) -> None:
+        """``config`` serves every request from now on, once its upstreams had a health round
+        (or ``_FIRST_HEALTH_SECONDS``); the generation it replaces retires."""
+        new = self._build(config)
+        try:
+            await new.upstreams.start()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_FIRST_HEALTH_SECONDS):
+                    await new.upstreams.health_checked.wait()
+        except BaseException:
+            await new.upstreams.close()
+            raise
+        old, self.current = self.current, new
+        self.retiring.append(old)
+        task = asyncio.create_task(self._retire(old))
+        self._retirements.add(task)
+        task.add_done_callback(self._retirements.discard)
+
+    async def retired(self) -> None:
+        """Until every old generation's last request ended and its upstreams were closed."""
+        await asyncio.gather(*self._retirements)
+
+    async def _retire(self, old: Generation) -> None:
+        await old.begun.wait_idle()
+        await old.upstreams.close()
+        self.retiring.remove(old)
+
+    async def close(self) -> None:
+        """Every generation's upstreams closed (at shutdown: no request is left)."""
+        for task in list(self._retirements):
+            task.cancel()
+        await asyncio.gather(*self._retirements, return_exceptions=True)
+        # Idempotent: one whose retirement was cut short is closed again. The retired stay
+        # listed, so that a census after the shutdown still sees what they held.
+        for generation in [*self.retiring, self.current]:
+            await generation.upstreams.close()
