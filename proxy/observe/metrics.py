@@ -1,8 +1,7 @@
 """Prometheus metrics of one proxy instance (its own registry, so tests can run several).
 
-What moves on every request is a plain Python number read at scrape time (the plain counts
-below, through one ``Collector``): prometheus-client's own metric objects take a lock on every
-update (1.6 µs an ``observe``), these cost an add or two. Under ``--workers`` (multiprocess mode)
+What moves on every request is a plain Python number read at scrape time (the plain counts of
+``proxy.observe.plain``, through one ``Collector``). Under ``--workers`` (multiprocess mode)
 those families are prometheus-client's instead, so every worker's files add up. Labelled families
 start at zero for every label set known up front.
 """
@@ -10,9 +9,8 @@ start at zero for every label set known up front.
 from __future__ import annotations
 
 import os
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from prometheus_client import (
@@ -26,9 +24,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import (
-    CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -36,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from proxy.core.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.observe.census import GAUGES
+from proxy.observe.plain import Count, Observe, PlainCounter, PlainHistogram
 from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
 if TYPE_CHECKING:
@@ -75,110 +72,6 @@ UPSTREAM_OUTCOMES = ("2xx", "3xx", "4xx", "5xx", "timeout", "unreachable")
 # client's words.
 PROTOCOL_ERROR_KINDS = ("request_line", "header", "too_long", "body", "other")
 _STATUS_CLASSES = ("other", "other", "2xx", "3xx", "4xx", "5xx", "other", "other", "other", "other")
-
-
-# ---- plain counts: counters and histograms that are Python numbers, turned into metric
-# families only when scraped (one process only; ``--workers`` uses prometheus-client's).
-
-
-class Count(Protocol):
-    def inc(self, amount: float = 1) -> None: ...
-
-
-class Observe(Protocol):
-    def observe(self, amount: float) -> None: ...
-
-
-class _Count:
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1) -> None:
-        self.value += amount
-
-
-class _Spread:
-    """A histogram's buckets as plain counts; cumulated only when scraped."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, amount: float) -> None:
-        # bisect_left: the first bound >= amount, Prometheus's `le`.
-        self.counts[bisect_left(self.bounds, amount)] += 1
-        self.sum += amount
-
-
-class _Family:
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-
-
-class PlainCounter(_Family):
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        super().__init__(name, documentation, labelnames)
-        self._children: dict[tuple[str, ...], _Count] = {}
-        if not self.labelnames:
-            self.labels()  # exported at zero from the start, as prometheus-client does
-
-    def labels(self, *values: str) -> _Count:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = _Count()
-        return child
-
-    def inc(self, amount: float = 1) -> None:
-        self.labels().inc(amount)
-
-    def collect(self) -> Metric:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in list(self._children.items()):
-            family.add_metric(values, child.value)
-        return family
-
-
-class PlainHistogram(_Family):
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str],
-        buckets: Sequence[float],
-    ) -> None:
-        super().__init__(name, documentation, labelnames)
-        self.bounds = tuple(float(b) for b in buckets)
-        self._children: dict[tuple[str, ...], _Spread] = {}
-        if not self.labelnames:
-            self.labels()
-
-    def labels(self, *values: str) -> _Spread:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = _Spread(self.bounds)
-        return child
-
-    def observe(self, amount: float) -> None:
-        self.labels().observe(amount)
-
-    def collect(self) -> Metric:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        names = [*(str(b) for b in self.bounds), "+Inf"]
-        for values, child in list(self._children.items()):
-            total = 0
-            buckets = []
-            for name, count in zip(names, child.counts, strict=True):
-                total += count
-                buckets.append((name, float(total)))
-            family.add_metric(list(values), buckets, child.sum)
-        return family
 
 
 class _PlainCollector(Collector):

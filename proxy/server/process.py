@@ -6,8 +6,8 @@ Drain: readiness fails at once; new connections are still served for ``drain_gra
 all, after which fan-out streams are cut cleanly (one error event and ``[DONE]``).
 
 Reload: the file is read and validated again, as ``check-config`` does; a config that loads
-serves every new request (``proxy.server.generations.Generations``) while the requests in flight end on
-the old one; one that does not is logged in one line naming its key, and the old one stays.
+serves every new request (``proxy.server.generations``) while the requests in flight end on the
+old one; one that does not is logged in one line naming its key, and the old one stays.
 """
 
 from __future__ import annotations

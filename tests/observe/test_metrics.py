@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from proxy.config.models import parse_config
-from proxy.observe.metrics import PROTOCOL_ERROR_KINDS, PlainCounter, PlainHistogram
+from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
+from proxy.observe.plain import PlainCounter, PlainHistogram
 from proxy.server.process import Server
 from tests.support.ports import free_port
 from tests.support.servers import Backend
