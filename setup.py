@@ -4,7 +4,7 @@ The modules in ``COMPILED`` are the typed pure core and wire code every relayed 
 chunk runs through. ``N_PROXY_PURE=1`` builds without them; a machine where mypyc or the C
 compiler fails gets the pure package too, with one line saying why. Either way the same
 ``.py`` files are installed, so the compiled modules always have their fallback beside them
-(``proxy.server.process.stream_path_compiled()`` says which one runs).
+(``proxy.http.stream_path_compiled()`` says which one runs).
 """
 
 from __future__ import annotations

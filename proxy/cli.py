@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import orjson
 
 from proxy import __version__
-from proxy.config.models import (
+from proxy.config import (
     MAX_N_CEILING,
     Config,
     ConfigError,
@@ -23,14 +23,16 @@ from proxy.config.models import (
     load_config,
     single_upstream_config,
 )
-from proxy.observe.log import LEVELS, setup_logging
-from proxy.server.process import Server, install_uvloop, run
-from proxy.server.workers import (
+from proxy.observe import LEVELS, setup_logging
+from proxy.server import (
     WORKER_MEMORY_BYTES,
     MiB,
+    Server,
     auto_workers,
     check_worker_count,
+    install_uvloop,
     max_workers,
+    run,
     run_workers,
 )
 

@@ -17,7 +17,7 @@ import pytest
 
 import proxy as package_root
 from proxy.config.models import Config, single_upstream_config
-from proxy.server.process import stream_path_compiled
+from proxy.http import stream_path_compiled
 from proxy.upstream.service import Upstreams
 from tests.support.logs import LogCapture, capture_logs
 from tests.support.rawupstream import RawUpstream

@@ -8,8 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, PlainValidator, ValidationInfo, WithJsonSchema
 
-from proxy.core.plan import is_int
-from proxy.core.url import check_url
+from proxy.core import check_url, is_int
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 

@@ -32,8 +32,7 @@ from proxy.config.fields import (
     UrlPath,
     ranged,
 )
-from proxy.core.plan import endpoint_of
-from proxy.core.url import check_url
+from proxy.core import check_url, endpoint_of
 
 MAX_N_CEILING = 128  # the OpenAI API's own bound on n
 DEFAULT_FANOUT_PATHS = ("/v1/chat/completions", "/v1/completions", "/inference/v1/generate")

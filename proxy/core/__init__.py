@@ -1,3 +1,74 @@
 """The pure core: planning children, SSE, stitching, byte templates, usage, the header and JSON
 rules, the proxy's errors. No I/O: bytes and dicts in and out.
 """
+
+from proxy.core.encoding import INFLATED, Inflater, content_codings, inflate
+from proxy.core.errors import (
+    BodyTooLarge,
+    ChildFailed,
+    ClientGone,
+    InvalidRequest,
+    Overloaded,
+    ProxyError,
+    RequestTimeout,
+    UnsupportedEncoding,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    error_body,
+    status_type,
+)
+from proxy.core.headers import (
+    child_headers,
+    client_request_id,
+    rebased_headers,
+    request_headers,
+    response_headers,
+)
+from proxy.core.plan import Endpoint, Plan, endpoint_of, is_int, parse_body, plan_request
+from proxy.core.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
+from proxy.core.stitch import StreamError, StreamStitcher, error_event, finish_reasons, stitch_json
+from proxy.core.url import Origin, at_address, authority, check_url, parse_origin, tls_name
+
+__all__ = [
+    "INFLATED",
+    "MAX_EVENT_BYTES",
+    "BodyTooLarge",
+    "ChildFailed",
+    "ClientGone",
+    "Endpoint",
+    "Inflater",
+    "InvalidRequest",
+    "Origin",
+    "Overloaded",
+    "Plan",
+    "ProxyError",
+    "RawEvent",
+    "RequestTimeout",
+    "SSEDecoder",
+    "StreamError",
+    "StreamStitcher",
+    "UnsupportedEncoding",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+    "at_address",
+    "authority",
+    "check_url",
+    "child_headers",
+    "client_request_id",
+    "content_codings",
+    "endpoint_of",
+    "error_body",
+    "error_event",
+    "finish_reasons",
+    "inflate",
+    "is_int",
+    "parse_body",
+    "parse_origin",
+    "plan_request",
+    "rebased_headers",
+    "request_headers",
+    "response_headers",
+    "status_type",
+    "stitch_json",
+    "tls_name",
+]

@@ -10,7 +10,7 @@ from proxy.devserver.config import DEFAULT_CONFIG, DEV_CONFIG, DevConfig
 from proxy.devserver.generation import handle_generation
 from proxy.devserver.routes import debug_state, echo, embeddings, health, metrics, models
 from proxy.devserver.state import DEV_STATE, DevState
-from proxy.server.backlog import listen_backlog
+from proxy.server import listen_backlog
 
 
 def build_app(config: DevConfig = DEFAULT_CONFIG) -> web.Application:

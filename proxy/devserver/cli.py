@@ -8,7 +8,7 @@ from aiohttp import web
 
 from proxy.devserver.app import build_app
 from proxy.devserver.config import DevConfig
-from proxy.server.backlog import listen_backlog
+from proxy.server import listen_backlog
 
 
 def parser() -> argparse.ArgumentParser:

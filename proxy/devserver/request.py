@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.core.plan import is_int
+from proxy.core import is_int
 from proxy.devserver.config import DevConfig
 from proxy.devserver.faults import FAULTS, Knobs
 from proxy.devserver.model import STOP_MIN_MAX_TOKENS

@@ -3,6 +3,7 @@ from the protocol, keep-alive pooling. It knows nothing of LLMs, n or replicas, 
 aiohttp: its failures are its own (``proxy.http.errors``).
 """
 
+from proxy.http.connection import stream_path_compiled
 from proxy.http.errors import (
     BadResponse,
     BodyTooLong,
@@ -27,4 +28,5 @@ __all__ = [
     "HTTPClientError",
     "ResponseTimeout",
     "UpstreamResponse",
+    "stream_path_compiled",
 ]

@@ -422,3 +422,9 @@ def request_head(
     lines.append("\r\n")
     # aiohttp's server decodes header bytes as UTF-8 with surrogate escapes: this is the inverse.
     return "".join(lines).encode("utf-8", "surrogateescape")
+
+
+def stream_path_compiled() -> bool:
+    """Whether the modules every relayed or stitched chunk runs through are the mypyc build's
+    (setup.py ``COMPILED``): each is compiled, or none is, so this module's own file tells."""
+    return not __file__.endswith(".py")

@@ -20,11 +20,11 @@ from collections.abc import Mapping
 
 from multidict import CIMultiDict
 
-from proxy.core.url import Origin, parse_origin
+from proxy.core import Origin, parse_origin
 from proxy.http.connection import ConnectionState, UpstreamConnection, request_head
 from proxy.http.errors import ClientClosed, ConnectFailed, ConnectTimeout, Disconnected
 from proxy.http.response import UpstreamResponse
-from proxy.observe.log import log_event
+from proxy.observe import log_event
 
 BODY_BUFFER = 64 * 1024  # bytes read ahead of the consumer at most, inflated bytes included
 # An idle pooled connection older than this is closed, not reused: below uvicorn's (and so

@@ -26,7 +26,7 @@ from typing import Final, Protocol
 
 from multidict import CIMultiDict
 
-from proxy.core.encoding import INFLATED, Inflater
+from proxy.core import INFLATED, Inflater
 from proxy.http.chunks import BodyPiece, chunk_pieces
 from proxy.http.errors import BadResponse, BodyTooLong, Disconnected, ResponseTimeout
 

@@ -30,13 +30,13 @@ from prometheus_client.core import (
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from proxy.core.errors import UpstreamTimeout, UpstreamUnavailable
+from proxy.core import UpstreamTimeout, UpstreamUnavailable
 from proxy.observe.census import GAUGES
 from proxy.observe.plain import Count, Observe, PlainCounter, PlainHistogram
 from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
 if TYPE_CHECKING:
-    from proxy.config.models import Config
+    from proxy.config import Config
     from proxy.observe.census import Census
 
 # Set by ``--workers``: every worker writes its values there and /metrics adds them up.

@@ -17,7 +17,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from proxy.core.plan import endpoint_of
+from proxy.core import endpoint_of
 from proxy.observe.log import log_event
 from proxy.observe.record import ChildRecord, Observer, RequestRecord
 

@@ -1,3 +1,16 @@
 """One client request: the handler that decides, the pass-through relay, the fan-out and its stream
 writer, and the answers the proxy writes itself.
 """
+
+from proxy.request.handler import Handler, InFlight, Requests, server_header
+from proxy.request.responses import SERVER, error_page, status_response
+
+__all__ = [
+    "SERVER",
+    "Handler",
+    "InFlight",
+    "Requests",
+    "error_page",
+    "server_header",
+    "status_response",
+]

@@ -18,17 +18,25 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.config.models import Config, Upstream
-from proxy.core.errors import ChildFailed, InvalidRequest, ProxyError, UpstreamUnavailable
-from proxy.core.plan import Plan
-from proxy.core.sse import MAX_EVENT_BYTES, SSEDecoder
-from proxy.core.stitch import StreamStitcher, finish_reasons, stitch_json
+from proxy.config import Config, Upstream
+from proxy.core import (
+    MAX_EVENT_BYTES,
+    ChildFailed,
+    InvalidRequest,
+    Plan,
+    ProxyError,
+    SSEDecoder,
+    StreamStitcher,
+    UpstreamUnavailable,
+    finish_reasons,
+    stitch_json,
+)
 from proxy.http import HTTPClientError
-from proxy.observe.record import ChildRecord, RequestRecord
+from proxy.observe import ChildRecord, RequestRecord
 from proxy.request.mailbox import Mailbox
 from proxy.request.sink import client_sink
 from proxy.request.writer import merge
-from proxy.upstream.service import Exchange, Ticket, UpstreamRequest, Upstreams, upstream_error
+from proxy.upstream import Exchange, Ticket, UpstreamRequest, Upstreams, upstream_error
 
 T = TypeVar("T")
 # The upstream client stops reading a child's socket once it buffers twice this (inflated bytes

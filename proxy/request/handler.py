@@ -18,26 +18,30 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy.config.models import Config, Upstream
-from proxy.core.encoding import content_codings, inflate
-from proxy.core.errors import (
+from proxy.config import Config, Upstream
+from proxy.core import (
     BodyTooLarge,
     ChildFailed,
+    Endpoint,
     InvalidRequest,
+    Plan,
     ProxyError,
     RequestTimeout,
     UnsupportedEncoding,
+    child_headers,
+    client_request_id,
+    content_codings,
+    endpoint_of,
+    inflate,
+    parse_body,
+    plan_request,
 )
-from proxy.core.headers import child_headers, client_request_id
-from proxy.core.plan import Endpoint, Plan, endpoint_of, parse_body, plan_request
-from proxy.observe.clienterrors import ClientErrors, kind_of
-from proxy.observe.metrics import Metrics
-from proxy.observe.record import Observers, RequestRecord
+from proxy.observe import ClientErrors, Metrics, Observers, RequestRecord, kind_of
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
 from proxy.request.models import MODELS_PATH, list_models, merges_models
 from proxy.request.passthrough import UPSTREAM_SERVER, pass_through
 from proxy.request.responses import SERVER, child_failed_response, error_response
-from proxy.upstream.service import Upstreams
+from proxy.upstream import Upstreams
 
 
 class Requests:

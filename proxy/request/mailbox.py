@@ -11,7 +11,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from proxy.core.sse import RawEvent, SSEDecoder
+from proxy.core import RawEvent, SSEDecoder
 
 # A child's events, a comment line it sent, a failure, or None: the child ended cleanly.
 Item = list[RawEvent] | bytes | BaseException | None

@@ -12,13 +12,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from proxy.config.models import Upstream
-from proxy.core.errors import ProxyError, UpstreamUnavailable
-from proxy.core.headers import request_headers
-from proxy.observe.log import log_event
-from proxy.observe.record import Observers, RequestRecord
+from proxy.config import Upstream
+from proxy.core import ProxyError, UpstreamUnavailable, request_headers
+from proxy.observe import Observers, RequestRecord, log_event
 from proxy.request.responses import error_response
-from proxy.upstream.service import UpstreamRequest, Upstreams
+from proxy.upstream import UpstreamRequest, Upstreams
 
 MODELS_PATH = "/v1/models"
 _QUIET = Observers(())  # each upstream's ask is part of the one request the client made

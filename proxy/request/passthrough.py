@@ -8,13 +8,12 @@ import re
 
 from aiohttp import web
 
-from proxy.config.models import Upstream
-from proxy.core.errors import ClientGone
-from proxy.core.headers import request_headers, response_headers
+from proxy.config import Upstream
+from proxy.core import ClientGone, request_headers, response_headers
 from proxy.http import HTTPClientError
-from proxy.observe.record import RequestRecord
+from proxy.observe import RequestRecord
 from proxy.request.sink import client_sink
-from proxy.upstream.service import Exchange, UpstreamRequest, Upstreams
+from proxy.upstream import Exchange, UpstreamRequest, Upstreams
 
 UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)  # a pass-through keeps that header
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent

@@ -10,13 +10,7 @@ from http import HTTPStatus
 import orjson
 from aiohttp import web
 
-from proxy.core.errors import (
-    ChildFailed,
-    Overloaded,
-    ProxyError,
-    error_body,
-    status_type,
-)
+from proxy.core import ChildFailed, Overloaded, ProxyError, error_body, status_type
 
 SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohttp/x.y"
 

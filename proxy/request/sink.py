@@ -18,8 +18,8 @@ from typing import NamedTuple, Protocol
 
 from aiohttp import web
 
-from proxy.core.errors import ClientGone
-from proxy.observe.record import RequestRecord
+from proxy.core import ClientGone
+from proxy.observe import RequestRecord
 
 
 class Sink(NamedTuple):

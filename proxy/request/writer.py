@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from time import perf_counter
 
-from proxy.core.errors import ChildFailed, ProxyError
-from proxy.core.stitch import StreamError, StreamStitcher, error_event
-from proxy.observe.record import RequestRecord
+from proxy.core import ChildFailed, ProxyError, StreamError, StreamStitcher, error_event
+from proxy.observe import RequestRecord
 from proxy.request.mailbox import MAX_COMMENT_BYTES, PING, Mailbox, PingTimer
 from proxy.request.sink import Sink
 

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from proxy.observe.metrics import Metrics
-from proxy.request.handler import InFlight
-from proxy.request.responses import SERVER
+from proxy.observe import Metrics
+from proxy.request import SERVER, InFlight
 from proxy.server.generations import Generations
-from proxy.upstream.service import Upstreams
+from proxy.upstream import Upstreams
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,24 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from proxy.config.models import Config
-from proxy.observe.census import Census, UpstreamCensus
-from proxy.observe.clienterrors import ClientErrors
-from proxy.observe.log import RequestLine
-from proxy.observe.metrics import MULTIPROCESS, Metrics, RequestMetrics
-from proxy.observe.record import Observer, Observers
-from proxy.observe.tracing import Tracing
-from proxy.request.handler import Handler, InFlight, server_header
+from proxy.config import Config
+from proxy.observe import (
+    MULTIPROCESS,
+    Census,
+    ClientErrors,
+    Metrics,
+    Observer,
+    Observers,
+    RequestLine,
+    RequestMetrics,
+    Tracing,
+    UpstreamCensus,
+)
+from proxy.request import Handler, InFlight, server_header
 from proxy.server.connection import EveryPath
 from proxy.server.generations import Generation, Generations
 from proxy.server.memory import Trimmer
-from proxy.upstream.discovery import Resolver
-from proxy.upstream.service import Upstreams
+from proxy.upstream import Resolver, Upstreams
 
 DEMO_HEADER = "X-N-Proxy-Demo"
 _SAMPLE_SECONDS = 1.0  # --workers: how often each worker writes its queue depths for /metrics

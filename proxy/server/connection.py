@@ -17,11 +17,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
-from proxy.config.models import Config
-from proxy.core.errors import InvalidRequest, RequestTimeout
-from proxy.observe.clienterrors import ClientErrors, kind_of, lacks_version
-from proxy.observe.metrics import Metrics
-from proxy.request.responses import error_page, status_response
+from proxy.config import Config
+from proxy.core import InvalidRequest, RequestTimeout
+from proxy.observe import ClientErrors, Metrics, kind_of, lacks_version
+from proxy.request import error_page, status_response
 from proxy.server.backlog import listen_backlog
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from proxy.config.models import Config
-from proxy.request.handler import Handler, Requests
-from proxy.upstream.service import Upstreams
+from proxy.config import Config
+from proxy.request import Handler, Requests
+from proxy.upstream import Upstreams
 
 # A new generation's first health round is awaited this long at most before it takes requests,
 # so that a reload does not make /readyz fail while its checks are under way.

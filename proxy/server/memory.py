@@ -19,7 +19,7 @@ import ctypes.util
 import gc
 from collections.abc import Callable
 
-from proxy.observe.record import LargeRequest, RequestRecord
+from proxy.observe import LargeRequest, RequestRecord
 
 LARGE_BODY = 1 << 20  # request bytes
 LARGE_FANOUT = 256  # children

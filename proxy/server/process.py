@@ -21,19 +21,16 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-import proxy.http.connection as connection_module
-from proxy.config.models import Config, ConfigError
-from proxy.observe.clienterrors import ClientErrors
-from proxy.observe.log import log_event
-from proxy.observe.metrics import Metrics
-from proxy.observe.tracing import tracing_from_env
-from proxy.request.handler import InFlight
+from proxy.config import Config, ConfigError
+from proxy.http import stream_path_compiled
+from proxy.observe import ClientErrors, Metrics, log_event, tracing_from_env
+from proxy.request import InFlight
 from proxy.server.admin import build_admin_app
 from proxy.server.app import GENERATIONS, build_app
 from proxy.server.connection import ClientConnection, ConnectionCap, ErrorPages, Listener
 from proxy.server.generations import Generations
 from proxy.server.memory import settle_collector
-from proxy.upstream.service import Upstreams
+from proxy.upstream import Upstreams
 
 _CUT_GRACE = 1.0  # seconds for cut streams to write their last event before sockets close
 _FLUSH_SECONDS = 5.0  # spans batched at shutdown get what is left of the drain, up to this
@@ -226,12 +223,6 @@ def install_uvloop() -> None:
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-
-
-def stream_path_compiled() -> bool:
-    """Whether the modules every relayed or stitched chunk runs through are the mypyc build's
-    (setup.py ``COMPILED``): each is compiled, or none is."""
-    return not (connection_module.__file__ or "").endswith(".py")
 
 
 def _port(runner: web.AppRunner) -> int:

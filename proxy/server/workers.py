@@ -25,8 +25,8 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from types import FrameType
 
-from proxy.config.models import Config, ConfigError
-from proxy.observe.log import setup_logging
+from proxy.config import Config, ConfigError
+from proxy.observe import setup_logging
 from proxy.server.process import Loader, Server, install_uvloop, run
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"

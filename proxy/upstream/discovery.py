@@ -8,9 +8,8 @@ import contextlib
 import socket
 from collections.abc import Awaitable, Callable
 
-from proxy.core.url import parse_origin
-from proxy.observe.log import log_event
-from proxy.observe.metrics import Metrics
+from proxy.core import parse_origin
+from proxy.observe import Metrics, log_event
 from proxy.upstream.replicas import resolved_addresses
 from proxy.upstream.state import UpstreamState
 

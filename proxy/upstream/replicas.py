@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.core.url import at_address, authority, tls_name
+from proxy.core import at_address, authority, tls_name
 
 
 @dataclass(frozen=True)

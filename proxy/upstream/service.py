@@ -22,9 +22,8 @@ from typing import Literal, NamedTuple
 
 from multidict import CIMultiDict
 
-from proxy.config.models import Config, Upstream
-from proxy.core.errors import Overloaded, UpstreamTimeout, UpstreamUnavailable
-from proxy.core.headers import rebased_headers
+from proxy.config import Config, Upstream
+from proxy.core import Overloaded, UpstreamTimeout, UpstreamUnavailable, rebased_headers
 from proxy.http import (
     BodyTooLong,
     ClientClosed,
@@ -34,9 +33,7 @@ from proxy.http import (
     HTTPClientError,
     UpstreamResponse,
 )
-from proxy.observe.log import log_event, logger
-from proxy.observe.metrics import Metrics
-from proxy.observe.record import ChildRecord
+from proxy.observe import ChildRecord, Metrics, log_event, logger
 from proxy.upstream.discovery import Resolver, discover, resolve
 from proxy.upstream.replicas import Replica
 from proxy.upstream.retry import Reason, Verdict, parse_retry_after

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
 
-from proxy.core.errors import Overloaded
+from proxy.core import Overloaded
 
 PlaceState = Literal["waiting", "held", "gone"]
 

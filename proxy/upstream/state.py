@@ -9,9 +9,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from proxy.config.models import Upstream
-from proxy.observe.log import log_event
-from proxy.observe.metrics import Metrics
+from proxy.config import Upstream
+from proxy.observe import Metrics, log_event
 from proxy.upstream.replicas import Ejection, Placement, ReplicaSet
 from proxy.upstream.retry import Backoff, RetryBudget, RetryPolicy
 from proxy.upstream.slots import Slots

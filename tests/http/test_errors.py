@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 
 from proxy import http
-from proxy.http import (
-    BadResponse,
-    BodyTooLong,
-    ClientClosed,
-    ConnectFailed,
-    ConnectTimeout,
-    Disconnected,
-    HTTPClientError,
-    ResponseTimeout,
-)
+from proxy.http import BodyTooLong, ClientClosed, ConnectFailed, Disconnected, HTTPClientError
+from proxy.http.errors import BadResponse, ConnectTimeout, ResponseTimeout
 
 
 @pytest.mark.parametrize(

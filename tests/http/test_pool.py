@@ -10,17 +10,15 @@ from typing import Any
 import pytest
 
 from proxy.http import (
-    BadResponse,
     BodyTooLong,
     ClientClosed,
     ConnectFailed,
     ConnectionPool,
-    ConnectTimeout,
     Disconnected,
-    ResponseTimeout,
     UpstreamResponse,
 )
 from proxy.http.connection import WRITE_PIECE, ConnectionState, UpstreamConnection, _crlf_after_end
+from proxy.http.errors import BadResponse, ConnectTimeout, ResponseTimeout
 from proxy.http.response import Mode, ResponseState
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]

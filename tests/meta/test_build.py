@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from proxy.server.process import stream_path_compiled
+from proxy.http import stream_path_compiled
 from tests.server.test_ops import running_server
 from tests.support.logs import capture_logs
 from tests.support.servers import Backend

@@ -1,12 +1,27 @@
-"""The package's layer contract (``proxy/__init__.py`` draws it): each layer imports only the
-layers below it, the pure core imports no I/O library, the upstream HTTP client no aiohttp, and
-aiohttp's private members are used in three modules only, each of them still there on the
-installed aiohttp. The import graph has no cycle inside a layer either."""
+"""The package's layer contract (``proxy/__init__.py`` draws it).
+
+- Each layer imports only the layers below it, whatever form the import takes: at the top or
+  inside a function, absolute or relative (``from ..request import handler`` is a reach-up too),
+  under ``TYPE_CHECKING`` or not.
+- A layer has a face: the names its ``__init__`` lists in ``__all__``. A module imports another
+  layer's modules only through that face (``from proxy.upstream import Upstreams``), never one of
+  its modules by name, so that everything else in a layer is free to change.
+- The pure core imports no I/O library, the upstream HTTP client no aiohttp.
+- aiohttp's private members are used in the modules ``AIOHTTP_INTERNALS`` lists only, each
+  member still there on the installed aiohttp. A module is such a user when it imports a private
+  aiohttp module, subclasses an aiohttp class, or reaches one of the members below, by attribute
+  or by ``getattr``. ``AIOHTTP_INTERNALS`` is the one list: pyproject.toml's pin and
+  docs/architecture.md name the same modules (tests/meta/test_docs.py holds them to it).
+- The import graph has no cycle inside a layer either.
+
+Every check is a function of module sources, so each is also run on literal input below.
+"""
 
 from __future__ import annotations
 
 import ast
-import inspect
+import importlib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import aiohttp.base_protocol
@@ -49,6 +64,9 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     aiohttp.base_protocol.BaseProtocol: ("writing_paused",),
 }  # fmt: skip
 INSTANCE_MEMBERS = {web.StreamResponse: ("_req",), aiohttp.web_server.Server: ("_kwargs",)}
+MEMBERS = frozenset(m for ms in (*PRIVATE_MEMBERS.values(), *INSTANCE_MEMBERS.values()) for m in ms)
+
+Sources = Mapping[str, str]  # module name -> its source
 
 
 def module_name(path: Path) -> str:
@@ -57,6 +75,11 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+SOURCES = {name: path.read_text(encoding="utf-8") for name, path in MODULES.items()}
+
+
+def _is_package(module: str, sources: Sources) -> bool:
+    return any(name.startswith(module + ".") for name in sources)
 
 
 def layer_of(module: str) -> int:
@@ -69,23 +92,40 @@ def layer_of(module: str) -> int:
     return LAYERS.index(parts[1])
 
 
-def imports(module: str) -> set[str]:
-    """Every name ``module`` imports (at the top, under TYPE_CHECKING or inside a function),
-    package modules as the module they name."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+def _absolute(module: str, node: ast.ImportFrom, sources: Sources) -> str:
+    """The module an ``ImportFrom`` names, a relative one resolved against ``module``."""
+    if node.level == 0:
+        return node.module or ""
+    package = module if _is_package(module, sources) else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def import_statements(module: str, sources: Sources) -> list[tuple[str, tuple[str, ...]]]:
+    """Every import of ``module`` (at the top, under TYPE_CHECKING or inside a function), as the
+    absolute module it names and the names it takes from it (none for ``import x``)."""
+    found: list[tuple[str, tuple[str, ...]]] = []
+    for node in ast.walk(ast.parse(sources[module])):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            for alias in node.names:  # ``from proxy.core import plan``
-                if f"{node.module}.{alias.name}" in MODULES:
-                    found.add(f"{node.module}.{alias.name}")
+            found += [(alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((_absolute(module, node, sources), tuple(a.name for a in node.names)))
     return found
 
 
-def package_imports(module: str) -> set[str]:
-    return {name for name in imports(module) if name in MODULES and name != module}
+def imports(module: str, sources: Sources = SOURCES) -> set[str]:
+    """Every module ``module`` imports, package modules as the module they name
+    (``from proxy.core import plan`` imports ``proxy.core.plan``)."""
+    found: set[str] = set()
+    for target, names in import_statements(module, sources):
+        found.add(target)
+        found.update(f"{target}.{n}" for n in names if f"{target}.{n}" in sources)
+    return found
+
+
+def package_imports(module: str, sources: Sources = SOURCES) -> set[str]:
+    return {name for name in imports(module, sources) if name in sources and name != module}
 
 
 def outside_imports(module: str, *, typing_too: bool = True) -> set[str]:
@@ -97,7 +137,7 @@ def outside_imports(module: str, *, typing_too: bool = True) -> set[str]:
 
 def _typing_only(module: str) -> set[str]:
     found: set[str] = set()
-    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+    for node in ast.walk(ast.parse(SOURCES[module])):
         if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
             for inner in ast.walk(node):
                 if isinstance(inner, ast.Import):
@@ -107,6 +147,73 @@ def _typing_only(module: str) -> set[str]:
     return found
 
 
+def reach_ups(sources: Sources) -> list[str]:
+    """``module -> target`` for each import of a layer above the module's own."""
+    return sorted(
+        f"{module} -> {target}"
+        for module in sources
+        for target in package_imports(module, sources)
+        if layer_of(target) > layer_of(module)
+    )
+
+
+def _face(module: str) -> str | None:
+    """The face a module of a layer is reached through (``proxy.upstream``); None at the top."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if module not in TOP and len(parts) >= 2 else None
+
+
+def past_faces(sources: Sources, faces: Mapping[str, Iterable[str]]) -> list[str]:
+    """``module -> what it took`` for each import of another layer that is not through that
+    layer's face, or takes a name the face does not list (``faces``: face -> its ``__all__``)."""
+    found = []
+    for module in sources:
+        own = _face(module)
+        for target, names in import_statements(module, sources):
+            face = _face(target) if target.startswith("proxy.") else None
+            if face is None or face == own or (face == "proxy.devserver" and own is None):
+                continue  # outside the package, inside the layer, or the CLI's demo backend
+            if target != face:
+                found.append(f"{module} -> {target} (not through {face})")
+                continue
+            listed = set(faces.get(face, ()))
+            found += [
+                f"{module} -> {face}.{n} (not in its __all__)" for n in names if n not in listed
+            ]
+    return sorted(found)
+
+
+def aiohttp_internal_user(module: str, sources: Sources = SOURCES) -> bool:
+    """Imports an aiohttp module past its public ``aiohttp`` / ``aiohttp.web`` faces, subclasses
+    one of aiohttp's classes, or reaches a listed private member (by attribute or ``getattr``)."""
+    tree = ast.parse(sources[module])
+    private_modules = {
+        n
+        for n in imports(module, sources)
+        if n.startswith("aiohttp.") and n not in ("aiohttp.web", "aiohttp.http_exceptions")
+    }
+    if private_modules:
+        return True
+    if "aiohttp" not in {n.split(".")[0] for n in imports(module, sources)}:
+        return False  # another library's objects: their members are theirs
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(
+            isinstance(b, ast.Attribute) and ast.unparse(b).startswith("web.") for b in node.bases
+        ):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr in MEMBERS:
+            return True
+        if (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "getattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in MEMBERS
+        ):
+            return True
+    return False
+
+
 def test_every_module_is_in_a_layer() -> None:
     for module in MODULES:
         layer_of(module)
@@ -114,15 +221,44 @@ def test_every_module_is_in_a_layer() -> None:
 
 
 def test_each_layer_imports_only_the_layers_below_it() -> None:
-    reach_ups = sorted(
-        (module, target)
-        for module in MODULES
-        for target in package_imports(module)
-        if layer_of(target) > layer_of(module)
-    )
-    assert not reach_ups, "imports that reach up a layer: " + ", ".join(
-        f"{m} -> {t}" for m, t in reach_ups
-    )
+    found = reach_ups(SOURCES)
+    assert not found, "imports that reach up a layer: " + ", ".join(found)
+
+
+def _faces() -> dict[str, list[str]]:
+    return {
+        f"proxy.{layer}": list(getattr(importlib.import_module(f"proxy.{layer}"), "__all__", []))
+        for layer in LAYERS
+    }
+
+
+def test_a_layer_is_reached_only_through_its_face() -> None:
+    found = past_faces(SOURCES, _faces())
+    assert not found, "imports past a layer's face: " + ", ".join(found)
+
+
+@pytest.mark.parametrize("layer", [layer for layer in LAYERS if layer != "devserver"])
+def test_each_face_lists_what_it_holds(layer: str) -> None:
+    """A face's ``__all__`` names are there, and each is used above its layer (a face is curated:
+    what nothing above uses is not on it), but for its exceptions: a layer's failures are part of
+    its face, as httpcore's are, whether or not a caller above catches each one today."""
+    face = importlib.import_module(f"proxy.{layer}")
+    listed = list(face.__all__)
+    assert [n for n in listed if not hasattr(face, n)] == []
+    used = {
+        name
+        for module in SOURCES
+        if _face(module) != f"proxy.{layer}"
+        for target, names in import_statements(module, SOURCES)
+        if target == f"proxy.{layer}"
+        for name in names
+    }
+    failures = {n for n in listed if _is_exception(getattr(face, n))}
+    assert sorted(set(listed) - used - failures) == []
+
+
+def _is_exception(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseException)
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("proxy.core")))
@@ -138,32 +274,9 @@ def test_the_upstream_http_client_imports_no_aiohttp() -> None:
     assert not using, f"aiohttp imported in {sorted(using)}"
 
 
-def _aiohttp_internal_user(module: str) -> bool:
-    """Imports an aiohttp module past its public ``aiohttp`` / ``aiohttp.web`` faces, or
-    subclasses one of aiohttp's classes."""
-    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
-    private_modules = {
-        n
-        for n in imports(module)
-        if n.startswith("aiohttp.") and n not in ("aiohttp.web", "aiohttp.http_exceptions")
-    }
-    subclasses = any(
-        isinstance(node, ast.ClassDef)
-        and any(
-            isinstance(b, ast.Attribute) and ast.unparse(b).startswith("web.") for b in node.bases
-        )
-        for node in ast.walk(tree)
-    )
-    return bool(private_modules) or subclasses
-
-
 def test_aiohttp_internals_are_used_in_the_listed_modules_only() -> None:
-    users = {
-        m for m in MODULES if not m.startswith("proxy.devserver") and _aiohttp_internal_user(m)
-    }
-    assert users <= AIOHTTP_INTERNALS, (
-        f"aiohttp internals used in {sorted(users - AIOHTTP_INTERNALS)}"
-    )
+    users = {m for m in MODULES if not m.startswith("proxy.devserver") and aiohttp_internal_user(m)}
+    assert users == AIOHTTP_INTERNALS
 
 
 @pytest.mark.parametrize(
@@ -192,10 +305,8 @@ async def test_each_private_aiohttp_attribute_the_server_reads_is_still_set() ->
 
 def test_the_listed_modules_still_use_what_this_file_checks() -> None:
     """The list above stays the list of what the listed modules use: each member appears there."""
-    text = "".join(MODULES[m].read_text() for m in AIOHTTP_INTERNALS)
-    members = [m for ms in (*PRIVATE_MEMBERS.values(), *INSTANCE_MEMBERS.values()) for m in ms]
-    assert [m for m in members if m not in text] == []
-    assert inspect.isclass(aiohttp.web_protocol.RequestHandler)
+    text = "".join(SOURCES[m] for m in AIOHTTP_INTERNALS)
+    assert [m for m in sorted(MEMBERS) if m not in text] == []
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -223,10 +334,67 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_has_no_cycle() -> None:
     graph = {m: package_imports(m) for m in MODULES}
     for module, targets in graph.items():
-        # Importing a submodule runs its package's __init__ first: not a cycle by itself.
+        # Importing a submodule runs its package's __init__ first: not a cycle by itself, nor is
+        # a face importing the modules it presents.
         targets.difference_update({t for t in targets if module.startswith(t + ".")})
     cycle = _cycle(graph)
     assert cycle is None, " -> ".join(cycle or [])
+
+
+# The checks' own rules, on literal input.
+
+_LITERAL = {
+    "proxy": "",
+    "proxy.core": "from proxy.core.url import check_url\n__all__ = ['check_url']\n",
+    "proxy.core.url": "def check_url(url: str) -> str:\n    return url\n",
+    "proxy.request": "from proxy.request.handler import Handler\n__all__ = ['Handler']\n",
+    "proxy.request.handler": "class Handler: ...\n",
+}
+
+
+def test_a_relative_reach_up_inside_a_function_fails_the_contract_by_name() -> None:
+    sources = dict(_LITERAL)
+    sources["proxy.core.url"] += (
+        "\ndef hook() -> None:\n    from ..request import handler\n    handler.Handler()\n"
+    )
+    assert reach_ups(sources) == [
+        "proxy.core.url -> proxy.request",
+        "proxy.core.url -> proxy.request.handler",
+    ]
+    sources["proxy.core.url"] = "from ..request.handler import Handler\n"
+    assert reach_ups(sources) == ["proxy.core.url -> proxy.request.handler"]
+    assert reach_ups(_LITERAL) == []
+
+
+def test_an_import_past_a_face_or_of_a_name_it_does_not_list_fails_by_name() -> None:
+    faces = {"proxy.core": ["check_url"], "proxy.request": ["Handler"]}
+    sources = dict(_LITERAL)
+    sources["proxy.request.handler"] = "from proxy.core.url import check_url\n"
+    assert past_faces(sources, faces) == [
+        "proxy.request.handler -> proxy.core.url (not through proxy.core)"
+    ]
+    sources["proxy.request.handler"] = "from proxy.core import check_url, Hidden\n"
+    assert past_faces(sources, faces) == [
+        "proxy.request.handler -> proxy.core.Hidden (not in its __all__)"
+    ]
+    sources["proxy.request.handler"] = "from ...core import check_url\n"
+    assert past_faces({**sources, "proxy.request.handler": "from ..core import url\n"}, faces) == [
+        "proxy.request.handler -> proxy.core.url (not in its __all__)"
+    ]
+    # Inside its own layer a module imports its siblings by name.
+    assert past_faces({**_LITERAL, "proxy.core": "from .url import check_url\n"}, faces) == []
+
+
+def test_an_aiohttp_member_reached_by_getattr_makes_a_module_an_internals_user() -> None:
+    base = "from aiohttp import web\n\ndef f(request: web.Request) -> object:\n    return "
+    sources = {
+        "proxy.request.by_getattr": base + "getattr(request.writer, 'chunked', False)\n",
+        "proxy.request.by_attribute": base + "request.protocol.writing_paused\n",
+        "proxy.request.public": base + "request.transport\n",
+        "proxy.request.not_aiohttps": "def f(x: object) -> object:\n    return x.chunked\n",
+    }
+    users = {m for m in sources if aiohttp_internal_user(m, sources)}
+    assert users == {"proxy.request.by_getattr", "proxy.request.by_attribute"}
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

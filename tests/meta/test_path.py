@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from proxy.config.models import Listen, single_upstream_config
-from proxy.server.process import Server, stream_path_compiled
+from proxy.http import stream_path_compiled
+from proxy.server.process import Server
 from tests.support.servers import Backend
 
 PACKAGE = Path(__file__).resolve().parents[2] / "proxy"

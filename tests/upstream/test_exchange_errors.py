@@ -7,14 +7,8 @@ import pytest
 
 from proxy.config.models import Upstream
 from proxy.core.errors import UpstreamTimeout, UpstreamUnavailable
-from proxy.http import (
-    BadResponse,
-    ClientClosed,
-    ConnectFailed,
-    ConnectTimeout,
-    Disconnected,
-    ResponseTimeout,
-)
+from proxy.http import ClientClosed, ConnectFailed, Disconnected
+from proxy.http.errors import BadResponse, ConnectTimeout, ResponseTimeout
 from proxy.upstream.service import failure_kind, upstream_error
 
 UPSTREAM = Upstream(name="llama", urls=("http://127.0.0.1:1",))
