@@ -145,13 +145,17 @@ async def respond_json(fanout: Fanout) -> web.Response:
         return body
 
     tasks = [fanout.fanouts.spawn(fetch(pos)) for pos in range(len(tickets))]
+    failure: BaseException | None = None
     try:
         bodies = await _all_or_first_failure(tasks)
+    except BaseException as exc:  # held for after the cleanup, not a finally that awaits: _settle
+        failure = exc
+    try:
+        await _settle(fanout, tasks, tickets)
+        if failure is not None:
+            raise failure
     finally:
-        try:
-            await fanout.cancel(tasks)
-        finally:  # a second cancellation right here must not keep the places
-            _release(tickets)
+        failure = None  # its traceback holds this frame: no reference cycle through it
     stitched = stitch_json(plan, bodies)
     usage = stitched.get("usage")
     fanout.record.usage = usage if isinstance(usage, dict) else None
@@ -213,6 +217,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
 
     async def run_child(pos: int) -> None:
         answered = False
+        failure: BaseException | None = None
         try:
             async with fanout.exchange(pos, tickets[pos]) as exchange:
                 response = exchange.response
@@ -227,12 +232,20 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
             await mailbox.put((pos, None))
         except (ProxyError, ChildFailed) as exc:
             if answered or not start.answer(exc):
-                await mailbox.put((pos, exc))
+                failure = exc
         except (TimeoutError, HTTPClientError, ValueError) as exc:
             if answered or not start.answer(upstream_error(exc, fanout.upstream)):
-                await mailbox.put((pos, exc))
+                failure = exc
+        if failure is not None:
+            # Put after the handler, not in it: a full mailbox parks the put, and a compiled
+            # handler must not span a suspension (_settle says why).
+            try:
+                await mailbox.put((pos, failure))
+            finally:
+                failure = None  # its traceback holds this frame: no reference cycle through it
 
     tasks = [fanout.fanouts.spawn(run_child(pos)) for pos in range(count)]
+    failure: BaseException | None = None
     try:
         await start.decided
         response = web.StreamResponse(
@@ -260,13 +273,36 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
         except ConnectionError:  # the client is gone (at the head, mid-stream, at the end)
             if request.transport is not None:
                 request.transport.abort()
-        return response
+    except BaseException as exc:  # held for after the cleanup, not a finally that awaits: _settle
+        failure = exc
+    start.close()
+    try:
+        await _settle(fanout, tasks, tickets)
+        if failure is not None:
+            raise failure
     finally:
-        start.close()
-        try:
-            await fanout.cancel(tasks)
-        finally:  # a second cancellation right here must not keep the places
-            _release(tickets)
+        failure = None  # its traceback holds this frame: no reference cycle through it
+    return response
+
+
+async def _settle(
+    fanout: Fanout, tasks: Sequence[asyncio.Future[Any]], tickets: Sequence[Ticket]
+) -> None:
+    """A fan-out's end, however it came: the children still running cancelled and waited for,
+    every place given back.
+
+    The responders hold a failure in a variable across this await and raise it after, rather
+    than await this in a ``finally``: in a coroutine mypyc compiles, a ``finally`` that awaits
+    keeps the exception it is handling in the thread's ``sys.exc_info()``, never puts back what
+    was there, and once its body is done re-raises whatever ``sys.exc_info()`` then holds, even
+    when nothing failed. A cancellation thrown in (a client gone) thus stayed in the thread for
+    good, and every later fan-out, in any request, ended by raising that old ``CancelledError``
+    (docs/architecture.md#working-on-a-compiled-module).
+    """
+    try:
+        await fanout.cancel(tasks)
+    finally:  # a second cancellation right here must not keep the places (no await in here)
+        _release(tickets)
 
 
 def _release(tickets: Sequence[Ticket]) -> None:

@@ -39,6 +39,7 @@ async def merge(
         while running:
             out: list[bytes] = []
             pulse: bytes | None = None  # a child's comment, to pass on when nothing else goes
+            ended = False
             try:
                 items = await mailbox.take()
                 if items is None:
@@ -64,7 +65,9 @@ async def merge(
                         raise StreamError(plan.children[pos].index, _reason(item))
             except StreamError as error:
                 out.append(error_event(error))
-                await send(b"".join(out))
+                ended = True
+            if ended:  # sent after the handler: a compiled one must not span a suspension
+                await send(b"".join(out))  # (docs/architecture.md#working-on-a-compiled-module)
                 return
             if out:
                 if record.first_chunk_at is None:

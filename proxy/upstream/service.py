@@ -120,6 +120,8 @@ class Exchange:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # Never awaits: a compiled caller's ``async with`` awaits this inside its exception
+        # handler (docs/architecture.md#working-on-a-compiled-module).
         self._release(exc)
 
     def _release(self, failure: BaseException | None) -> None:

@@ -119,3 +119,52 @@ async def test_the_server_logs_one_line_at_start_when_it_runs_the_pure_build(
             pass
     said = [r for r in logs.records if r.startswith(PURE_LINE)]
     assert len(said) == (0 if stream_path_compiled() else 1)
+
+
+def _suspensions(body: list[ast.stmt]) -> list[int]:
+    """The lines in ``body`` where its own code can suspend (a nested function's do not count)."""
+    found: list[int] = []
+    todo: list[ast.AST] = list(body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            continue
+        if isinstance(node, ast.Await | ast.AsyncFor | ast.AsyncWith):
+            found.append(node.lineno)
+        todo.extend(ast.iter_child_nodes(node))
+    return sorted(found)
+
+
+def test_no_compiled_module_awaits_in_an_except_or_finally_block() -> None:
+    """mypyc keeps the exception a handler handles in the thread's ``sys.exc_info()``, not in
+    the coroutine: a handler that suspends leaves it there for other tasks, and a ``finally``
+    that awaits re-raises whatever is there once its await is over, even when nothing failed.
+    Hold the failure in a variable and await after the handler
+    (docs/architecture.md#working-on-a-compiled-module)."""
+    found = []
+    for name in STREAM_PATH:
+        for node in ast.walk(ast.parse((ROOT / name).read_text())):
+            if isinstance(node, ast.Try | ast.TryStar):
+                blocks = [node.finalbody, *(handler.body for handler in node.handlers)]
+                found += [f"{name}:{line}" for block in blocks for line in _suspensions(block)]
+    assert not found, found
+
+
+def test_the_await_check_finds_an_await_in_a_finally_or_a_handler_and_not_in_a_nested_def() -> None:
+    source = """
+async def f():
+    try:
+        await a()
+    except E:
+        await b()
+    finally:
+        async with c():
+            pass
+
+        async def inner():
+            await d()
+"""
+    (node,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Try)]
+    assert _suspensions(node.handlers[0].body) == [6]
+    assert _suspensions(node.finalbody) == [8]
+    assert _suspensions(node.body) == [4]

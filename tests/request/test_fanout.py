@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import aiohttp
@@ -505,6 +506,38 @@ async def test_client_disconnect_non_streaming_aborts_every_child(
     await backend.state.wait_for(lambda s: len(s.active) == 2)
     task.cancel()
     await backend.state.wait_for(lambda s: {"0_gone2", "1_gone2"} <= set(s.aborted), timeout=10)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_fanout_its_client_left_leaves_nothing_for_the_next_one_to_raise(
+    http: aiohttp.ClientSession, proxy: Proxy, backend: Backend, stream: bool
+) -> None:
+    # Compiled by mypyc, a fan-out whose ``finally`` awaited left the cancellation it handled in
+    # the thread's sys.exc_info(), and every later fan-out re-raised it: this test's thread is
+    # the proxy's (docs/architecture.md#working-on-a-compiled-module).
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "n": 2,
+        "seed": 1,
+        "stream": stream,
+        "max_tokens": 10_000,
+        "ignore_eos": True,
+        "x_demo": {"token_delay": 0.01},
+    }
+    task = asyncio.create_task(post(http, proxy.url + CHAT, body, "left"))
+    await backend.state.wait_for(lambda s: len(s.active) == 2)
+    task.cancel()
+    await backend.state.wait_for(lambda s: {"0_left", "1_left"} <= set(s.aborted), timeout=3)
+    assert sys.exc_info() == (None, None, None)
+    status, raw, _ = await post(
+        http, proxy.url + CHAT, {"model": "m", "messages": MESSAGES, "n": 2, "stream": stream}
+    )
+    assert status == 200
+    if stream:
+        assert sse_payloads(raw)[-1] == "[DONE]"
+    else:
+        assert len(orjson.loads(raw)["choices"]) == 2
 
 
 async def test_upstream_unreachable_is_502(http: aiohttp.ClientSession, make_proxy: Any) -> None:
