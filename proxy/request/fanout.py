@@ -36,7 +36,7 @@ from proxy.observe import ChildRecord, RequestRecord
 from proxy.request.mailbox import Mailbox
 from proxy.request.sink import client_sink
 from proxy.request.writer import merge
-from proxy.upstream import Exchange, Ticket, UpstreamRequest, Upstreams, upstream_error
+from proxy.upstream import Exchange, Ticket, Tickets, UpstreamRequest, Upstreams, upstream_error
 
 T = TypeVar("T")
 # The upstream client stops reading a child's socket once it buffers twice this (inflated bytes
@@ -105,7 +105,7 @@ class Fanout:
         headers["Content-Type"] = "application/json"
         return headers
 
-    def admit(self) -> list[Ticket]:
+    def admit(self) -> Tickets:
         """Each child's replica and place in line (``Upstreams.admit``)."""
         return self.upstreams.admit(self.upstream, len(self.plan.children))
 
@@ -285,9 +285,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
     return response
 
 
-async def _settle(
-    fanout: Fanout, tasks: Sequence[asyncio.Future[Any]], tickets: Sequence[Ticket]
-) -> None:
+async def _settle(fanout: Fanout, tasks: Sequence[asyncio.Future[Any]], tickets: Tickets) -> None:
     """A fan-out's end, however it came: the children still running cancelled and waited for,
     every place given back.
 
@@ -302,13 +300,7 @@ async def _settle(
     try:
         await fanout.cancel(tasks)
     finally:  # a second cancellation right here must not keep the places (no await in here)
-        _release(tickets)
-
-
-def _release(tickets: Sequence[Ticket]) -> None:
-    """Every place back, granted or still queued: a task cancelled before it ran holds one too."""
-    for ticket in tickets:
-        ticket.place.release()
+        tickets.release()
 
 
 async def _all_or_first_failure(awaitables: Sequence[Awaitable[T]]) -> list[T]:

@@ -3,6 +3,21 @@ budget, health checks, DNS discovery, and one exchange per upstream request.
 """
 
 from proxy.upstream.discovery import Resolver
-from proxy.upstream.service import Exchange, Ticket, UpstreamRequest, Upstreams, upstream_error
+from proxy.upstream.service import (
+    Exchange,
+    Ticket,
+    Tickets,
+    UpstreamRequest,
+    Upstreams,
+    upstream_error,
+)
 
-__all__ = ["Exchange", "Resolver", "Ticket", "UpstreamRequest", "Upstreams", "upstream_error"]
+__all__ = [
+    "Exchange",
+    "Resolver",
+    "Ticket",
+    "Tickets",
+    "UpstreamRequest",
+    "Upstreams",
+    "upstream_error",
+]

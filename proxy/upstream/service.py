@@ -69,6 +69,18 @@ class Ticket(NamedTuple):
     joined: float  # perf_counter seconds, the record's clock
 
 
+class Tickets(tuple[Ticket, ...]):
+    """What admission gave one client request: a ticket per upstream request, in child order."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        """Every place back, granted or still queued: a child cancelled before it ran holds one
+        too. A place already given back (its exchange ended) is left as it is."""
+        for ticket in self:
+            ticket.place.release()
+
+
 class Exchange:
     """One upstream request of a client request, from its place in line to the end of its body:
     ``async with upstreams.exchange(ticket, request, child) as exchange``.
@@ -272,7 +284,7 @@ class Upstreams:
     def state(self, upstream: Upstream) -> UpstreamState:
         return self._states[upstream.name]
 
-    def admit(self, upstream: Upstream, count: int) -> list[Ticket]:
+    def admit(self, upstream: Upstream, count: int) -> Tickets:
         """``count`` requests into the upstream, in one step: a place each in its FIFO line (429
         on arrival when the line is full), then a replica each by its ``placement``, over the
         healthy replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
@@ -284,7 +296,9 @@ class Upstreams:
             raise
         urls = state.replicas.place(count, time.monotonic())
         joined = time.perf_counter()
-        return [Ticket(state, url, place, joined) for url, place in zip(urls, places, strict=True)]
+        return Tickets(
+            Ticket(state, url, place, joined) for url, place in zip(urls, places, strict=True)
+        )
 
     async def _watch(self) -> None:
         """Report queued children that the queue in front of them does not explain: a slot leak
