@@ -1,7 +1,7 @@
 """Shared fixtures: the demo backend and n-proxy, both real servers on 127.0.0.1.
 
 pytest             # every test: the default, and what the whole check runs
-pytest -m fast     # the pure unit tests only (no server, no subprocess), in seconds
+pytest -m core     # the pure core's tests only (tests/core/: no server, no I/O), in seconds
 """
 
 from __future__ import annotations
@@ -13,37 +13,27 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 import proxy as package_root
 from proxy.config.models import Config, single_upstream_config
 from proxy.http import stream_path_compiled
+from proxy.server.process import Server
 from proxy.upstream.service import Upstreams
 from tests.support.logs import LogCapture, capture_logs
 from tests.support.rawupstream import RawUpstream
 from tests.support.rig import MakeRig, Rig
-from tests.support.servers import Backend, Proxy, Servers
+from tests.support.servers import Backend, Proxy, Servers, running_server
 
 # After every test, every in-process proxy must have given back all it held
 # (tests/support/lifecycle.py).
 pytest_plugins = ("tests.support.lifecycle", "pytester")
 
-# ``-m fast``: these folders and files hold the pure unit tests; any of their tests that asks
-# for a server (``servers`` is behind every one), a client or a sub-pytest is left unmarked.
-_FAST = (
-    "tests/core/",
-    "tests/config/test_config.py",
-    "tests/upstream/test_slots.py",
-    "tests/upstream/test_replicas.py",
-    "tests/upstream/test_retry.py",
-    "tests/request/test_mailbox.py",
-    "tests/request/test_sink.py",
-    "tests/observe/test_census.py",
-    "tests/observe/test_clienterrors.py",
-    "tests/devserver/test_devserver_model.py",
-    "tests/devserver/test_devserver_request.py",
-    "tests/devserver/test_devserver_reply.py",
-)
+# ``-m core``: the tests of the pure layer, proxy/core/, are those in tests/core/ (the folders
+# mirror the layers): literal input, literal output. None of them may ask for a server, a client
+# or a sub-pytest (``servers`` is behind every server fixture).
+CORE_TESTS = Path("tests") / "core"
 _SERVING = {"servers", "http", "llama_model", "pytester"}
 
 
@@ -68,11 +58,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = config.rootpath
+    core = config.rootpath / CORE_TESTS
     for item in items:
-        where = item.path.relative_to(root).as_posix()
-        if where.startswith(_FAST) and not _SERVING & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.fast)
+        if not item.path.is_relative_to(core):
+            continue
+        serving = _SERVING & set(getattr(item, "fixturenames", ()))
+        if serving:
+            raise pytest.UsageError(f"{item.nodeid}: a pure core test asks for {sorted(serving)}")
+        item.add_marker(pytest.mark.core)
 
 
 # --- the servers ---------------------------------------------------------------------------------
@@ -107,6 +100,30 @@ def make_proxy(servers: Servers) -> MakeProxy:
 @pytest.fixture
 async def proxy(servers: Servers, backend: Backend) -> Proxy:
     return await servers.proxy(single_upstream_config(backend.url))
+
+
+@pytest.fixture
+async def proxy_url(proxy: Proxy) -> str:
+    """Where the test's OpenAI client points: the ``proxy`` in front of the demo backend; a
+    module in front of another server overrides it."""
+    return proxy.url
+
+
+@pytest.fixture
+async def openai_client(proxy_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official client on ``proxy_url``, without its own retries (a test sees each answer);
+    its timeout bounds a hang, on a machine whose cores others may hold."""
+    async with openai.AsyncOpenAI(
+        base_url=proxy_url + "/v1", api_key="sk-test", timeout=60.0, max_retries=0
+    ) as client:
+        yield client
+
+
+@pytest.fixture
+async def server(backend: Backend) -> AsyncIterator[Server]:
+    """A whole server, proxy and admin listeners, in front of the demo backend."""
+    async with running_server(backend.url) as whole:
+        yield whole
 
 
 @pytest.fixture
@@ -163,7 +180,7 @@ async def make_rig(
 @pytest.fixture(scope="session")
 def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny GGUF with EOS reachable, so choices end with both "stop" and "length"."""
-    from tests.support.tinymodel import build_tiny_gguf
+    from bench.backends.tinymodel import build_tiny_gguf
 
     return build_tiny_gguf(tmp_path_factory.mktemp("llama") / "tiny.gguf", eos_reachable=True)
 
@@ -171,7 +188,7 @@ def llama_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def llama_url(llama_model: Path) -> Iterator[str]:
     """A llama-server with one slot: it rejects every n != 1, so n>1 only works via n-proxy."""
-    from tests.support.llamacpp import llama_server
+    from bench.backends.llamacpp import llama_server
 
     with llama_server(llama_model, n_parallel=1) as server:
         yield server.base_url
@@ -180,7 +197,7 @@ def llama_url(llama_model: Path) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def llama_url_np4(llama_model: Path) -> Iterator[str]:
     """A llama-server with four slots, as the README recommends: children decode side by side."""
-    from tests.support.llamacpp import llama_server
+    from bench.backends.llamacpp import llama_server
 
     with llama_server(llama_model, n_parallel=4, n_ctx=2048) as server:
         yield server.base_url

@@ -1,5 +1,5 @@
 """The scenarios of ``python -m bench``, each a ``Scenario`` named in capitals after it in its
-module, imported by name (so vllm's and llamacpp's imports from tests/support load only when they
+module, imported by name (so vllm's and llamacpp's imports of bench/backends load only when they
 run). A module may hold two: the same loop over another upstream."""
 
 import importlib

@@ -7,12 +7,12 @@ shows its first chunk within the first of them."""
 
 import aiohttp
 
+from bench.backends.llamacpp import start_llama_server
+from bench.backends.tinymodel import build_tiny_gguf
 from bench.report import Row, say, table, target
 from bench.scenario import Context, Scenario
 from bench.stats import median
 from bench.workload import Request, StreamTiming, chat_request, client, read_stream, run_async
-from tests.support.llamacpp import start_llama_server
-from tests.support.tinymodel import build_tiny_gguf
 
 ATTEMPTS = 3
 REQUEST_SECONDS = 300

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import aiohttp
 import psutil
 
+from bench.backends import vllm as vllmserver
 from bench.load import generate
 from bench.report import Column, Row, Section, say
 from bench.scenario import Context, Scenario
 from bench.stats import grouped, median, paired, quartiles
 from bench.workload import CHAT_PATH, chat_request, client, read_stream, run_async
-from tests.support import vllmserver
 
 NATIVE = "python native n"
 PYTHON_LOOP = "python client loop"

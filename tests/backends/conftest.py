@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.vllmserver import (
+from bench.backends.vllm import (
     PYTHON_ENV,
     RUST_ENV,
     build_model,

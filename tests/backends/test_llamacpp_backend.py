@@ -13,14 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support.llamacpp import (
-    CHAT,
-    COMPLETIONS,
-    LlamaServer,
-    llama_server,
-    request_body,
-)
-from tests.support.tinymodel import build_tiny_gguf
+from bench.backends.llamacpp import LlamaServer, llama_server
+from bench.backends.tinymodel import build_tiny_gguf
+from tests.support.llamacpp import CHAT, COMPLETIONS, request_body
 
 pytestmark = pytest.mark.http_timeout(10)
 N_REJECTED = {

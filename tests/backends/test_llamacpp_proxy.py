@@ -10,7 +10,7 @@ import asyncio
 import functools
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +37,6 @@ Headers = dict[str, str] | None
 @pytest.fixture
 async def proxy_url(make_proxy: Callable[[Config], Awaitable[Proxy]], llama_url: str) -> str:
     return (await make_proxy(single_upstream_config(llama_url))).url
-
-
-@pytest.fixture
-async def client(proxy_url: str) -> AsyncIterator[AsyncOpenAI]:
-    async with AsyncOpenAI(
-        base_url=proxy_url + "/v1", api_key="x", timeout=60.0, max_retries=0
-    ) as openai_client:
-        yield openai_client
 
 
 _body = functools.partial(request_body, model="tiny", max_tokens=MAX_TOKENS)
@@ -156,10 +148,10 @@ async def test_server_alone_rejects_n3_and_through_the_proxy_answers_three_choic
 
 
 async def test_chat_n3_choices_are_the_servers_answers_for_seed_plus_i(
-    client: AsyncOpenAI, http: aiohttp.ClientSession, llama_url: str, llama_model: Path
+    openai_client: AsyncOpenAI, http: aiohttp.ClientSession, llama_url: str, llama_model: Path
 ) -> None:
     direct = await _direct(http, llama_url, CHAT, range(SEED, SEED + N))
-    resp = await client.chat.completions.create(
+    resp = await openai_client.chat.completions.create(
         model="tiny", messages=MESSAGES, n=N, seed=SEED, max_tokens=MAX_TOKENS
     )
     assert [c.index for c in resp.choices] == [0, 1, 2]
@@ -172,12 +164,12 @@ async def test_chat_n3_choices_are_the_servers_answers_for_seed_plus_i(
 
 
 async def test_completions_n3_choices_are_the_servers_answers_for_seed_plus_i(
-    client: AsyncOpenAI, http: aiohttp.ClientSession, llama_url: str, llama_model: Path
+    openai_client: AsyncOpenAI, http: aiohttp.ClientSession, llama_url: str, llama_model: Path
 ) -> None:
     direct = await _direct(http, llama_url, COMPLETIONS, range(SEED, SEED + N))
     # This seed gives both endings, so the merged usage counts an EOS token as well.
     assert [_finish(a) for a in direct] == ["length", "stop", "length"]
-    resp = await client.completions.create(
+    resp = await openai_client.completions.create(
         model="tiny", prompt=PROMPT, n=N, seed=SEED, max_tokens=MAX_TOKENS
     )
     assert [c.index for c in resp.choices] == [0, 1, 2]
@@ -191,7 +183,7 @@ async def test_completions_n3_choices_are_the_servers_answers_for_seed_plus_i(
 @pytest.mark.parametrize("include_usage", [None, False, True])
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 async def test_openai_client_streams_n3_with_one_id_and_usage_only_when_asked(
-    client: AsyncOpenAI,
+    openai_client: AsyncOpenAI,
     http: aiohttp.ClientSession,
     llama_url: str,
     path: str,
@@ -202,13 +194,13 @@ async def test_openai_client_streams_n3_with_one_id_and_usage_only_when_asked(
         omit if include_usage is None else {"include_usage": include_usage}
     )
     if path == CHAT:
-        chat_stream = await client.chat.completions.create(
+        chat_stream = await openai_client.chat.completions.create(
             model="tiny", messages=MESSAGES, n=N, seed=SEED, max_tokens=MAX_TOKENS,
             stream=True, stream_options=options,
         )  # fmt: skip
         chunks = [chunk.model_dump() async for chunk in chat_stream]
     else:
-        text_stream = await client.completions.create(
+        text_stream = await openai_client.completions.create(
             model="tiny", prompt=PROMPT, n=N, seed=SEED, max_tokens=MAX_TOKENS,
             stream=True, stream_options=options,
         )  # fmt: skip
@@ -260,14 +252,14 @@ async def test_raw_n3_stream_has_one_done_and_no_per_choice_usage_posing_as_tota
 
 
 async def test_best_of_returns_the_n_highest_mean_logprob_answers_without_logprobs(
-    client: AsyncOpenAI, http: aiohttp.ClientSession, llama_url: str
+    openai_client: AsyncOpenAI, http: aiohttp.ClientSession, llama_url: str
 ) -> None:
     direct = await _direct(http, llama_url, COMPLETIONS, range(SEED, SEED + 4), logprobs=1)
     ranked = sorted(range(4), key=lambda i: -_mean_logprob(direct[i]))
     # The winners are not simply the first two seeds, so the ranking is really exercised.
     assert ranked[:2] == [3, 0]
 
-    resp = await client.completions.create(
+    resp = await openai_client.completions.create(
         model="tiny", prompt=PROMPT, n=2, best_of=4, seed=SEED, max_tokens=MAX_TOKENS
     )
     assert [c.index for c in resp.choices] == [0, 1]
@@ -312,10 +304,10 @@ async def test_best_of_with_stream_or_below_n_is_rejected_by_the_proxy(
 
 
 async def test_prompt_list_with_n2_gives_choice_p_times_n_plus_i(
-    client: AsyncOpenAI, http: aiohttp.ClientSession, llama_url: str
+    openai_client: AsyncOpenAI, http: aiohttp.ClientSession, llama_url: str
 ) -> None:
     direct = await _direct_per_prompt(http, llama_url, [PROMPT, OTHER_PROMPT], n=2)
-    resp = await client.completions.create(
+    resp = await openai_client.completions.create(
         model="tiny", prompt=[PROMPT, OTHER_PROMPT], n=2, seed=SEED, max_tokens=MAX_TOKENS
     )
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]

@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -102,14 +102,6 @@ async def proxy_url(
     return (await make_proxy(config)).url
 
 
-@pytest.fixture
-async def client(proxy_url: str) -> AsyncIterator[AsyncOpenAI]:
-    async with AsyncOpenAI(
-        base_url=proxy_url + "/v1", api_key="x", timeout=30.0, max_retries=0
-    ) as openai_client:
-        yield openai_client
-
-
 _body = functools.partial(request_body, model="tiny", max_tokens=MAX_TOKENS)
 
 
@@ -177,10 +169,10 @@ async def test_through_the_proxy_n3_gives_the_servers_answers_for_seed_plus_i(
 
 
 async def test_openai_client_streams_three_choices_through_the_proxy(
-    http: aiohttp.ClientSession, python_server_url: str, client: AsyncOpenAI
+    http: aiohttp.ClientSession, python_server_url: str, openai_client: AsyncOpenAI
 ) -> None:
     direct, _ = await _direct_texts(http, python_server_url, COMPLETIONS)
-    stream = await client.completions.create(
+    stream = await openai_client.completions.create(
         model="tiny", prompt=PROMPT, n=N, seed=SEED, max_tokens=MAX_TOKENS, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Opt-in: vLLM's own native n is the reference, n-proxy's fan-out on the same vLLM must match it.
 
-One vLLM (the CPU build, serving the tiny random Llama of tests/support/vllm_model.py) answers every
-request twice: natively with ``n``, and through n-proxy, which sees it as an upstream without
+One vLLM (the CPU build, serving the tiny random Llama of bench/backends/vllm_model.py) answers
+every request twice: natively with ``n``, and through n-proxy, which sees it as an upstream without
 native n and sends ``n`` single-choice children. With the same seed (vLLM gives choice ``i`` the
 seed ``seed + i``, as n-proxy does) both must give the same tokens, text, logprobs, finish
 reasons and usage, and the same chunks with the same keys, choice by choice.
@@ -33,12 +33,12 @@ import aiohttp
 import orjson
 import pytest
 
+from bench.backends.vllm import PYTHON_ENV, vllm_python, vllm_server
 from proxy.config.models import Config, single_upstream_config
 from tests.support import vllmcases
 from tests.support.choices import Answer, ask, cuts, per_choice, received, shapes, without
 from tests.support.servers import Proxy
 from tests.support.vllmcases import CHAT, COMPLETIONS, CONTINUOUS, MESSAGES, USAGE, N
-from tests.support.vllmserver import PYTHON_ENV, vllm_python, vllm_server
 
 PYTHON = vllm_python()
 if PYTHON is None:

@@ -1,7 +1,7 @@
 """Opt-in: n for vLLM's token-in/token-out endpoint (``/inference/v1/generate``), with vLLM's own
 native n as the reference (docs/behaviour.md#generate, docs/backends.md#vllm).
 
-One vLLM Python frontend (the CPU build on the tiny model of tests/support/vllm_model.py, with
+One vLLM Python frontend (the CPU build on the tiny model of bench/backends/vllm_model.py, with
 ``--enable-scale-out``, which turns the endpoint on) answers every request twice: natively with
 ``sampling_params.n``, and through n-proxy, which sees it as an upstream without native n and
 sends ``n`` single-choice children with ``seed + i``. Both must give the same token ids,
@@ -33,11 +33,11 @@ import aiohttp
 import orjson
 import pytest
 
+from bench.backends.vllm import PYTHON_ENV, vllm_python, vllm_server
 from proxy.config.models import Config, single_upstream_config
 from proxy.core.sse import SSEDecoder
 from tests.support.servers import Proxy
 from tests.support.vllmcases import CONTINUOUS, MAX_TOKENS, USAGE, N
-from tests.support.vllmserver import PYTHON_ENV, vllm_python, vllm_server
 
 PYTHON = vllm_python()
 if PYTHON is None:

@@ -37,16 +37,16 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from bench.backends.vllm import (
+    PYTHON_ENV,
+    RUST_ENV,
+    vllm_python,
+)
 from proxy.config.models import Config, single_upstream_config
 from tests.support import vllmcases
 from tests.support.choices import Answer, ask, cuts, received, without
 from tests.support.servers import Proxy
 from tests.support.vllmcases import CHAT, COMPLETIONS, CONTINUOUS, USAGE, N
-from tests.support.vllmserver import (
-    PYTHON_ENV,
-    RUST_ENV,
-    vllm_python,
-)
 
 PYTHON = vllm_python()
 if not os.environ.get(RUST_ENV):

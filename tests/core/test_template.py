@@ -1,4 +1,4 @@
-"""Tests for the byte templates (proxy.core.stitch): they send what the full path sends, byte
+"""Tests for the byte templates (proxy.core.template): they send what the full path sends, byte
 for byte.
 
 Literal streams first (vLLM's, the pacer's, crafted bytes around the value, a multi-line

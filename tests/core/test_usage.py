@@ -1,4 +1,4 @@
-"""Tests for the usage merge (proxy.core.stitch): per-child usage dicts in, the native-n usage
+"""Tests for the usage merge (proxy.core.usage): per-child usage dicts in, the native-n usage
 out (docs/behaviour.md#usage, #best-of)."""
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ async def start() -> AsyncIterator[StartServer]:
 
 
 @pytest.fixture
-async def server(start: StartServer) -> Server:
+async def devserver(start: StartServer) -> Server:
     return await start(DevConfig())
 
 
@@ -77,9 +77,9 @@ async def chat_text(session: aiohttp.ClientSession, base: str, seed: object) -> 
 
 
 async def test_same_seed_gives_same_text_and_different_seeds_differ(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, _ = server
+    base, _ = devserver
     first = await chat_text(session, base, 7)
     assert first == await chat_text(session, base, 7)
     assert first != await chat_text(session, base, 8)
@@ -88,9 +88,9 @@ async def test_same_seed_gives_same_text_and_different_seeds_differ(
 
 
 async def test_chat_response_shape_and_usage_numbers(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, state = server
+    base, state = devserver
     status, body = await post_json(
         session, base + CHAT, chat_body(max_tokens=9, model="m1"), {"X-Request-Id": "abc"}
     )
@@ -118,9 +118,9 @@ async def test_chat_response_shape_and_usage_numbers(
 
 
 async def test_completions_accept_one_prompt_in_several_spellings(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, _ = server
+    base, _ = devserver
     texts = []
     for prompt in ("7 8 9", ["7 8 9"], [7, 8, 9], [[7, 8, 9]]):
         status, body = await post_json(
@@ -148,13 +148,13 @@ async def test_completions_accept_one_prompt_in_several_spellings(
 )
 async def test_invalid_requests_get_an_openai_error_body(
     session: aiohttp.ClientSession,
-    server: Server,
+    devserver: Server,
     path: str,
     body: object,
     message: str,
     param: str | None,
 ) -> None:
-    base, state = server
+    base, state = devserver
     status, error = await post_json(session, base + path, body)
     assert status == 400
     assert error == {
@@ -163,8 +163,8 @@ async def test_invalid_requests_get_an_openai_error_body(
     assert (state.active, state.finished, len(state.seen)) == ({}, [], 1)
 
 
-async def test_invalid_json_is_rejected(session: aiohttp.ClientSession, server: Server) -> None:
-    base, _ = server
+async def test_invalid_json_is_rejected(session: aiohttp.ClientSession, devserver: Server) -> None:
+    base, _ = devserver
     async with session.post(base + CHAT, data=b"{nope") as response:
         assert response.status == 400
         body = orjson.loads(await response.read())
@@ -172,9 +172,9 @@ async def test_invalid_json_is_rejected(session: aiohttp.ClientSession, server: 
 
 
 async def test_chat_stream_has_role_token_finish_usage_and_done_chunks(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, _ = server
+    base, _ = devserver
     options = {"include_usage": True}
     events, _ = await post_stream(
         session, base + CHAT, chat_body(max_tokens=3, stream_options=options)
@@ -204,9 +204,9 @@ async def test_chat_stream_has_role_token_finish_usage_and_done_chunks(
 
 
 async def test_stream_without_include_usage_has_no_usage_chunk(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, _ = server
+    base, _ = devserver
     events, _ = await post_stream(session, base + COMPLETIONS, {"prompt": "x", "max_tokens": 2})
     assert [e["choices"][0]["text"] != "" for e in events[:-1]] == [True, True, False]
     assert all(e["object"] == "text_completion" and "usage" not in e for e in events[:-1])
@@ -214,9 +214,9 @@ async def test_stream_without_include_usage_has_no_usage_chunk(
 
 
 async def test_continuous_usage_stats_put_cumulative_usage_on_every_chunk(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, _ = server
+    base, _ = devserver
     options = {"include_usage": True, "continuous_usage_stats": True}
     events, _ = await post_stream(
         session, base + CHAT, chat_body(max_tokens=2, stream_options=options)
@@ -227,9 +227,9 @@ async def test_continuous_usage_stats_put_cumulative_usage_on_every_chunk(
 
 
 async def test_logprobs_are_vllm_shaped_and_deterministic(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, _ = server
+    base, _ = devserver
     _, chat = await post_json(
         session, base + CHAT, chat_body(max_tokens=2, logprobs=True, top_logprobs=3)
     )
@@ -263,9 +263,9 @@ async def test_client_going_away_mid_stream_is_tracked_as_aborted(
 
 
 async def test_long_answers_stop_early_unless_ignore_eos(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, _ = server
+    base, _ = devserver
     _, stopped = await post_json(session, base + CHAT, chat_body(max_tokens=64))
     _, forced = await post_json(session, base + CHAT, chat_body(max_tokens=64, ignore_eos=True))
     assert stopped["choices"][0]["finish_reason"] == "stop"
@@ -296,8 +296,10 @@ async def test_native_n_equals_the_n1_answers_with_seed_plus_i(
     assert [e["choices"][0]["index"] for e in events[3:6]] == [0, 1, 2]
 
 
-async def test_side_routes_for_pass_through(session: aiohttp.ClientSession, server: Server) -> None:
-    base, _ = server
+async def test_side_routes_for_pass_through(
+    session: aiohttp.ClientSession, devserver: Server
+) -> None:
+    base, _ = devserver
     async with session.get(base + "/health") as response:
         assert (response.status, await response.text()) == (200, "ok")
     async with session.get(base + "/v1/models") as response:
@@ -351,9 +353,9 @@ def generate_body(seed: object, **params: Any) -> dict[str, Any]:
 
 
 async def test_generate_is_deterministic_per_seed_and_streams_what_it_answers_whole(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, _ = server
+    base, _ = devserver
     url = base + GENERATE
     answers = [
         (await post_json(session, url, generate_body(s, max_tokens=5)))[1] for s in (1, 1, 2)
@@ -376,9 +378,9 @@ async def test_generate_is_deterministic_per_seed_and_streams_what_it_answers_wh
 
 
 async def test_generate_names_its_answer_after_the_request_id(
-    session: aiohttp.ClientSession, server: Server
+    session: aiohttp.ClientSession, devserver: Server
 ) -> None:
-    base, _ = server
+    base, _ = devserver
     url = base + GENERATE
     _, by_header = await post_json(session, url, generate_body(1), {"X-Request-Id": "h"})
     _, by_body = await post_json(session, url, {**generate_body(1), "request_id": "b"})

@@ -8,17 +8,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.support.servers import Backend, Proxy
+from tests.support.servers import Backend
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "write a haiku"}]
-
-
-@pytest.fixture
-async def client(proxy: Proxy) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=proxy.url + "/v1", api_key="sk-test", max_retries=0
-    ) as client:
-        yield client
 
 
 @pytest.fixture
@@ -30,9 +22,9 @@ async def direct(backend: Backend) -> AsyncIterator[openai.AsyncOpenAI]:
 
 
 async def test_chat_n3_non_streaming(
-    client: openai.AsyncOpenAI, direct: openai.AsyncOpenAI
+    openai_client: openai.AsyncOpenAI, direct: openai.AsyncOpenAI
 ) -> None:
-    response = await client.chat.completions.create(
+    response = await openai_client.chat.completions.create(
         model="demo", messages=MESSAGES, n=3, seed=100, max_tokens=7,
         extra_headers={"X-Request-Id": "oa1"},
     )  # fmt: skip
@@ -52,9 +44,9 @@ async def test_chat_n3_non_streaming(
 
 
 async def test_chat_n3_streaming_with_usage(
-    client: openai.AsyncOpenAI, direct: openai.AsyncOpenAI
+    openai_client: openai.AsyncOpenAI, direct: openai.AsyncOpenAI
 ) -> None:
-    stream = await client.chat.completions.create(
+    stream = await openai_client.chat.completions.create(
         model="demo", messages=MESSAGES, n=3, seed=7, max_tokens=5, stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
@@ -82,8 +74,8 @@ async def test_chat_n3_streaming_with_usage(
         assert texts[i] == alone.choices[0].message.content
 
 
-async def test_completions_n2_with_list_prompts(client: openai.AsyncOpenAI) -> None:
-    response = await client.completions.create(
+async def test_completions_n2_with_list_prompts(openai_client: openai.AsyncOpenAI) -> None:
+    response = await openai_client.completions.create(
         model="demo", prompt=["alpha beta", "gamma"], n=2, seed=3, max_tokens=4
     )
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
@@ -92,8 +84,8 @@ async def test_completions_n2_with_list_prompts(client: openai.AsyncOpenAI) -> N
     assert response.usage.completion_tokens == 16
 
 
-async def test_bad_n_surfaces_as_openai_bad_request(client: openai.AsyncOpenAI) -> None:
+async def test_bad_n_surfaces_as_openai_bad_request(openai_client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        await client.chat.completions.create(model="demo", messages=MESSAGES, n=11)
+        await openai_client.chat.completions.create(model="demo", messages=MESSAGES, n=11)
     assert raised.value.status_code == 400
     assert raised.value.param == "n"

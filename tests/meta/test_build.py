@@ -23,9 +23,8 @@ import pytest
 from packaging.requirements import Requirement
 
 from proxy.http import stream_path_compiled
-from tests.server.test_ops import running_server
 from tests.support.logs import capture_logs
-from tests.support.servers import Backend
+from tests.support.servers import Backend, running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 PURE_LINE = "the stream path runs as pure Python: this build compiled none of it (setup.py)"
@@ -115,7 +114,7 @@ async def test_the_server_logs_one_line_at_start_when_it_runs_the_pure_build(
     backend: Backend,
 ) -> None:
     with capture_logs() as logs:
-        async with running_server(backend):
+        async with running_server(backend.url):
             pass
     said = [r for r in logs.records if r.startswith(PURE_LINE)]
     assert len(said) == (0 if stream_path_compiled() else 1)

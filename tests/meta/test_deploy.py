@@ -904,12 +904,13 @@ def test_gateway_pod_is_the_base_proxy_alone_sized_for_a_gateway() -> None:
 
 
 def test_gateway_config_discovers_every_ready_pod_of_the_headless_service(tmp_path: Path) -> None:
-    from proxy.config.models import Placement, load_config
-    from tests.config.test_config_schema import _validator
+    import jsonschema
+
+    from proxy.config.models import Placement, config_schema, load_config
 
     path = tmp_path / "config.yaml"
     path.write_text(_one(rendered_gateway(), "ConfigMap")["data"]["config.yaml"], "utf-8")
-    _validator().validate(_gateway_config())
+    jsonschema.Draft202012Validator(config_schema()).validate(_gateway_config())
     config = load_config(path)
     (upstream,) = config.upstreams
     assert upstream.discovery.dns

@@ -538,7 +538,7 @@ def test_commands_are_read_from_shell_blocks_prompts_and_bench_stamps() -> None:
         "bench/run --install-tools wire && python -m bench wire [--skip nginx] --baseline DIR",
         "git worktree add /tmp/np-before <commit>",
         "(cd /tmp/np-before && .venv/bin/pip install -q -e '.[fast]') && pip install '.[otel]'",
-        "N_PROXY_VLLM_PYTHON=/x .venv/bin/pytest -m 'vllm and not fast' tests/backends",
+        "N_PROXY_VLLM_PYTHON=/x .venv/bin/pytest -m 'vllm and not core' tests/backends",
         "pytest tests/core/test_usage.py::test_prompt_counted_once_and_completions_summed",
         'kill -HUP "$(pgrep -x n-proxy)"',
     ],

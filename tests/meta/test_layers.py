@@ -400,3 +400,16 @@ def test_an_aiohttp_member_reached_by_getattr_makes_a_module_an_internals_user()
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_bench_imports_nothing_from_the_tests() -> None:
+    """The bench stands on its own (the servers both run are in bench/backends/): a test may
+    import the bench, never the other way round."""
+    found = []
+    for path in sorted((PACKAGE.parent / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            found += [f"{path.name}: {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert found == []

@@ -26,7 +26,7 @@ from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
 from proxy.observe.plain import PlainCounter, PlainHistogram
 from proxy.server.process import Server
 from tests.support.ports import free_port
-from tests.support.servers import Backend
+from tests.support.servers import Backend, running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 OBSERVABILITY = ROOT / "deploy" / "observability"
@@ -64,23 +64,12 @@ def test_plain_counter_without_labels_is_exported_at_zero() -> None:
 
 
 @pytest.fixture
-async def server(backend: Backend) -> AsyncIterator[Server]:
-    config = parse_config(
-        f"""
-listen: {{host: 127.0.0.1, port: 0}}
-admin: {{host: 127.0.0.1, port: 0}}
-upstreams:
-  - name: u
-    url: "{backend.url}"
-    max_concurrency: 1
-    retry_on: [connect, 503]
-""",
-        env={},
-    )
-    server = Server(config)
-    await server.start()
-    yield server
-    await server.close()
+async def one_slot_server(backend: Backend) -> AsyncIterator[Server]:
+    """A whole server whose upstream takes one child at a time and retries a 503."""
+    async with running_server(
+        backend.url, upstream="max_concurrency: 1, retry_on: [connect, 503]"
+    ) as server:
+        yield server
 
 
 async def scrape(http: aiohttp.ClientSession, server: Server) -> Samples:
@@ -104,9 +93,9 @@ def url(server: Server, path: str) -> str:
 
 
 async def test_a_fresh_proxy_exports_labelled_counters_at_zero_and_process_metrics(
-    http: aiohttp.ClientSession, server: Server
+    http: aiohttp.ClientSession, one_slot_server: Server
 ) -> None:
-    values = await scrape(http, server)
+    values = await scrape(http, one_slot_server)
     for outcome in ("2xx", "3xx", "4xx", "5xx", "timeout", "unreachable"):
         assert (
             values[("n_proxy_upstream_responses_total", (("outcome", outcome), ("upstream", "u")))]
@@ -129,9 +118,9 @@ async def test_a_fresh_proxy_exports_labelled_counters_at_zero_and_process_metri
 
 
 async def test_client_seen_times_queue_and_outcomes_change_as_requests_flow(
-    http: aiohttp.ClientSession, server: Server, backend: Backend
+    http: aiohttp.ClientSession, one_slot_server: Server, backend: Backend
 ) -> None:
-    before = await scrape(http, server)
+    before = await scrape(http, one_slot_server)
     body: dict[str, Any] = {
         "model": "m",
         "messages": MESSAGES,
@@ -142,16 +131,18 @@ async def test_client_seen_times_queue_and_outcomes_change_as_requests_flow(
     }
     # max_concurrency 1: while child 0 streams, the other two wait in the queue, and so does
     # a pass-through sent meanwhile.
-    async with http.post(url(server, "/v1/chat/completions"), json=body) as r:
+    async with http.post(url(one_slot_server, "/v1/chat/completions"), json=body) as r:
         assert r.status == 200
         await r.content.readline()
-        during = await scrape(http, server)
+        during = await scrape(http, one_slot_server)
         plain = {"prompt": "x", "max_tokens": 2}
-        queued = asyncio.ensure_future(http.post(url(server, "/v1/completions"), json=plain))
+        queued = asyncio.ensure_future(
+            http.post(url(one_slot_server, "/v1/completions"), json=plain)
+        )
         await r.read()
     async with await queued as r:
         assert r.status == 200
-    after = await scrape(http, server)
+    after = await scrape(http, one_slot_server)
 
     def grew(name: str, *labels: tuple[str, str]) -> float:
         key = (name, tuple(sorted(labels)))
@@ -198,10 +189,12 @@ def held(values: Samples, backend: Backend) -> dict[str, float]:
 
 
 async def test_what_a_request_holds_is_on_metrics_while_held_and_back_at_zero_after(
-    http: aiohttp.ClientSession, server: Server, backend: Backend
+    http: aiohttp.ClientSession, one_slot_server: Server, backend: Backend
 ) -> None:
-    await asyncio.wait_for(server.upstreams.health_checked.wait(), 30)  # its first check is over
-    before = held(await scrape(http, server), backend)
+    await asyncio.wait_for(
+        one_slot_server.upstreams.health_checked.wait(), 30
+    )  # its first check is over
+    before = held(await scrape(http, one_slot_server), backend)
     before.pop("n_proxy_upstream_connections_idle")  # a health check's, kept for reuse
     assert set(before.values()) == {0}
     body: dict[str, Any] = {
@@ -212,10 +205,10 @@ async def test_what_a_request_holds_is_on_metrics_while_held_and_back_at_zero_af
         "max_tokens": 8,
         "x_demo": {"token_delay": 0.02},
     }
-    async with http.post(url(server, "/v1/chat/completions"), json=body) as r:
+    async with http.post(url(one_slot_server, "/v1/chat/completions"), json=body) as r:
         assert r.status == 200
         await r.content.readline()
-        during = held(await scrape(http, server), backend)
+        during = held(await scrape(http, one_slot_server), backend)
         await r.read()
     # max_concurrency 1: one child upstream, two queued, all three running as tasks.
     assert during["n_proxy_requests_in_flight"] == 1
@@ -224,7 +217,7 @@ async def test_what_a_request_holds_is_on_metrics_while_held_and_back_at_zero_af
     assert during["upstream_requests"] == during["outstanding"] == 1
     assert during["n_proxy_upstream_connections_in_use"] >= 1  # a health check may add one
     for _ in range(500):  # the handler ends a moment after its last byte: bounded, 5 s
-        after = held(await scrape(http, server), backend)
+        after = held(await scrape(http, one_slot_server), backend)
         if after["n_proxy_requests_in_flight"] == 0:
             break
         await asyncio.sleep(0.01)
@@ -302,13 +295,13 @@ def named_metrics(query: str) -> set[str]:
 
 
 async def test_dashboard_and_alert_rules_name_only_metrics_the_proxy_exports(
-    http: aiohttp.ClientSession, server: Server
+    http: aiohttp.ClientSession, one_slot_server: Server
 ) -> None:
     body = {"model": "m", "messages": MESSAGES, "n": 2, "stream": True, "max_tokens": 2}
-    async with http.post(url(server, "/v1/chat/completions"), json=body) as r:
+    async with http.post(url(one_slot_server, "/v1/chat/completions"), json=body) as r:
         await r.read()
-    exported = {_SUFFIX.sub("", name) for name, _ in await scrape(http, server)}
-    exported |= await families(http, server)  # a labelled family with no child yet
+    exported = {_SUFFIX.sub("", name) for name, _ in await scrape(http, one_slot_server)}
+    exported |= await families(http, one_slot_server)  # a labelled family with no child yet
     queries = dashboard_queries()
     queries += [rule["expr"] for group in rule_groups() for rule in group["rules"]]
     assert len(queries) > 20

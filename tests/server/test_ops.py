@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -14,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.config.models import Config, parse_config
 from proxy.server.app import GENERATIONS
 from proxy.server.process import Server
-from tests.support.servers import Backend, Proxy, Servers
+from tests.support.servers import Backend, Proxy, Servers, running_server
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 MakeBackend = Callable[..., Awaitable[Backend]]
@@ -152,33 +151,6 @@ async def test_configured_headers_are_injected_with_env_expanded(
     assert [h["authorization"] for _, _, h in backend.state.seen] == ["Bearer s3cret"] * 2
 
 
-@contextlib.asynccontextmanager
-async def running_server(backend: Backend, drain_seconds: float = 30) -> AsyncIterator[Server]:
-    """A whole server (proxy and admin listeners, drain) on free loopback ports."""
-    config = parse_config(
-        f"""
-listen: {{host: 127.0.0.1, port: 0}}
-admin: {{host: 127.0.0.1, port: 0}}
-drain_seconds: {drain_seconds}
-drain_grace_seconds: 0.05
-upstreams: [{{name: u, url: "{backend.url}"}}]
-""",
-        env={},
-    )
-    server = Server(config)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.close()
-
-
-@pytest.fixture
-async def server(backend: Backend) -> AsyncIterator[Server]:
-    async with running_server(backend) as server:
-        yield server
-
-
 def url(server: Server, path: str, admin: bool = False) -> str:
     return f"http://127.0.0.1:{server.admin_port if admin else server.proxy_port}{path}"
 
@@ -230,7 +202,7 @@ async def test_readyz_fails_during_drain_while_a_stream_completes(
 async def test_drain_out_of_time_cuts_streams_with_one_error_and_done(
     http: aiohttp.ClientSession, backend: Backend
 ) -> None:
-    async with running_server(backend, drain_seconds=0.2) as server:
+    async with running_server(backend.url, drain_seconds=0.2) as server:
         body = {
             "model": "m",
             "messages": MESSAGES,
@@ -306,7 +278,7 @@ async def test_aborted_children_are_counted(
     http: aiohttp.ClientSession, make_backend: MakeBackend
 ) -> None:
     slow = await make_backend(token_delay=0.01)
-    async with running_server(slow) as server:
+    async with running_server(slow.url) as server:
         body = {
             "model": "m",
             "messages": MESSAGES,

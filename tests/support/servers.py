@@ -14,8 +14,9 @@ that drive servers started there over real sockets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -23,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config.models import Config, Upstream, single_upstream_config
+from proxy.config.models import Config, Upstream, parse_config, single_upstream_config
 from proxy.devserver import DevConfig, DevState, start_devserver
 from proxy.observe.tracing import Tracing
 from proxy.server.app import GENERATIONS, build_app
@@ -197,3 +198,28 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+@contextlib.asynccontextmanager
+async def running_server(
+    upstream_url: str, drain_seconds: float = 30, upstream: str = ""
+) -> AsyncIterator[Server]:
+    """A whole server (proxy and admin listeners, drain) on free loopback ports, in front of
+    ``upstream_url``; ``upstream`` adds keys to its one upstream (YAML flow mapping items)."""
+    extra = f", {upstream}" if upstream else ""
+    config = parse_config(
+        f"""
+listen: {{host: 127.0.0.1, port: 0}}
+admin: {{host: 127.0.0.1, port: 0}}
+drain_seconds: {drain_seconds}
+drain_grace_seconds: 0.05
+upstreams: [{{name: u, url: "{upstream_url}"{extra}}}]
+""",
+        env={},
+    )
+    server = Server(config)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.close()

@@ -1,4 +1,4 @@
-"""Tests for the admission line (proxy.upstream.state): FIFO per-child admission under every
+"""Tests for the admission line (proxy.upstream.slots): FIFO per-child admission under every
 cancellation interleaving (docs/behaviour.md#admission).
 
 The unit tests pin each interleaving that once leaked a slot; the property test cancels random

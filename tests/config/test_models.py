@@ -1,4 +1,5 @@
-"""Tests for proxy.config: literal YAML in, frozen Config out, or an error naming the YAML key."""
+"""Tests for proxy.config.models: literal YAML in, frozen Config out, or an error naming the YAML
+key."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.ports import free_port
+from bench.procs import free_port
 
 PYTHON_ENV = "N_PROXY_VLLM_PYTHON"
 RUST_ENV = "N_PROXY_VLLM_RUST"  # the vllm-rs binary, or "fetch"
@@ -51,9 +51,9 @@ def vllm_python() -> str | None:
 
 
 def build_model(python: str, directory: Path) -> Path:
-    """The tiny Llama of tests/support/vllm_model.py, built by the vLLM venv (it has torch)."""
+    """The tiny Llama of bench/backends/vllm_model.py, built by the vLLM venv (it has torch)."""
     subprocess.run(
-        [python, "-m", "tests.support.vllm_model", str(directory)],
+        [python, "-m", "bench.backends.vllm_model", str(directory)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         check=True,

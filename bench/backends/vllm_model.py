@@ -1,7 +1,7 @@
 """Builds a tiny random-weight Llama in Hugging Face layout, offline, for vLLM to serve in tests.
 
 Run with the vLLM venv's Python (it needs ``torch``, ``transformers`` and ``tokenizers``, which the
-proxy's own environment does not have): ``python -m tests.support.vllm_model DIR``. The weights are
+proxy's own environment does not have): ``python -m bench.backends.vllm_model DIR``. The weights are
 random, so the text is noise, but a seeded sample is the same on every run: that is all the
 native-n comparison needs.
 """
