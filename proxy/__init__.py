@@ -2,11 +2,13 @@
 
 A request with ``n = k`` becomes ``k`` concurrent ``n = 1`` children upstream, and their answers
 are stitched into the one a server with native ``n`` sends (docs/behaviour.md). The package is
-built in layers; each imports only the layers below it (``tests/meta/test_layers.py``)::
+built in layers; each imports only the layers below it, and only through their faces: the names
+each layer's ``__init__`` lists in ``__all__`` (``tests/meta/test_layers.py``)::
 
     cli                 the ``n-proxy`` command
     devserver/          the demo backend: an n = 1-only server shaped like vLLM's
-    server/             the process: the app, listeners and client connections, drain, workers
+    server/             the process: the app, listeners and client connections, reload, drain,
+                        workers
     request/            one client request: handler, pass-through, fan-out, writing to the client
     upstream/           the upstreams: admission (slots), replicas, retries, health, exchanges
     http/               the HTTP/1.1 client: connections, responses, the pool (no aiohttp)
