@@ -25,15 +25,20 @@ from proxy.config import (
 )
 from proxy.observe import LEVELS, setup_logging
 from proxy.server import (
+    FAILED,
+    USAGE,
     WORKER_MEMORY_BYTES,
     MiB,
+    NotStarted,
     Server,
     auto_workers,
     check_worker_count,
     install_uvloop,
     max_workers,
+    report,
     run,
     run_workers,
+    start,
 )
 
 AUTO = 0  # --workers auto, resolved once the config is known
@@ -50,11 +55,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(orjson.dumps(config_schema(), option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
     options = _parser().parse_args(args)
+    # Until the config is loaded, its failure is logged in the flags' format, else the default.
+    setup_logging(options.log_format or "json", options.log_level or "info")
+    try:
+        return _serve(options)
+    except NotStarted as failure:  # one line, no traceback (docs/operating.md#exit-status)
+        return report(failure)
+
+
+def _serve(options: argparse.Namespace) -> int:
     try:
         config = _config(options)
     except ConfigError as exc:
-        print(f"n-proxy: config error: {exc}", file=sys.stderr)
-        return 2
+        raise _config_error(options, exc) from None
+    setup_logging(config.log_format, config.log_level)
     demo = options.upstream is None and options.config is None
     # SIGHUP reads the file again, with the same command-line overrides on top.
     loader = functools.partial(_config, options) if options.config is not None else None
@@ -65,19 +79,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = 1 if demo else min(auto_workers(), max_workers(config))
     if workers > 1:
         if demo:
-            print("n-proxy: --workers needs --upstream or --config", file=sys.stderr)
-            return 2
+            raise NotStarted(
+                "usage error; not started", USAGE, error="--workers needs --upstream or --config"
+            )
         try:
             check_worker_count(config, workers)
         except ConfigError as exc:
-            print(f"n-proxy: --workers {workers}: {exc}", file=sys.stderr)
-            return 2
+            raise _config_error(options, exc, workers=workers) from None
         return run_workers(config, workers, loader)
-    setup_logging(config.log_format, config.log_level)
     install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config, demo=demo, loader=loader))
     return 0
+
+
+def _config_error(options: argparse.Namespace, exc: ConfigError, **fields: object) -> NotStarted:
+    """The one line ``check-config`` would print, naming the key, as the log's error line."""
+    return NotStarted(
+        "config error; not started", USAGE, config=options.config, error=str(exc), **fields
+    )
 
 
 def check_config(args: Sequence[str]) -> int:
@@ -203,7 +223,10 @@ async def serve(
         from proxy.devserver import DevConfig, start_devserver
 
         dev_config = DevConfig(token_delay=0.02, model=DEMO_MODEL, model_override=True)
-        dev_runner, dev_port, _ = await start_devserver(dev_config)
+        try:
+            dev_runner, dev_port, _ = await start_devserver(dev_config)
+        except OSError as exc:
+            raise NotStarted("demo backend failed; not started", FAILED, error=str(exc)) from None
         upstream = config.upstreams[0].model_copy(
             update={"urls": (f"http://127.0.0.1:{dev_port}",)}
         )
@@ -216,7 +239,7 @@ async def serve(
         )
     server = Server(config, notice=notice, loader=loader)
     try:
-        await server.start()
+        await start(server)
         upstreams = ", ".join(f"{u.name}={'|'.join(u.urls)}" for u in config.upstreams)
         where = f"http://{config.listen.host}:{server.proxy_port}"
         admin = f", admin on port {server.admin_port}" if config.admin else ""

@@ -307,6 +307,8 @@ def load_config(source: str | Path, env: Mapping[str, str] | None = None) -> Con
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: cannot read: not UTF-8 (byte {exc.start})") from None
     return parse_config(text, env if env is not None else os.environ)
 
 

@@ -40,5 +40,9 @@ async def start_devserver(
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=listen_backlog())
-    await site.start()
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()  # the caller gets no runner to clean up
+        raise
     return runner, int(runner.addresses[0][1]), app[DEV_STATE]

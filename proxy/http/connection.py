@@ -31,7 +31,7 @@ from typing import Final, cast
 import httptools
 from multidict import CIMultiDict
 
-from proxy.http.chunks import whole_chunks
+from proxy.http.chunks import CHUNKED, UNFRAMED, framing, whole_chunks
 from proxy.http.errors import BadResponse
 from proxy.http.response import UpstreamResponse
 
@@ -237,6 +237,8 @@ class UpstreamConnection(asyncio.Protocol):
         if isinstance(cause, _Beyond) or self.state > BODY:
             self.spoil()  # what follows the message is not a message of ours
             return None
+        if isinstance(cause, BadResponse):
+            return cause  # a head the proxy refuses (``on_headers_complete``)
         if isinstance(exc, httptools.HttpParserUpgrade):
             return BadResponse("upstream switched protocols")
         return BadResponse(f"malformed upstream response: {exc}")
@@ -307,9 +309,21 @@ class UpstreamConnection(asyncio.Protocol):
                 raise ValueError("upstream switched protocols")
             return  # an interim response: the real head follows
         headers = response.headers
-        self._chunked = self._edge = "chunked" in headers.get("Transfer-Encoding", "").lower()
         no_body = response.method == "HEAD" or status in _NO_BODY_STATUS
-        until_close = not no_body and not self._chunked and "Content-Length" not in headers
+        chunked = False
+        coded = headers.getall("Transfer-Encoding", None)
+        if coded is not None and not no_body:
+            # One decision, the parser's: the whole-chunk fast path runs only on a body it
+            # reads as chunked, and a coding the proxy cannot relay fails before any byte
+            # reaches the client (docs/behaviour.md#errors).
+            framed = framing(coded)
+            if framed == UNFRAMED:
+                raise BadResponse(
+                    f"upstream Transfer-Encoding the proxy cannot frame: {', '.join(coded)}"
+                )
+            chunked = framed == CHUNKED
+        self._chunked = self._edge = chunked
+        until_close = not no_body and not chunked and "Content-Length" not in headers
         self._head_in()
         response.on_head(status, until_close)
         if response.method == "HEAD":

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Mapping
 from itertools import count
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -22,6 +22,8 @@ from proxy.observe.record import Observer, RequestRecord
 
 logger = logging.getLogger("n_proxy")
 LEVELS = ("debug", "info", "warning", "error")
+Level = Literal["debug", "info", "warning", "error"]
+_NUMBERS: dict[str, int] = {name: logging.getLevelName(name.upper()) for name in LEVELS}
 
 
 class _Formatter(logging.Formatter):
@@ -220,8 +222,11 @@ def _incoming_trace_id(headers: Mapping[str, str]) -> str | None:
     return parent[3:35]
 
 
-def log_event(message: str, **fields: Any) -> None:
-    logger.info(message, extra={"fields": fields})
+def log_event(message: str, level: Level = "info", /, **fields: Any) -> None:
+    """One of the proxy's own events at ``level``: ``warning`` for what an operator should look
+    at (a failed reload, a replica down or ejected), ``error`` for what stopped the proxy
+    (docs/operating.md#logs)."""
+    logger.log(_NUMBERS[level], message, extra={"fields": fields})
 
 
 class Throttle:

@@ -4,6 +4,7 @@ SIGTERM, workers and memory.
 
 from proxy.server.backlog import listen_backlog
 from proxy.server.process import Server, install_uvloop, run
+from proxy.server.startup import FAILED, USAGE, NotStarted, report, start
 from proxy.server.workers import (
     WORKER_MEMORY_BYTES,
     MiB,
@@ -14,14 +15,19 @@ from proxy.server.workers import (
 )
 
 __all__ = [
+    "FAILED",
+    "USAGE",
     "WORKER_MEMORY_BYTES",
     "MiB",
+    "NotStarted",
     "Server",
     "auto_workers",
     "check_worker_count",
     "install_uvloop",
     "listen_backlog",
     "max_workers",
+    "report",
     "run",
     "run_workers",
+    "start",
 ]

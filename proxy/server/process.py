@@ -127,7 +127,11 @@ class Server:
                 loaded = self.loader()
             except ConfigError as exc:
                 self.metrics.config_reloads.labels("failed").inc()
-                log_event("config reload failed; the running config is kept", error=str(exc))
+                log_event(
+                    "config reload failed; the running config is kept",
+                    "warning",
+                    error=str(exc),
+                )
                 return False
             running = self.config
             kept = [key for key in RESTART_KEYS if getattr(loaded, key) != getattr(running, key)]

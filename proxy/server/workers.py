@@ -28,6 +28,7 @@ from types import FrameType
 from proxy.config import Config, ConfigError
 from proxy.observe import setup_logging
 from proxy.server.process import Loader, Server, install_uvloop, run
+from proxy.server.startup import NotStarted, check_listen, report, start
 
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 MiB = 1024 * 1024
@@ -155,8 +156,10 @@ def _share(total: int, index: int, count: int) -> int:
 
 
 def run_workers(config: Config, count: int, loader: Loader | None = None) -> int:
-    """``loader`` (picklable: the workers are spawned) reads the config again on SIGHUP."""
+    """``loader`` (picklable: the workers are spawned) reads the config again on SIGHUP.
+    ``NotStarted`` when the proxy's or the admin address cannot be bound: no worker starts."""
     check_worker_count(config, count)
+    check_listen(config)
     metrics_dir = tempfile.mkdtemp(prefix="n-proxy-metrics-")
     os.environ[METRICS_DIR_ENV] = metrics_dir  # inherited by the spawned workers
     context = multiprocessing.get_context("spawn")
@@ -235,9 +238,13 @@ def _work(config: Config, index: int, count: int, loader: Loader | None) -> None
 
     async def serve() -> None:
         server = Server(config, reuse_port=True, loader=reload)
-        await server.start()
+        await start(server)
         where = f"http://{config.listen.host}:{server.proxy_port}"
         banner = f"n-proxy: worker {index} (pid {os.getpid()}) listening on {where}"
         await run(server, signals=(signal.SIGTERM,), ready=lambda: announce(banner))
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    except NotStarted as failure:
+        # One line, no traceback; the supervisor sees the status, stops the others and fails.
+        sys.exit(report(failure, worker=index))

@@ -517,7 +517,13 @@ class Upstreams:
         results = await asyncio.gather(*(self._check(upstream, r, timeout) for r in replicas))
         for replica, ok in zip(replicas, results, strict=True):
             if replica.healthy != ok:
-                log_event("replica health", upstream=upstream.name, replica=replica.url, ok=ok)
+                log_event(
+                    "replica health",
+                    "info" if ok else "warning",
+                    upstream=upstream.name,
+                    replica=replica.url,
+                    ok=ok,
+                )
             state.replicas.checked(replica.url, ok)
         state.health_rounds += 1
         state.publish()

@@ -48,7 +48,7 @@ class UpstreamState:
         if self.replicas.failed(url, time.monotonic()):
             self.metrics.ejections.labels(self.upstream.name, url).inc()
             self.metrics.replica_up.labels(self.upstream.name, url).set(0)
-            log_event("replica ejected", upstream=self.upstream.name, replica=url)
+            log_event("replica ejected", "warning", upstream=self.upstream.name, replica=url)
             self.notify()
 
     def notify(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -334,3 +335,83 @@ async def test_a_connection_answered_before_its_upload_was_written_is_never_reus
     finally:
         await runner.cleanup()
         await early.stop()
+
+
+# --- Transfer-Encoding: one framing decision (docs/behaviour.md#errors) --------------------------
+
+REPLY = (
+    b'{"id":"x","object":"chat.completion","created":1,"model":"m","choices":[{"index":0,'
+    b'"message":{"role":"assistant","content":"hello"},"finish_reason":"stop"}]}'
+)
+EVENTS = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"hello"}}]}\n\ndata: [DONE]\n\n'
+# The requests, each passed through (JSON, a stream) or fanned out, and the body their answer
+# carries in chunked framing, cut in two reads.
+WAYS = {
+    "pass-through-json": (b'{"model":"m","messages":[]}', b"application/json", REPLY),
+    "relayed-stream": (b'{"model":"m","messages":[],"stream":true}', b"text/event-stream", EVENTS),
+    "fan-out-child": (b'{"model":"m","messages":[],"n":2}', b"application/json", REPLY),
+}
+# Transfer-Encoding heads the proxy cannot frame: a 502 with an OpenAI error body, never the
+# chunked bytes read to the close ("hello0\r\n\r\n" and a reset, before), never both lengths.
+REFUSED = {
+    "chunked, identity": b"Transfer-Encoding: chunked, identity",
+    "chunked-then-an-identity-line": b"Transfer-Encoding: chunked\r\nTransfer-Encoding: identity",
+    "xchunked": b"Transfer-Encoding: xchunked",
+    "gzip, chunked": b"Transfer-Encoding: gzip, chunked",
+    "chunked, chunked": b"Transfer-Encoding: chunked, chunked",
+    "content-length-then-chunked": b"Content-Length: 5\r\nTransfer-Encoding: chunked",
+    "chunked-then-content-length": b"Transfer-Encoding: chunked\r\nContent-Length: 5",
+}
+# Heads it frames as the parser does: the body as its server meant it.
+FRAMED = {
+    "Chunked": b"Transfer-Encoding: Chunked",
+    "identity, chunked": b"Transfer-Encoding: identity, chunked",
+    "an-identity-line-then-chunked": b"Transfer-Encoding: identity\r\nTransfer-Encoding: chunked",
+}
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+async def _answered_with(upstream: RawUpstream, port: int, fields: bytes, way: str) -> bytes:
+    request, content_type, body = WAYS[way]
+    half = len(body) // 2
+    path = "/v1/chat/completions"
+    upstream.scripts[path] = b"HTTP/1.1 200 OK\r\nContent-Type: %b\r\n%b\r\n\r\n" % (
+        content_type,
+        fields,
+    ) + _chunk(body[:half])
+    upstream.later[path] = _chunk(body[half:]) + b"0\r\n\r\n"
+    upstream.release.set()  # the rest follows at once, most often in a read of its own
+    return await exchange(port, post_request(path, request))
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+@pytest.mark.parametrize("fields", REFUSED.values(), ids=REFUSED.keys())
+async def test_a_transfer_encoding_the_proxy_cannot_frame_is_a_502_before_any_byte(
+    upstream: RawUpstream, proxy_port: int, fields: bytes, way: str
+) -> None:
+    raw = await _answered_with(upstream, proxy_port, fields, way)
+    status_line, headers, body = parse_raw(raw)
+    assert status_line.split()[1] == "502", raw
+    assert headers["Content-Type"] == "application/json"
+    assert json.loads(body)["error"]["type"] == "server_error"
+    assert framed_whole(raw)
+    assert b"hello" not in raw
+    assert await _get(proxy_port, "/ok/next") == (200, b"next", True)  # the pool is clean
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+@pytest.mark.parametrize("fields", FRAMED.values(), ids=FRAMED.keys())
+async def test_chunked_as_the_last_coding_reaches_the_client_as_its_server_meant(
+    upstream: RawUpstream, proxy_port: int, fields: bytes, way: str
+) -> None:
+    raw = await _answered_with(upstream, proxy_port, fields, way)
+    status_line, _, body = parse_raw(raw)
+    assert status_line.split()[1] == "200", raw
+    assert framed_whole(raw)
+    if way == "fan-out-child":
+        assert [c["message"]["content"] for c in json.loads(body)["choices"]] == ["hello"] * 2
+    else:
+        assert body == WAYS[way][2]

@@ -193,6 +193,18 @@ def test_the_chunk_framing_reads_alike_on_bodies_cut_anywhere() -> None:
         assert framing(PURE["proxy.http.chunks"], data) == framing(compiled_chunks, data)
 
 
+def test_the_framing_decision_is_alike_on_any_transfer_encoding() -> None:
+    rng = random.Random(20261207)
+    words = ["chunked", "Chunked", "identity", "gzip", "xchunked", "chun\u212aed", ";q=1", ""]
+    for _ in range(1000):
+        values = [
+            rng.choice([",", ", ", " ", "\t", ",\t"]).join(rng.choices(words, k=rng.randint(1, 3)))
+            for _ in range(rng.randint(1, 3))
+        ]
+        pure = PURE["proxy.http.chunks"].framing(values)
+        assert pure == compiled_chunks.framing(values), values
+
+
 async def relayed(connection: ModuleType, response: ModuleType, cut: list[bytes]) -> list[Any]:
     """``cut`` read by an upstream connection and relayed to a chunked client: what the client
     is written (framed pieces and whole chunks as they came), then how the response ended."""

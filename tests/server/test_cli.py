@@ -174,11 +174,6 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "upstreams[1].url: not a URL" in capsys.readouterr().err
 
 
-def test_bad_flag_value_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--upstream", "http://127.0.0.1:1", "--max-n", "500"]) == 2
-    assert "--max-n" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     "example", sorted((Path(__file__).resolve().parents[2] / "config").glob("*.yaml"))
 )
@@ -370,17 +365,6 @@ def test_every_limit_the_schema_calls_a_total_is_divided_and_the_shares_add_up_t
             parts = [s[name][at] for s in shares]
             assert sum(parts) == total, name
             assert max(parts) - min(parts) <= 1, name  # as even as integers allow
-
-
-def test_more_workers_than_a_limit_can_be_divided_among_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    path = tmp_path / "config.yaml"
-    path.write_text("upstreams: [{name: a, url: 'http://127.0.0.1:1', max_concurrency: 2}]\n")
-    assert main(["--config", str(path), "--workers", "3"]) == 2
-    assert "upstreams[0].max_concurrency: 2 cannot be divided among 3 workers" in (
-        capsys.readouterr().err
-    )
 
 
 def test_a_banner_leaves_in_one_write_so_workers_sharing_stdout_never_split_a_line(

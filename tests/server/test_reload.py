@@ -111,6 +111,10 @@ async def test_bad_file_keeps_the_running_config_and_logs_one_line_naming_the_ke
     (line,) = [r for r in logs.records if "reload" in r]
     assert "config reload failed" in line
     assert "max_n: must be an integer from 1 to 128" in line
+    # An operator's alert: at warning, not among the request lines at info.
+    assert logs.levels("config reload failed; the running config is kept") == [
+        ("warning", {"error": "max_n: must be an integer from 1 to 128"})
+    ]
     assert started.generations.current is running
     async with http.post(chat(started), json={"model": "m", "messages": MESSAGES, "n": 3}) as r:
         assert r.status == 200  # max_n is still 10

@@ -22,16 +22,20 @@ class LogCapture(logging.Handler):
         super().__init__(logging.DEBUG)
         self.records: list[str] = []  # every record, formatted, with its extra fields
         self.lines: list[dict[str, Any]] = []  # the fields of each per-request line
+        # Every record as (level, message, fields): "warning", "replica ejected", {...}.
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
         self._condition = threading.Condition()
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
 
     def emit(self, record: logging.LogRecord) -> None:
         text = f"{logging.Formatter().format(record)} {record.__dict__!r}"
+        fields = dict(getattr(record, "fields", {}))
         with self._condition:
             self.records.append(text)
+            self.events.append((record.levelname.lower(), record.getMessage(), fields))
             if record.name != PROXY_LOGGER or record.getMessage() != "request":
                 return
-            self.lines.append(dict(getattr(record, "fields", {})))
+            self.lines.append(fields)
             self._condition.notify_all()
             waiters = list(self._waiters)
         for loop, event in waiters:
@@ -51,6 +55,11 @@ class LogCapture(logging.Handler):
                 finally:
                     with self._condition:
                         self._waiters.discard(waiter)
+
+    def levels(self, message: str) -> list[tuple[str, dict[str, Any]]]:
+        """The level and fields of every record logged with ``message``, in order."""
+        with self._condition:
+            return [(level, fields) for level, said, fields in self.events if said == message]
 
     def wait_blocking(self, count: int, within: float = 20.0) -> bool:
         """``wait_for`` from a thread that runs no event loop; False when time ran out."""

@@ -156,7 +156,10 @@ async def test_a_dead_replica_with_default_settings_fails_no_request(
 
 
 async def test_a_replica_that_comes_to_life_gets_children_within_one_health_interval(
-    http: aiohttp.ClientSession, make_backend: MakeBackend, proxy_for: ProxyFor
+    http: aiohttp.ClientSession,
+    make_backend: MakeBackend,
+    proxy_for: ProxyFor,
+    request_log: LogCapture,
 ) -> None:
     live = await make_backend()
     port = free_port()  # refused until the replica comes to life on it
@@ -183,6 +186,9 @@ async def test_a_replica_that_comes_to_life_gets_children_within_one_health_inte
         assert (await post(http, proxy.url + CHAT, chat(2), f"after{i}"))[0] == 200
     parents = [rid.split("_", 1)[1] for rid, _, _ in revived.seen]
     assert sorted(parents) == ["after0", "after1"]  # one child of each request
+    # Marked down is a warning; back up is news at info.
+    changes = [(level, fields["ok"]) for level, fields in request_log.levels("replica health")]
+    assert changes == [("warning", False), ("info", True)]
 
 
 # --- retries ------------------------------------------------------------------------------------
@@ -336,6 +342,7 @@ async def test_consecutive_failures_eject_a_replica(
     make_backend: MakeBackend,
     proxy_for: ProxyFor,
     servers: Servers,
+    request_log: LogCapture,
 ) -> None:
     live = await make_backend()
     recorded = await servers.upstream(answer_503)
@@ -351,6 +358,9 @@ async def test_consecutive_failures_eject_a_replica(
     assert proxy.usable() == {live.url: True, busy: False}
     assert proxy.metric("n_proxy_ejections_total", replica=busy) == 1
     assert proxy.metric("n_proxy_replica_up", replica=busy) == 0
+    assert request_log.levels("replica ejected") == [
+        ("warning", {"upstream": "u", "replica": busy})
+    ]
     # ... and a passing health check brings it back at once
     await proxy.pool.healthy(proxy.upstream)
     assert proxy.usable() == {live.url: True, busy: True}
