@@ -175,6 +175,9 @@ class Upstream(_Section):
     timeouts: Timeouts = Timeouts()
     health_path: UrlPath = "/health"
     health_interval: Seconds = 5.0
+    # gen_ai.provider.name on its spans and GenAI metrics (docs/operating.md#tracing): the
+    # OpenAI API it speaks, unless named (vllm, llama.cpp, ...).
+    provider: Annotated[str, Field(min_length=1, max_length=100)] = "openai"
     # X-Request-Id on children: vLLM's "{i}_{parent}", a fresh UUID (servers that insist on
     # one, such as llama-cpp-python), or none at all.
     child_request_id: Literal["prefixed", "uuid", "omit"] = "prefixed"

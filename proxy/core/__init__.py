@@ -2,6 +2,7 @@
 rules, the proxy's errors. No I/O: bytes and dicts in and out.
 """
 
+from proxy.core.answer import TAIL_BYTES, answer_facts, body_facts
 from proxy.core.encoding import INFLATED, Inflater, content_codings, inflate
 from proxy.core.errors import (
     BodyTooLarge,
@@ -24,14 +25,24 @@ from proxy.core.headers import (
     request_headers,
     response_headers,
 )
-from proxy.core.plan import Endpoint, Plan, endpoint_of, is_int, parse_body, plan_request
+from proxy.core.plan import (
+    Endpoint,
+    Plan,
+    endpoint_of,
+    is_int,
+    is_number,
+    parse_body,
+    plan_request,
+)
 from proxy.core.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
 from proxy.core.stitch import StreamError, StreamStitcher, error_event, finish_reasons, stitch_json
 from proxy.core.url import Origin, at_address, authority, check_url, parse_origin, tls_name
+from proxy.core.usage import token_counts
 
 __all__ = [
     "INFLATED",
     "MAX_EVENT_BYTES",
+    "TAIL_BYTES",
     "BodyTooLarge",
     "ChildFailed",
     "ClientGone",
@@ -50,8 +61,10 @@ __all__ = [
     "UnsupportedEncoding",
     "UpstreamTimeout",
     "UpstreamUnavailable",
+    "answer_facts",
     "at_address",
     "authority",
+    "body_facts",
     "check_url",
     "child_headers",
     "client_request_id",
@@ -62,6 +75,7 @@ __all__ = [
     "finish_reasons",
     "inflate",
     "is_int",
+    "is_number",
     "parse_body",
     "parse_origin",
     "plan_request",
@@ -71,4 +85,5 @@ __all__ = [
     "status_type",
     "stitch_json",
     "tls_name",
+    "token_counts",
 ]

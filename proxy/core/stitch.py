@@ -287,6 +287,17 @@ class StreamStitcher:
     def finished(self, pos: int) -> bool:
         return self._streams[pos].finished
 
+    def answered(self) -> tuple[str | None, str | None]:
+        """The stream's id and model as every chunk carries them; None before the first chunk
+        (and a generate stream names no model)."""
+        shared = self._shared or {}
+        ident = shared.get("request_id" if self._generate else "id")
+        model = shared.get("model")
+        return (
+            ident if isinstance(ident, str) else None,
+            model if isinstance(model, str) else None,
+        )
+
     def finish_reasons(self) -> tuple[str | None, ...]:
         """Each child's finish_reason, in child order (None where it never finished). Noted on
         the full path only: a finishing chunk never fits a template, so no chunk pays for it."""

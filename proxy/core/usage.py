@@ -1,11 +1,12 @@
 """The children's usage merged into the one a native-n server reports (docs/behaviour.md#usage):
-the prompt counted once per prompt, completion tokens summed over every child. Pure.
+the prompt counted once per prompt, completion tokens summed over every child; and the tokens a
+usage reports, as the metrics count them. Pure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.core.plan import is_int, is_number
 
@@ -53,3 +54,26 @@ def _sum_details(details: Sequence[object]) -> dict[str, Any]:
 
 def _int(value: object) -> int:
     return value if is_int(value) else 0
+
+
+class Tokens(NamedTuple):
+    prompt: int
+    completion: int
+    cached: int  # prompt tokens served from the prefix cache
+    reasoning: int  # completion tokens spent reasoning
+
+
+def token_counts(usage: Mapping[str, Any]) -> Tokens:
+    """The tokens ``usage`` reports, 0 for what it does not (OpenAI's fields: ``prompt_tokens``,
+    ``completion_tokens``, ``prompt_tokens_details.cached_tokens``,
+    ``completion_tokens_details.reasoning_tokens``)."""
+    prompt_details = usage.get("prompt_tokens_details")
+    completion_details = usage.get("completion_tokens_details")
+    return Tokens(
+        _int(usage.get("prompt_tokens")),
+        _int(usage.get("completion_tokens")),
+        _int(prompt_details.get("cached_tokens")) if isinstance(prompt_details, Mapping) else 0,
+        _int(completion_details.get("reasoning_tokens"))
+        if isinstance(completion_details, Mapping)
+        else 0,
+    )

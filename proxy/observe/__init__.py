@@ -5,7 +5,8 @@ census of what it holds.
 from proxy.observe.census import Census, UpstreamCensus
 from proxy.observe.clienterrors import ClientErrors, kind_of, lacks_version
 from proxy.observe.log import LEVELS, RequestLine, log_event, logger, setup_logging
-from proxy.observe.metrics import MULTIPROCESS, Metrics, RequestMetrics
+from proxy.observe.meter import RequestMetrics
+from proxy.observe.metrics import MULTIPROCESS, Metrics
 from proxy.observe.record import ChildRecord, LargeRequest, Observer, Observers, RequestRecord
 from proxy.observe.tracing import Tracing, tracing_from_env
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import prometheus_client
 from prometheus_client import (
@@ -30,10 +30,9 @@ from prometheus_client.core import (
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from proxy.core import UpstreamTimeout, UpstreamUnavailable
+from proxy.observe.catalog import OTHER, ModelCatalog
 from proxy.observe.census import GAUGES
 from proxy.observe.plain import Count, Observe, PlainCounter, PlainHistogram
-from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
 if TYPE_CHECKING:
     from proxy.config import Config
@@ -45,6 +44,7 @@ MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 # A `_created` twin of every counter and histogram doubles the series and helps no query.
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 _LATENCY = (
     0.0005,
     0.001,
@@ -71,7 +71,7 @@ UPSTREAM_OUTCOMES = ("2xx", "3xx", "4xx", "5xx", "timeout", "unreachable")
 # The part of a request the HTTP parser refused (proxy.observe.clienterrors): never the
 # client's words.
 PROTOCOL_ERROR_KINDS = ("request_line", "header", "too_long", "body", "other")
-_STATUS_CLASSES = ("other", "other", "2xx", "3xx", "4xx", "5xx", "other", "other", "other", "other")
+STATUS_CLASSES = ("other", "other", "2xx", "3xx", "4xx", "5xx", "other", "other", "other", "other")
 
 
 class _PlainCollector(Collector):
@@ -139,6 +139,51 @@ class Metrics:
             "Time the proxy itself spends on a request: before its first upstream request and "
             "after its last upstream byte.",
             buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1),
+        )
+        # Tokens, as the answers' usage reports them (docs/operating.md#tokens): a fan-out's merged
+        # usage, a passed-through answer's own where it carries one.
+        self.models = ModelCatalog()
+        tokens = ["route", "upstream", "model"]
+        self.prompt_tokens = self._counter(
+            "n_proxy_prompt_tokens", "Prompt tokens of the answers, by route, upstream and model.",
+            tokens,
+        )  # fmt: skip
+        self.completion_tokens = self._counter(
+            "n_proxy_completion_tokens",
+            "Completion tokens of the answers (every choice), by route, upstream and model.",
+            tokens,
+        )
+        self.cached_tokens = self._counter(
+            "n_proxy_cached_tokens",
+            "Prompt tokens the upstream served from its prefix cache (usage's "
+            "prompt_tokens_details.cached_tokens), by route, upstream and model.",
+            tokens,
+        )
+        self.reasoning_tokens = self._counter(
+            "n_proxy_reasoning_tokens",
+            "Completion tokens spent reasoning (usage's completion_tokens_details."
+            "reasoning_tokens), by route, upstream and model.",
+            tokens,
+        )
+        self.time_to_first_token = self._histogram(
+            "n_proxy_time_to_first_token_seconds",
+            "Streams answered 2xx: time from the request's arrival to its first token chunk "
+            "written to the client, by route and model.",
+            ["route", "model"],
+        )
+        self.time_per_output_token = self._histogram(
+            "n_proxy_time_per_output_token_seconds",
+            "Streams answered 2xx with usage: time from the first token to the end, over each "
+            "choice's completion tokens after its first, by route and model.",
+            ["route", "model"],
+            buckets=_PER_TOKEN,
+        )
+        self.children = self._histogram(
+            "n_proxy_children_per_request",
+            "Upstream requests each fanned-out request sent (its prompts times n, or best_of): "
+            "the fan-out factor.",
+            ["route"],
+            buckets=(1, 2, 3, 4, 5, 8, 10, 16, 32, 64, 128, 256, 1024, 2048),
         )
         self.stitched_chunks = self._counter(
             "n_proxy_stitched_chunks", "SSE chunks written by fan-out streams."
@@ -294,10 +339,17 @@ class Metrics:
 
     def known(self, config: Config) -> None:
         """Every label set the config names, at zero, so rates and ratios exist from the start."""
+        self.models.configure(route.model for route in config.routes)
         for route in (*config.fanout_paths, "other"):
             for fanned in ("true", "false") if route != "other" else ("false",):
                 self.request_duration.labels(route, fanned)
                 self.first_chunk.labels(route, fanned)
+        for route in config.fanout_paths:
+            self.children.labels(route)
+            self.time_to_first_token.labels(route, OTHER)
+            for upstream in config.upstreams:
+                for family in self._token_families():
+                    family.labels(route, upstream.name, OTHER)
         for upstream in config.upstreams:
             name = upstream.name
             self.queue_wait.labels(name)
@@ -316,6 +368,16 @@ class Metrics:
                 self.fallbacks.labels(name, upstream.fallback)
             for url in upstream.urls:
                 self.ejections.labels(name, url)
+
+    def _token_families(self) -> tuple[Any, Any, Any, Any]:
+        return self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.reasoning_tokens
+
+    def token_series(self, route: str, upstream: str, model: str) -> TokenSeries:
+        """The four token counts of one (route, upstream, model) label set."""
+        prompt, completion, cached, reasoning = (
+            family.labels(route, upstream, model) for family in self._token_families()
+        )
+        return TokenSeries(prompt, completion, cached, reasoning)
 
     def answered_series(
         self, route: str, status: int, fanned_out: bool
@@ -402,79 +464,8 @@ class _Shared(Collector):
         return self._collector.collect()
 
 
-class RequestMetrics(Observer):
-    """Every metric a request's steps move, from its record: the queue wait, each upstream
-    request's answer (status class, timeout or unreachable), time to its head and to its end,
-    retries, children aborted, the request's count, duration, first chunk and n, the proxy's
-    overhead, the chunks a stream stitched. Labelled children are looked up once per upstream
-    (and per route and status), not on every request."""
-
-    def __init__(self, metrics: Metrics, config: Config) -> None:
-        self._metrics = metrics
-        self._upstreams = {u.name: _UpstreamSeries(metrics, u.name) for u in config.upstreams}
-        self._answered: dict[tuple[str, int, bool], tuple[Count, Observe, Observe]] = {}
-
-    def admitted(self, child: ChildRecord) -> None:
-        self._upstreams[child.record.upstream].queue_wait.observe(child.queued)
-
-    def retry(self, child: ChildRecord, reason: str) -> None:
-        self._metrics.retries.labels(child.record.upstream, reason).inc()
-
-    def head(self, child: ChildRecord) -> None:
-        series = self._upstreams[child.record.upstream]
-        series.ttfb.observe(child.head_at - child.sent_at)
-        series.answered(child.status).inc()
-
-    def child_ended(self, child: ChildRecord, failure: BaseException | None) -> None:
-        series = self._upstreams[child.record.upstream]
-        series.duration.observe(child.done_at - child.sent_at)
-        if not child.status and isinstance(failure, UpstreamTimeout | UpstreamUnavailable):
-            # No status line came: out of time (a 504), or anything else (a 502).
-            (series.timeout if isinstance(failure, UpstreamTimeout) else series.unreachable).inc()
-
-    def ended(self, record: RequestRecord) -> None:
-        key = (record.route, record.status, record.fanned_out)
-        children = self._answered.get(key)
-        if children is None:
-            children = self._answered[key] = self._metrics.answered_series(*key)
-        count, duration, first = children
-        count.inc()
-        duration.observe(record.seconds)
-        first_chunk = record.first_chunk
-        if first_chunk is not None:
-            first.observe(first_chunk)
-        overhead = record.overhead
-        if overhead is not None:
-            self._metrics.overhead.observe(overhead)
-        if record.fanned_out:
-            self._metrics.n.observe(record.n)
-            if record.aborted:
-                self._upstreams[record.upstream].aborted.inc(record.aborted)
-            if record.chunks:
-                self._metrics.stitched_chunks.inc(record.chunks)
-
-
-class _UpstreamSeries:
-    """One upstream's labelled children of the request-path families."""
-
-    __slots__ = ("_by_class", "_name", "_responses", "aborted", "duration", "queue_wait",
-                 "timeout", "ttfb", "unreachable")  # fmt: skip
-
-    def __init__(self, metrics: Metrics, name: str) -> None:
-        self._name = name
-        self._responses = metrics.upstream_responses
-        self.queue_wait: Observe = metrics.queue_wait.labels(name)
-        self.ttfb: Observe = metrics.upstream_ttfb.labels(name)
-        self.duration: Observe = metrics.upstream_duration.labels(name)
-        self.timeout: Count = self._responses.labels(name, "timeout")
-        self.unreachable: Count = self._responses.labels(name, "unreachable")
-        self.aborted: Count = metrics.children_aborted.labels(name)
-        self._by_class: list[Count | None] = [None] * 10  # status // 100 % 10 -> its count
-
-    def answered(self, status: int) -> Count:
-        """The count of upstream answers of ``status``'s class."""
-        at = status // 100 % 10
-        count = self._by_class[at]
-        if count is None:
-            count = self._by_class[at] = self._responses.labels(self._name, _STATUS_CLASSES[at])
-        return count
+class TokenSeries(NamedTuple):
+    prompt: Count
+    completion: Count
+    cached: Count
+    reasoning: Count

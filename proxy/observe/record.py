@@ -91,10 +91,11 @@ class RequestRecord:
     """
 
     __slots__ = (
-        "aborted", "bytes_in", "bytes_out", "children", "chunks", "done_at", "ended_at",
+        "aborted", "body", "bytes_in", "bytes_out", "children", "chunks", "done_at", "ended_at",
         "fanned_out", "finish_reasons", "first_chunk_at", "headers", "method", "model", "n",
-        "observers", "path", "queued", "relayed", "request_id", "retries", "route", "sent_at",
-        "span", "started", "status", "trace_id", "upstream", "usage",
+        "observers", "path", "provider", "queued", "relayed", "request_id", "response_id",
+        "response_model", "retries", "route", "sent_at", "span", "started", "status", "tail",
+        "trace_id", "upstream", "usage",
     )  # fmt: skip
 
     def __init__(
@@ -107,7 +108,11 @@ class RequestRecord:
         self.headers = headers  # the client's, as it sent them
         self.route = "other"  # the fan-out path it came in on, or "other"
         self.upstream = ""
+        self.provider = ""  # its upstream's, as the GenAI conventions name it (``provider``)
         self.model: str | None = None  # the body's, where the body was read
+        # The request's body as the proxy read it, where it did (a fan-out path's JSON object):
+        # what spans take the request's parameters from.
+        self.body: dict[str, Any] | None = None
         self.fanned_out = False
         self.n = 1
         self.request_id: str | None = None  # a fan-out's parent id; else the client's, if any
@@ -124,7 +129,12 @@ class RequestRecord:
         self.retries = 0  # over every child
         self.aborted = 0  # children cancelled before they finished
         self.chunks = 0  # SSE chunks a fan-out stream wrote
-        self.usage: dict[str, Any] | None = None  # a fan-out's merged usage, when sent one
+        # The answer's usage, id and model: a fan-out's merged ones, or what a passed-through
+        # answer carried (read from ``tail``, its last bytes relayed, on a fan-out path only).
+        self.usage: dict[str, Any] | None = None
+        self.response_id: str | None = None
+        self.response_model: str | None = None
+        self.tail = b""
         # A fan-out's finish_reason per choice, in index order (None: a choice that never
         # finished), read from the stitched answer once it is complete.
         self.finish_reasons: tuple[str | None, ...] = ()

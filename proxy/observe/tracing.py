@@ -1,7 +1,8 @@
 """Optional OpenTelemetry tracing (the ``otel`` extra): a server span per request and a client
 span per upstream request or child, each child sent with its own ``traceparent``; an observer of
-the request's record (``proxy.observe.record``), which holds the spans. Spans carry the GenAI
-semantic conventions' attributes where the record knows them (``gen_ai.*``, ``server.*``).
+the request's record (``proxy.observe.record``), which holds the spans. On a fan-out path the
+spans follow the GenAI semantic conventions (``proxy.observe.genai``: their names, the
+``gen_ai.*`` attributes), and the GenAI metrics are exported beside them.
 
 Off unless the standard ``OTEL_*`` variables ask for traces (``wanted``). When off, nothing
 here imports opentelemetry and no step of a request calls into this module.
@@ -17,16 +18,15 @@ from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from proxy.core import endpoint_of
+from proxy.observe.genai import GenAIMetrics, answered, asked, operation, span_name
 from proxy.observe.log import log_event
 from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.trace import TracerProvider
 
 _HOP_TRACE_HEADERS = ("traceparent", "tracestate")
-# gen_ai.operation.name of each fan-out endpoint (OpenTelemetry's GenAI semantic conventions).
-_OPERATIONS = {"chat": "chat", "completions": "text_completion"}
 
 
 def wanted(environ: Mapping[str, str]) -> bool:
@@ -47,7 +47,8 @@ def tracing_from_env(environ: Mapping[str, str] = os.environ) -> Tracing | None:
     if not wanted(environ):
         return None
     try:
-        return Tracing(_provider_from_env(environ))
+        provider = _provider_from_env(environ)
+        return Tracing(provider, _meters_from_env(environ, provider))
     except ImportError as exc:
         log_event(
             "tracing is asked for by OTEL_* but opentelemetry is missing: "
@@ -96,18 +97,65 @@ def _provider_from_env(environ: Mapping[str, str]) -> TracerProvider:
     return provider
 
 
+def _meters_from_env(environ: Mapping[str, str], traces: TracerProvider) -> MeterProvider | None:
+    """Where tracing is on, the GenAI metrics beside the spans, to the same collector, unless
+    ``OTEL_METRICS_EXPORTER`` is ``none`` (the SDK reads its own ``OTEL_*`` variables: the
+    endpoint, headers, export interval)."""
+    names = [n.strip().lower() for n in environ.get("OTEL_METRICS_EXPORTER", "otlp").split(",")]
+    if names == ["none"]:
+        return None
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        ConsoleMetricExporter,
+        MetricExporter,
+        PeriodicExportingMetricReader,
+    )
+
+    readers = []
+    for name in names:
+        exporter: MetricExporter
+        if name == "console":
+            exporter = ConsoleMetricExporter()
+        elif name == "otlp":
+            protocol = environ.get(
+                "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+                environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            )
+            if protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (  # type: ignore[import-not-found]
+                    OTLPMetricExporter as GrpcMetricExporter,
+                )
+
+                exporter = GrpcMetricExporter()
+            else:
+                from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+                    OTLPMetricExporter,
+                )
+
+                exporter = OTLPMetricExporter()
+        else:
+            raise ImportError(f"no metric exporter named {name!r} here (otlp or console)")
+        readers.append(PeriodicExportingMetricReader(exporter))
+    # Shut down by ``Tracing.close`` within the drain's bound, never at interpreter exit: there,
+    # a collector that never answers would hold the process for the SDK's own timeouts.
+    return MeterProvider(metric_readers=readers, resource=traces.resource, shutdown_on_exit=False)
+
+
 class Tracing(Observer):
     """Spans for one proxy instance, from ``provider`` (tests pass one with an in-memory
     exporter): each request's server span from its ``begun`` to its ``ended``, each upstream
-    request's client span from its first try (``sent``) to its end."""
+    request's client span from its first try (``sent``) to its end; with ``meters``, the GenAI
+    metrics of each request on a fan-out path (``proxy.observe.genai``)."""
 
-    def __init__(self, provider: TracerProvider) -> None:
+    def __init__(self, provider: TracerProvider, meters: MeterProvider | None = None) -> None:
         from opentelemetry import propagate, trace
 
         self._provider = provider
+        self._meters = meters
         self._tracer = provider.get_tracer("n-proxy")
         self._propagate = propagate
         self._trace = trace
+        self._genai = GenAIMetrics(meters.get_meter("n-proxy")) if meters is not None else None
 
     def begun(self, record: RequestRecord) -> None:
         """The request's span, a child of the client's ``traceparent`` when it sent one."""
@@ -128,14 +176,16 @@ class Tracing(Observer):
         if parent is None:
             return
         method = record.method
+        genai = operation(record)
         span = child.span = self._tracer.start_span(
-            f"{method} {record.upstream}",
+            span_name(genai, record) if genai is not None else f"{method} {record.upstream}",
             context=self._trace.set_span_in_context(parent),
             kind=self._trace.SpanKind.CLIENT,
             attributes={"http.request.method": method, "n_proxy.upstream": record.upstream,
                         "n_proxy.replica": child.replica or ""},
         )  # fmt: skip
-        span.set_attributes(_gen_ai_request(record))
+        if genai is not None:
+            span.set_attributes(asked(record, genai))
         if child.replica is not None:
             span.set_attributes(_server_address(child.replica))
         if child.index is not None:
@@ -170,8 +220,11 @@ class Tracing(Observer):
         if span is None:
             return
         route, status = record.route, record.status
-        if route != "other":  # semantic conventions: "{method} {route}", else the method
-            span.update_name(f"{span.name} {route}")  # type: ignore[attr-defined]
+        genai = operation(record)
+        if genai is not None:  # GenAI's conventions: "{operation} {model}"
+            span.update_name(span_name(genai, record))
+            span.set_attributes({**asked(record, genai), **answered(record)})
+        if route != "other":
             span.set_attribute("http.route", route)
         span.set_attributes(
             {
@@ -179,13 +232,13 @@ class Tracing(Observer):
                 "n_proxy.upstream": record.upstream,
                 "n_proxy.n": record.n,
                 "n_proxy.children": len(record.children) if record.fanned_out else 0,
-                **_gen_ai_request(record),
-                **_gen_ai_response(record),
             }
         )
         if status >= 500:
             span.set_status(self._trace.StatusCode.ERROR)
         span.end()
+        if self._genai is not None:
+            self._genai.ended(record)
 
     async def close(self, within: float) -> bool:
         """Send what is batched (at shutdown), for ``within`` seconds at most; False when that
@@ -195,16 +248,28 @@ class Tracing(Observer):
         takes to time out (each batch's export, retried, up to 30 s in all), past a pod's grace
         period; so it runs in a daemon thread that, past the bound, ends with the process."""
         loop = asyncio.get_running_loop()
+        providers: list[TracerProvider | MeterProvider] = [self._provider]
+        if self._meters is not None:
+            providers.append(self._meters)
+        left = [len(providers)]
         done = asyncio.Event()
 
-        def shut_down() -> None:
+        def one_done() -> None:
+            left[0] -= 1
+            if not left[0]:
+                done.set()
+
+        def shut_down(provider: TracerProvider | MeterProvider) -> None:
             try:
-                self._provider.shutdown()
+                provider.shutdown()
             finally:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    loop.call_soon_threadsafe(done.set)
+                    loop.call_soon_threadsafe(one_done)
 
-        threading.Thread(target=shut_down, name="n-proxy-tracing-close", daemon=True).start()
+        for provider in providers:  # side by side: each may wait on the collector
+            threading.Thread(
+                target=shut_down, args=(provider,), name="n-proxy-tracing-close", daemon=True
+            ).start()
         try:
             async with asyncio.timeout(within):
                 await done.wait()
@@ -212,35 +277,6 @@ class Tracing(Observer):
             log_event("spans not sent at shutdown: dropped", within_s=round(within, 1))
             return False
         return True
-
-
-def _gen_ai_request(record: RequestRecord) -> dict[str, Any]:
-    """What the request asked of the model: the operation (on a fan-out path), the model (where
-    the body was read) and, for a fan-out, the choices asked for (``n``, or ``best_of``)."""
-    attributes: dict[str, Any] = {}
-    endpoint = endpoint_of(record.route) if record.route != "other" else None
-    if endpoint is not None:
-        attributes["gen_ai.operation.name"] = _OPERATIONS[endpoint]
-    if record.model is not None:
-        attributes["gen_ai.request.model"] = record.model
-    if record.fanned_out:
-        attributes["gen_ai.request.choice.count"] = record.n
-    return attributes
-
-
-def _gen_ai_response(record: RequestRecord) -> dict[str, Any]:
-    """What a fan-out answered: its merged usage and each choice's finish reason."""
-    attributes: dict[str, Any] = {}
-    usage = record.usage
-    if usage is not None:
-        for key, name in (("prompt_tokens", "input"), ("completion_tokens", "output")):
-            value = usage.get(key)
-            if isinstance(value, int) and not isinstance(value, bool):
-                attributes[f"gen_ai.usage.{name}_tokens"] = value
-    reasons = [r for r in record.finish_reasons if r is not None]
-    if reasons:
-        attributes["gen_ai.response.finish_reasons"] = reasons
-    return attributes
 
 
 def _server_address(url: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from proxy.core import (
     SSEDecoder,
     StreamStitcher,
     UpstreamUnavailable,
+    body_facts,
     finish_reasons,
     stitch_json,
 )
@@ -157,9 +158,9 @@ async def respond_json(fanout: Fanout) -> web.Response:
     finally:
         failure = None  # its traceback holds this frame: no reference cycle through it
     stitched = stitch_json(plan, bodies)
-    usage = stitched.get("usage")
-    fanout.record.usage = usage if isinstance(usage, dict) else None
-    fanout.record.finish_reasons = finish_reasons(stitched)
+    record = fanout.record
+    record.usage, record.response_id, record.response_model = body_facts(stitched)
+    record.finish_reasons = finish_reasons(stitched)
     return web.Response(
         body=orjson.dumps(stitched),
         content_type="application/json",
@@ -267,6 +268,7 @@ async def respond_stream(fanout: Fanout, request: web.Request) -> web.StreamResp
                 sink.settle()
                 streams.discard(mailbox)
                 fanout.record.usage = stitcher.usage()
+                fanout.record.response_id, fanout.record.response_model = stitcher.answered()
                 fanout.record.finish_reasons = stitcher.finish_reasons()
                 fanout.record.chunks = stitcher.chunks
             await response.write_eof()

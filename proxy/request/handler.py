@@ -131,8 +131,9 @@ class Handler:
             record.route = path
         passing = False  # a pass-through's answers are the upstream's, its errors unnamed
         try:
-            upstream, plan, record.model = self._decide(request, endpoint, body)
+            upstream, plan = self._decide(request, endpoint, body, record)
             record.upstream = upstream.name
+            record.provider = upstream.provider
             if plan is None:
                 passing = True
                 return await pass_through(request, self.upstreams, upstream, body, record)
@@ -194,10 +195,11 @@ class Handler:
             return await _answer_and_close(request, RequestTimeout(message))
 
     def _decide(
-        self, request: web.Request, endpoint: Endpoint | None, body: bytes
-    ) -> tuple[Upstream, Plan | None, str | None]:
-        """Where the request goes, its children when it fans out (``None``: pass it through), and
-        its model where the body was read (for the log line).
+        self, request: web.Request, endpoint: Endpoint | None, body: bytes, record: RequestRecord
+    ) -> tuple[Upstream, Plan | None]:
+        """Where the request goes, and its children when it fans out (``None``: pass it
+        through); its model where the body was read (for the log line and the metrics) and, on a
+        fan-out path, the body itself (for its span) go on ``record``.
 
         Raises ``ProxyError`` for a body the proxy refuses (docs/behaviour.md#validation); reads
         nothing but the body and headers it is given.
@@ -213,9 +215,11 @@ class Handler:
         found = parsed.get("model") if parsed is not None else None
         model = found if isinstance(found, str) else None
         upstream = self.upstreams.route(request.rel_url.path, model)
-        model = model[:200] if model is not None else None  # the log's: bounded
+        record.model = model[:200] if model is not None else None  # the log's: bounded
+        if endpoint is not None:
+            record.body = parsed
         if endpoint is None or parsed is None or upstream.native_n:
-            return upstream, None, model
+            return upstream, None
         plan = plan_request(
             parsed,
             functools.partial(_parent_id, request, parsed),
@@ -223,7 +227,7 @@ class Handler:
             endpoint=endpoint,
             max_children=config.max_children,
         )
-        return upstream, plan, model
+        return upstream, plan
 
     def _routing_json(
         self, request: web.Request, body: bytes, codings: list[str]

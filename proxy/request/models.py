@@ -68,6 +68,8 @@ async def _ask(
         if status == 200:
             cards = _cards(data)
             if cards is not None:
+                # The names it serves are what the metrics may label its answers with.
+                upstreams.metrics.models.learn(upstream.name, (card["id"] for card in cards))
                 return cards
             reason = "not a model list"
         else:
@@ -79,6 +81,14 @@ async def _ask(
     upstreams.metrics.model_list_failures.labels(upstream.name).inc()
     log_event("model list left out", upstream=upstream.name, reason=reason)
     return None
+
+
+def learn_listed(upstreams: Upstreams, upstream: Upstream, data: bytes) -> None:
+    """A model list ``upstream`` answered through a pass-through: the names it serves are what
+    the metrics may label its answers with."""
+    cards = _cards(data)
+    if cards is not None:
+        upstreams.metrics.models.learn(upstream.name, (card["id"] for card in cards))
 
 
 def _cards(data: bytes) -> list[dict[str, Any]] | None:

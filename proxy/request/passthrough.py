@@ -9,9 +9,10 @@ import re
 from aiohttp import web
 
 from proxy.config import Upstream
-from proxy.core import ClientGone, request_headers, response_headers
+from proxy.core import ClientGone, answer_facts, request_headers, response_headers
 from proxy.http import HTTPClientError
 from proxy.observe import RequestRecord
+from proxy.request.models import MODELS_PATH, learn_listed
 from proxy.request.sink import client_sink
 from proxy.upstream import Exchange, UpstreamRequest, Upstreams
 
@@ -32,7 +33,14 @@ async def pass_through(
     )
     (ticket,) = upstreams.admit(upstream, 1)
     async with upstreams.exchange(ticket, sent, record.child(None)) as exchange:
-        return await _relay(request, exchange, record)
+        response = await _relay(request, exchange, record)
+    if record.path == MODELS_PATH and response.status == 200 and isinstance(response, web.Response):
+        listed = response.body
+        if isinstance(listed, bytes):
+            learn_listed(upstreams, upstream, listed)
+    if record.tail:  # an LLM path's answer: its usage, id and model, as it told them
+        record.usage, record.response_id, record.response_model = answer_facts(record.tail)
+    return response
 
 
 async def _relay(
@@ -50,6 +58,8 @@ async def _relay(
         # and one packet fewer on the most common pass-through answer.
         data = await exchange.read()
         record.bytes_out = len(data)
+        if record.route != "other" and 200 <= status < 300:
+            record.tail = data
         return web.Response(
             status=status,
             reason=upstream_response.reason,

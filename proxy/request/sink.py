@@ -18,7 +18,7 @@ from typing import NamedTuple, Protocol
 
 from aiohttp import web
 
-from proxy.core import ClientGone
+from proxy.core import TAIL_BYTES, ClientGone
 from proxy.observe import RequestRecord
 
 
@@ -76,6 +76,8 @@ def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: boo
         record.bytes_out = before + body.written
         if body.first_at >= 0 and record.first_chunk_at is None:
             record.first_chunk_at = body.first_at
+        if record.route != "other":  # an LLM answer: what it says of its usage is in its end
+            record.tail = body.tail()
 
     return Sink(body.write, full, drain, settle, body.write_framed if chunked else None)
 
@@ -100,6 +102,9 @@ class BodyWriter:
         self._stamp = stamp
         self.written = 0  # body bytes, not the chunked framing's
         self.first_at = -1.0
+        # The last two writes, as they went: an answer's usage is in its last events.
+        self._before_last = b""
+        self._last = b""
 
     def write(self, data: bytes) -> bool:
         """Once the client is gone this raises ``ClientGone`` (uvloop itself would raise
@@ -119,5 +124,12 @@ class BodyWriter:
             self._stamp = False
             self.first_at = perf_counter()
         self.written += size
+        self._before_last = self._last
+        self._last = data
         transport.write(data)
         return transport.get_write_buffer_size() > self._high or transport.is_closing()
+
+    def tail(self) -> bytes:
+        """The body's last bytes written, at most ``TAIL_BYTES`` of each of the last two writes
+        (with the chunked framing of whole chunks written on as they came)."""
+        return self._before_last[-TAIL_BYTES:] + self._last[-TAIL_BYTES:]

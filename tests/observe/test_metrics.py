@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from proxy.config.models import parse_config
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
 from proxy.observe.plain import PlainCounter, PlainHistogram
 from proxy.server.process import Server
+from tests.meta.test_docs import anchors
 from tests.support.ports import free_port
 from tests.support.servers import Backend, running_server
 
@@ -337,8 +339,33 @@ def test_alert_rules_are_well_formed() -> None:
         assert rule["labels"]["severity"] in ("warning", "critical")
         assert rule["annotations"]["summary"]
         assert rule["annotations"]["description"]
+        assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}
         assert "for" not in rule or _DURATION.fullmatch(rule["for"]), rule["for"]
         assert rule["expr"].count("(") == rule["expr"].count(")"), rule["expr"]
+
+
+def test_each_alert_has_a_runbook_in_the_operating_docs() -> None:
+    """Its ``runbook_url`` is its section of docs/operating.md under the project's address."""
+    homepage = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Homepage"]
+    base = f"{homepage}/blob/main/docs/operating.md#"
+    sections = anchors(ROOT / "docs" / "operating.md")
+    for rule in (rule for group in rule_groups() for rule in group["rules"]):
+        url = rule["annotations"]["runbook_url"]
+        assert url.startswith(base), url
+        assert url.removeprefix(base) == rule["alert"].lower() in sections, url
+
+
+def test_the_dashboard_shows_tokens_times_per_token_and_the_fan_out_factor_by_model() -> None:
+    queries = " ".join(dashboard_queries())
+    for metric in (
+        "n_proxy_completion_tokens_total",
+        "n_proxy_prompt_tokens_total",
+        "n_proxy_time_to_first_token_seconds_bucket",
+        "n_proxy_time_per_output_token_seconds_bucket",
+        "n_proxy_children_per_request_sum",
+    ):
+        assert metric in queries, metric
+    assert "sum by (model)" in queries
 
 
 def test_alert_rules_pass_promtool(tmp_path: Path) -> None:

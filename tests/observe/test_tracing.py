@@ -14,12 +14,18 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -28,7 +34,7 @@ from opentelemetry.trace import SpanKind
 from proxy.config.models import single_upstream_config
 from proxy.observe import log
 from proxy.observe.tracing import Tracing, tracing_from_env, wanted
-from tests.support.servers import Backend, Servers
+from tests.support.servers import Backend, Servers, with_upstream
 
 ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -125,7 +131,8 @@ async def test_n3_request_has_one_server_span_and_three_child_spans_each_sent_as
     assert server.attributes is not None
     assert server.attributes["n_proxy.n"] == 3
     assert server.attributes["http.response.status_code"] == 200
-    assert server.name == "POST /v1/chat/completions"
+    assert server.name == "chat m"  # GenAI's "{operation} {model}"; the route an attribute
+    assert server.attributes["http.route"] == "/v1/chat/completions"
     indexes = {c.attributes["n_proxy.child_index"] for c in children if c.attributes}
     assert indexes == {0, 1, 2}
     for child in children:
@@ -231,7 +238,7 @@ async def test_otlp_endpoint_builds_a_batching_otlp_pipeline(
 ) -> None:
     """OTEL_EXPORTER_OTLP_ENDPOINT alone: a fan-out's spans reach a collector at that endpoint
     over OTLP/HTTP (protobuf, /v1/traces), all in one batch, sent when the batch is flushed
-    and not as each span ends."""
+    and not as each span ends; and the GenAI metrics beside them (/v1/metrics)."""
 
     async def collect(request: web.Request) -> web.Response:
         return web.Response(body=b"", content_type="application/x-protobuf")  # accepted
@@ -241,6 +248,7 @@ async def test_otlp_endpoint_builds_a_batching_otlp_pipeline(
         monkeypatch.delenv(name)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # no timed export: only the flush
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "600000")
     tracing = tracing_from_env(os.environ)
     assert tracing is not None
     config = single_upstream_config(backend.url)
@@ -252,8 +260,10 @@ async def test_otlp_endpoint_builds_a_batching_otlp_pipeline(
     await servers.stop(proxy)  # every span ended: the handler is over
     assert collector.seen == []  # three spans ended, all still in the batch
     assert await tracing.close(WITHIN) is True
-    (export,) = collector.seen
-    assert (export.method, export.path) == ("POST", "/v1/traces")
+    exports = {seen.path: seen for seen in collector.seen}
+    assert len(collector.seen) == len(exports) == 2
+    export = exports["/v1/traces"]
+    assert export.method == "POST"
     assert export.headers["Content-Type"] == "application/x-protobuf"
     sent = ExportTraceServiceRequest.FromString(export.body)
     (resource,) = sent.resource_spans
@@ -265,6 +275,10 @@ async def test_otlp_endpoint_builds_a_batching_otlp_pipeline(
     kinds = sorted(Span.SpanKind.Name(span.kind) for span in spans)
     assert kinds == ["SPAN_KIND_CLIENT", "SPAN_KIND_CLIENT", "SPAN_KIND_SERVER"]
     assert len({span.trace_id for span in spans}) == 1  # one request's trace
+    metrics = ExportMetricsServiceRequest.FromString(exports["/v1/metrics"].body)
+    (resource_metrics,) = metrics.resource_metrics
+    names = {m.name for scope in resource_metrics.scope_metrics for m in scope.metrics}
+    assert {"gen_ai.client.token.usage", "gen_ai.client.operation.duration"} <= names
 
 
 DRAIN_SECONDS = 3.0
@@ -391,3 +405,114 @@ async def test_completions_span_names_the_text_completion_operation(
     reasons = tuple(c["finish_reason"] for c in answer["choices"])
     assert server.attributes["gen_ai.response.finish_reasons"] == reasons
     assert server.attributes["gen_ai.usage.output_tokens"] == answer["usage"]["completion_tokens"]
+
+
+@pytest.fixture
+def metric_reader() -> InMemoryMetricReader:
+    return InMemoryMetricReader()
+
+
+@pytest.fixture
+async def genai_proxy(
+    servers: Servers,
+    backend: Backend,
+    exporter: InMemorySpanExporter,
+    metric_reader: InMemoryMetricReader,
+) -> AsyncIterator[str]:
+    """A traced proxy with its GenAI metrics read in memory, its upstream named as vLLM."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    meters = MeterProvider(metric_readers=[metric_reader])
+    config = with_upstream(single_upstream_config(backend.url), provider="vllm")
+    proxy = await servers.proxy(config, tracing=Tracing(provider, meters))
+    yield proxy.url
+    await servers.stop(proxy)
+    provider.shutdown()
+    meters.shutdown()
+
+
+async def test_spans_follow_the_genai_conventions_name_provider_parameters_and_answer(
+    http: aiohttp.ClientSession, genai_proxy: str, exporter: InMemorySpanExporter
+) -> None:
+    """``{operation} {model}`` spans; the provider the config names; the sampling parameters
+    asked; the answer's id and model; the same on each child's span but the answer."""
+    body = {
+        "model": "tiny-chat", "messages": MESSAGES, "n": 2, "max_tokens": 3, "seed": 11,
+        "temperature": 0.7, "top_p": 0.9, "stop": ["\n\n", "END"],
+    }  # fmt: skip
+    async with http.post(f"{genai_proxy}/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        answer = await r.json()
+    spans = exporter.get_finished_spans()
+    (server,) = by_kind(spans, SpanKind.SERVER)
+    assert server.name == "chat tiny-chat"
+    assert server.attributes is not None
+    assert {k: v for k, v in server.attributes.items() if k.startswith("gen_ai.request.")} == {
+        "gen_ai.request.model": "tiny-chat",
+        "gen_ai.request.choice.count": 2,
+        "gen_ai.request.max_tokens": 3,
+        "gen_ai.request.seed": 11,
+        "gen_ai.request.temperature": 0.7,
+        "gen_ai.request.top_p": 0.9,
+        "gen_ai.request.stop_sequences": ("\n\n", "END"),
+    }
+    assert server.attributes["gen_ai.provider.name"] == "vllm"
+    assert server.attributes["gen_ai.response.id"] == answer["id"]
+    assert server.attributes["gen_ai.response.model"] == answer["model"]
+    for child in by_kind(spans, SpanKind.CLIENT):
+        assert child.name == "chat tiny-chat"
+        assert child.attributes is not None
+        assert child.attributes["gen_ai.provider.name"] == "vllm"
+        assert child.attributes["gen_ai.request.seed"] == 11
+
+
+async def test_a_passed_through_answer_names_its_id_model_and_tokens_on_its_span(
+    http: aiohttp.ClientSession, genai_proxy: str, exporter: InMemorySpanExporter
+) -> None:
+    body = {"model": "tiny-chat", "messages": MESSAGES, "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    async with http.post(f"{genai_proxy}/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: {")]
+    last = json.loads(events[-1])
+    (server,) = by_kind(exporter.get_finished_spans(), SpanKind.SERVER)
+    assert server.attributes is not None
+    assert server.attributes["gen_ai.response.id"] == last["id"]
+    assert server.attributes["gen_ai.usage.output_tokens"] == last["usage"]["completion_tokens"]
+
+
+def _points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    return {
+        metric.name: list(metric.data.data_points)
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+
+
+async def test_the_genai_metrics_count_the_tokens_and_times_of_each_answer(
+    http: aiohttp.ClientSession, genai_proxy: str, metric_reader: InMemoryMetricReader
+) -> None:
+    body = {"model": "tiny-chat", "messages": MESSAGES, "n": 3, "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    async with http.post(f"{genai_proxy}/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: {")]
+    (usage,) = [e["usage"] for e in map(json.loads, events) if e.get("usage")]
+    points = _points(metric_reader)
+    by_type = {p.attributes["gen_ai.token.type"]: p for p in points["gen_ai.client.token.usage"]}
+    assert by_type["input"].sum == usage["prompt_tokens"]
+    assert by_type["output"].sum == usage["completion_tokens"]
+    for point in by_type.values():
+        assert point.attributes["gen_ai.provider.name"] == "vllm"
+        assert point.attributes["gen_ai.request.model"] == "tiny-chat"
+        assert point.attributes["gen_ai.operation.name"] == "chat"
+    for name in (
+        "gen_ai.client.operation.duration",
+        "gen_ai.server.time_to_first_token",
+        "gen_ai.server.time_per_output_token",
+    ):
+        (point,) = points[name]
+        assert point.count == 1
