@@ -1,6 +1,10 @@
 """What the proxy holds for one upstream (``UpstreamState``): its admission line (``Slots``), its
 replicas (``ReplicaSet``), its retry policy and budget (``RetryPolicy``), and its count of
 requests in flight. ``proxy.upstream.service`` does the I/O around it.
+
+A reload builds a state for each upstream of the new config; one an earlier config named, and
+whose requests may still run, hands it its line and replicas, so that every generation's
+requests count against one ``max_concurrency`` (docs/operating.md#reload).
 """
 
 from __future__ import annotations
@@ -19,9 +23,15 @@ from proxy.upstream.slots import Slots
 class UpstreamState:
     """What the proxy holds for one upstream: replicas, slots, retry policy, requests in flight."""
 
-    def __init__(self, upstream: Upstream, metrics: Metrics) -> None:
+    def __init__(
+        self, upstream: Upstream, metrics: Metrics, earlier: UpstreamState | None = None
+    ) -> None:
+        """``earlier``: the same upstream's state in a config a reload replaced, still alive:
+        its line (resized only at the hand-over, ``take_over``) and its replicas are this one's."""
         self.upstream = upstream
         self.slots = Slots(upstream.max_concurrency, upstream.max_queue)
+        if earlier is not None:
+            self.slots = earlier.slots
         self.metrics = metrics
         placement = upstream.placement
         self.replicas = ReplicaSet(
@@ -29,6 +39,8 @@ class UpstreamState:
             Ejection(upstream.eject.failures, upstream.eject.seconds),
             Placement(placement.choose, None if placement.pack == "all" else placement.pack),
         )
+        if earlier is not None:
+            self.replicas.carry(earlier.replicas, resolved=upstream.discovery.dns)
         self.retry_on = frozenset(upstream.retry_on)
         backoff, budget = upstream.backoff, upstream.retry_budget
         self.retry = RetryPolicy(

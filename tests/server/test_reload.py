@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -16,14 +16,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config.models import load_config
+from proxy.observe.census import UpstreamCensus
+from proxy.server.app import take_census
 from proxy.server.process import Server
+from tests.support.client import Answer, post, sse_payloads
 from tests.support.logs import capture_logs
 from tests.support.ports import free_port
 from tests.support.servers import Backend, Servers
+from tests.support.upstreams import HoldingUpstream
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
-WITHIN = 20.0  # seconds: a bound on every wait, not a timing
+WITHIN = 30.0  # seconds: a bound on every wait, not a timing
 
 
 def write_config(path: Path, text: str) -> None:
@@ -228,3 +232,194 @@ async def test_sighup_reloads_a_running_process(
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+# --- one line per upstream across generations (docs/operating.md#reload) ----------------------
+
+
+STREAM = {"model": "m", "messages": MESSAGES, "stream": True}
+
+
+@pytest.fixture
+async def holding(servers: Servers) -> HoldingUpstream:
+    return await servers.start(HoldingUpstream())
+
+
+def limited(
+    path: Path, *upstreams: tuple[str, HoldingUpstream | Backend, int], extra: str = ""
+) -> None:
+    """A config of ``(name, server, max_concurrency)`` upstreams, the first the default."""
+    listed = ", ".join(
+        f"{{name: {name}, url: '{server.url}', max_concurrency: {limit}, max_queue: 100}}"
+        for name, server, limit in upstreams
+    )
+    write_config(path, f"upstreams: [{listed}]\n" + extra)
+
+
+@pytest.fixture
+async def serving(tmp_path: Path) -> AsyncIterator[Callable[[], Awaitable[Server]]]:
+    """A whole server on ``tmp_path / "config.yaml"`` (written by the test first), reloading it."""
+    path = tmp_path / "config.yaml"
+    running: list[Server] = []
+
+    async def serve() -> Server:
+        server = Server(load_config(path), loader=lambda: load_config(path))
+        await server.start()
+        running.append(server)
+        return server
+
+    yield serve
+    for server in running:
+        await server.close()
+
+
+def census(server: Server, upstream: str) -> UpstreamCensus:
+    (found,) = [u for u in take_census(server.in_flight, server.generations).upstreams
+                if u.name == upstream]  # fmt: skip
+    return found
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Poll a condition of the proxy's own state (it has no event to wait on), up to WITHIN."""
+    for _ in range(int(WITHIN / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not reached in {WITHIN:g} s")
+
+
+def stream_ok(answer: Answer, n: int) -> None:
+    assert answer.status == 200
+    payloads = sse_payloads(answer.body)
+    assert payloads[-1] == "[DONE]"
+    assert not [p for p in payloads if isinstance(p, dict) and "error" in p]
+    finished = {c["index"] for p in payloads[:-1] for c in p["choices"] if c["finish_reason"]}
+    assert finished == set(range(n))
+
+
+async def test_three_reloads_under_open_streams_never_take_the_upstream_past_its_limit(
+    http: aiohttp.ClientSession,
+    holding: HoldingUpstream,
+    serving: Callable[[], Awaitable[Server]],
+    tmp_path: Path,
+) -> None:
+    """max_concurrency 2, an n = 2 stream open, then three reloads with another n = 2 stream
+    after each: their children wait in the one line the four generations share, so the upstream
+    never has more than 2 at once (it had 8 when each generation built a line of its own), and
+    every stream ends whole once the upstream lets them."""
+    path = tmp_path / "config.yaml"
+    limited(path, ("a", holding, 2))
+    server = await serving()
+    body = {**STREAM, "n": 2}
+    streams = [asyncio.create_task(post(http, chat(server), body))]
+    await holding.wait_for(lambda: holding.active == 2)
+    for reload in range(1, 4):
+        limited(path, ("a", holding, 2), extra=f"max_n: {4 + reload}\n")  # a change, same limit
+        assert await server.reload()
+        streams.append(asyncio.create_task(post(http, chat(server), body)))
+        await until(lambda: census(server, "a").queued == 2 * reload or holding.active > 2)  # noqa: B023
+        assert holding.active == 2
+        # The line is counted once, not once per generation that names it.
+        assert (census(server, "a").slots_held, metric(server, "n_proxy_slots_in_use")) == (2, 2)
+    assert len(server.generations.retiring) == 3
+    holding.release()
+    for answer in await asyncio.gather(*streams):
+        stream_ok(answer, 2)
+    assert (holding.peak, len(holding.seen)) == (2, 8)
+    async with asyncio.timeout(WITHIN):
+        await server.generations.retired()
+
+
+async def test_a_reload_that_lowers_the_limit_keeps_the_streams_running_and_starts_none_until_below(
+    http: aiohttp.ClientSession,
+    holding: HoldingUpstream,
+    serving: Callable[[], Awaitable[Server]],
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "config.yaml"
+    limited(path, ("a", holding, 3))
+    server = await serving()
+    running = asyncio.create_task(post(http, chat(server), {**STREAM, "n": 3}))
+    await holding.wait_for(lambda: holding.active == 3)
+    limited(path, ("a", holding, 1))
+    assert await server.reload()
+    waiting = asyncio.create_task(post(http, chat(server), STREAM))
+    await until(lambda: census(server, "a").queued == 1)
+    for held in (2, 1):  # the old stream's children end one by one: still none may start
+        holding.release(1)
+        await until(lambda: census(server, "a").slots_held == held)  # noqa: B023
+        assert census(server, "a").queued == 1
+    holding.release()
+    stream_ok(await running, 3)
+    stream_ok(await waiting, 1)
+    assert holding.peak == 3  # the old limit's, never more
+
+
+async def test_a_reload_that_raises_the_limit_grants_the_waiting_children_at_once(
+    http: aiohttp.ClientSession,
+    holding: HoldingUpstream,
+    serving: Callable[[], Awaitable[Server]],
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "config.yaml"
+    limited(path, ("a", holding, 1))
+    server = await serving()
+    first = asyncio.create_task(post(http, chat(server), STREAM))
+    await holding.wait_for(lambda: holding.active == 1)
+    queued = asyncio.create_task(post(http, chat(server), {**STREAM, "n": 2}))
+    await until(lambda: census(server, "a").queued == 2)
+    limited(path, ("a", holding, 3))
+    assert await server.reload()
+    await holding.wait_for(lambda: holding.active == 3)  # the first stream still open
+    holding.release()
+    stream_ok(await first, 1)
+    stream_ok(await queued, 2)
+
+
+async def test_an_upstream_dropped_and_named_again_while_its_stream_runs_finds_its_line(
+    http: aiohttp.ClientSession,
+    holding: HoldingUpstream,
+    backend: Backend,
+    serving: Callable[[], Awaitable[Server]],
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "config.yaml"
+    limited(path, ("a", holding, 1))
+    server = await serving()
+    running = asyncio.create_task(post(http, chat(server), STREAM))
+    await holding.wait_for(lambda: holding.active == 1)
+    limited(path, ("b", backend, 1))
+    assert await server.reload()
+    limited(path, ("a", holding, 1), ("b", backend, 1))
+    assert await server.reload()
+    again = asyncio.create_task(post(http, chat(server), STREAM))
+    await until(lambda: census(server, "a").queued == 1 or holding.active > 1)
+    assert holding.active == 1
+    holding.release()
+    stream_ok(await running, 1)
+    stream_ok(await again, 1)
+    assert holding.peak == 1
+
+
+async def test_the_old_generations_health_checks_stop_at_the_hand_over(
+    http: aiohttp.ClientSession,
+    holding: HoldingUpstream,
+    serving: Callable[[], Awaitable[Server]],
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "config.yaml"
+    limited(path, ("a", holding, 1))
+    server = await serving()
+    running = asyncio.create_task(post(http, chat(server), STREAM))
+    await holding.wait_for(lambda: holding.active == 1)
+    old = server.generations.current
+    limited(path, ("a", holding, 2))
+    assert await server.reload()
+    async with asyncio.timeout(WITHIN):  # health checks, discovery, watchdog: all over
+        await asyncio.wait(old.upstreams.loops)
+    assert old.begun.requests == 1  # while its stream still runs
+    old_replica = old.upstreams.state(old.config.upstreams[0]).replicas.get(holding.url)
+    new_state = server.upstreams.state(server.config.upstreams[0])
+    assert new_state.replicas.get(holding.url) is old_replica  # one replica, checked by the new
+    holding.release()
+    stream_ok(await running, 1)
