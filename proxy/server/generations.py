@@ -105,6 +105,9 @@ class Generations:
         await old.begun.wait_idle()
         await old.upstreams.close()
         self.retiring.remove(old)
+        # Its last requests may have named again a series the hand-over removed (a count of
+        # retries, of answers...).
+        self.current.upstreams.forget(old.upstreams)
 
     async def close(self) -> None:
         """Every generation's upstreams closed (at shutdown: no request is left)."""

@@ -39,7 +39,7 @@ from proxy.upstream.replicas import Replica
 from proxy.upstream.retry import Reason, Verdict, parse_retry_after
 from proxy.upstream.slots import Place
 from proxy.upstream.state import UpstreamState
-from proxy.upstream.succession import hand_over, newest
+from proxy.upstream.succession import gone, hand_over, newest
 
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 _DISCARD_SECONDS = 1.0  # ... if it comes this soon: a retry must not wait on a stalled body
@@ -269,10 +269,15 @@ class Upstreams:
         place of ``earlier`` (every one still alive, newest first), whose requests run on. Their
         loops stop: this one's check, discover, watch and publish what they share. Each line this
         config names takes its limits, so every generation's requests count against one
-        ``max_concurrency`` per upstream."""
+        ``max_concurrency`` per upstream; the series only they name go (``forget``)."""
         hand_over(self._states, [other._states for other in earlier])
         for other in earlier:
             other.stop()
+            self.forget(other)
+
+    def forget(self, other: Upstreams) -> None:
+        """Remove the series of the upstreams and replicas ``other`` names and this does not."""
+        self.metrics.forget(*gone(self._states, other._states))
 
     async def _check_health(self, upstream: Upstream) -> None:
         """Every replica of ``upstream`` each ``health_interval`` (docs/behaviour.md#failover)."""

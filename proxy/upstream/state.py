@@ -41,6 +41,10 @@ class UpstreamState:
         )
         if earlier is not None:
             self.replicas.carry(earlier.replicas, resolved=upstream.discovery.dns)
+        # The state that publishes this upstream's replica health: this one while its config
+        # is current; after a reload the new config's, or None when it names this upstream no
+        # more (``Upstreams.take_over``).
+        self.current: UpstreamState | None = self
         self.retry_on = frozenset(upstream.retry_on)
         backoff, budget = upstream.backoff, upstream.retry_budget
         self.retry = RetryPolicy(
@@ -58,10 +62,20 @@ class UpstreamState:
 
     def failed(self, url: str) -> None:
         if self.replicas.failed(url, time.monotonic()):
-            self.metrics.ejections.labels(self.upstream.name, url).inc()
-            self.metrics.replica_up.labels(self.upstream.name, url).set(0)
+            self._count_ejection(url)
             log_event("replica ejected", upstream=self.upstream.name, replica=url)
             self.notify()
+
+    def _count_ejection(self, url: str) -> None:
+        """A replica is one object across generations: an old request's failure ejects it for
+        the new config's requests too, and the new config counts it, if it has that replica."""
+        current = self.current
+        if current is None or current.replicas.get(url) is not self.replicas.get(url):
+            return
+        current.metrics.ejections.labels(self.upstream.name, url).inc()
+        current.metrics.replica_up.labels(self.upstream.name, url).set(0)
+        if current is not self:
+            current.notify()
 
     def notify(self) -> None:
         self._changed.set()

@@ -423,3 +423,120 @@ async def test_the_old_generations_health_checks_stop_at_the_hand_over(
     assert new_state.replicas.get(holding.url) is old_replica  # one replica, checked by the new
     holding.release()
     stream_ok(await running, 1)
+
+
+# --- the series of what a reload drops (docs/operating.md#reload) ------------------------------
+
+Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+# The census's gauges: what every generation still alive holds, read at each scrape.
+HELD = {"n_proxy_queue_depth", "n_proxy_slots_in_use", "n_proxy_children_in_flight",
+        "n_proxy_replica_outstanding"}  # fmt: skip
+
+
+async def scrape(http: aiohttp.ClientSession, server: Server) -> Series:
+    """Every sample of the admin port's /metrics, by name and labels."""
+    async with http.get(f"http://127.0.0.1:{server.admin_port}/metrics") as response:
+        text = await response.text()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def naming(found: Series, label: str, value: str) -> set[str]:
+    return {name for name, labels in found if (label, value) in labels}
+
+
+async def test_a_reload_removes_every_series_of_the_replica_and_the_upstream_it_drops(
+    http: aiohttp.ClientSession,
+    backend: Backend,
+    servers: Servers,
+    serving: Callable[[], Awaitable[Server]],
+    tmp_path: Path,
+) -> None:
+    """A dead replica's n_proxy_replica_up stays 0 while it is configured; once a reload drops
+    it, its series go, and so does every series of an upstream the reload drops."""
+    other = await servers.backend()
+    dead = f"http://127.0.0.1:{free_port()}"
+    path = tmp_path / "config.yaml"
+    a = f"{{name: a, urls: ['{backend.url}', '{dead}'], fallback: b}}"
+    write_config(path, f"upstreams: [{a}, {{name: b, url: '{other.url}'}}]\n")
+    server = await serving()
+    up = ("n_proxy_replica_up", (("replica", dead), ("upstream", "a")))
+    for _ in range(int(WITHIN / 0.01)):  # until its first health check failed
+        if (await scrape(http, server)).get(up) == 0:
+            break
+        await asyncio.sleep(0.01)
+    before = await scrape(http, server)
+    assert before[up] == 0
+    assert naming(before, "replica", dead) == {
+        "n_proxy_replica_up", "n_proxy_ejections_total", "n_proxy_replica_outstanding"
+    }  # fmt: skip
+    assert "n_proxy_upstream_responses_total" in naming(before, "upstream", "b")
+    assert naming(before, "fallback", "b") == {"n_proxy_fallbacks_total"}
+    write_config(path, f"upstreams: [{{name: a, url: '{backend.url}'}}]\n")
+    assert await server.reload()
+    after = await scrape(http, server)
+    # What the old generation holds is counted until it retired (all 0 here); the rest is gone.
+    assert naming(after, "replica", dead) - HELD == set()
+    assert naming(after, "upstream", "b") - HELD == set()
+    assert naming(after, "fallback", "b") == set()
+    assert after["n_proxy_replica_up", (("replica", backend.url), ("upstream", "a"))] == 1
+    assert naming(after, "upstream", "a") == naming(before, "upstream", "a") - {
+        "n_proxy_fallbacks_total"
+    }
+    async with asyncio.timeout(WITHIN):
+        await server.generations.retired()
+    retired = await scrape(http, server)
+    assert naming(retired, "replica", dead) | naming(retired, "upstream", "b") == set()
+
+
+async def test_series_an_old_request_names_after_the_reload_go_when_its_generation_retires(
+    http: aiohttp.ClientSession,
+    backend: Backend,
+    holding: HoldingUpstream,
+    serving: Callable[[], Awaitable[Server]],
+    tmp_path: Path,
+) -> None:
+    """A request that began before the reload is served by the old config to its end: refused
+    by the upstream the reload dropped, it counts a 429 there again. Once the old generation's
+    last request is over, that series goes too."""
+    path = tmp_path / "config.yaml"
+    b = f"{{name: b, url: '{holding.url}', max_concurrency: 1, max_queue: 0}}"
+    write_config(
+        path,
+        f"upstreams: [{{name: a, url: '{backend.url}'}}, {b}]\n"
+        "routes: [{model: 'held', upstream: b}]\n",
+    )
+    server = await serving()
+    running = asyncio.create_task(post(http, chat(server), {**STREAM, "model": "held"}))
+    await holding.wait_for(lambda: holding.active == 1)  # b's one slot taken
+    go = asyncio.Event()
+
+    async def slow_body() -> AsyncIterator[bytes]:
+        yield b'{"model": "held", '
+        await go.wait()
+        yield b'"messages": [{"role": "user", "content": "hi"}]}'
+
+    late = asyncio.create_task(post_stream(http, chat(server), slow_body()))
+    await until(lambda: server.generations.current.begun.requests == 2)
+    write_config(path, f"upstreams: [{{name: a, url: '{backend.url}'}}]\n")
+    assert await server.reload()
+    assert naming(await scrape(http, server), "upstream", "b") - HELD == set()
+    go.set()
+    assert await late == 429  # the old config's b, full
+    assert metric(server, "n_proxy_rejected_total", upstream="b") == 1  # named again
+    holding.release()
+    stream_ok(await running, 1)
+    async with asyncio.timeout(WITHIN):
+        await server.generations.retired()
+    assert naming(await scrape(http, server), "upstream", "b") == set()
+
+
+async def post_stream(http: aiohttp.ClientSession, url: str, body: AsyncIterator[bytes]) -> int:
+    """POST a body that comes in pieces (chunked); the answer's status."""
+    headers = {"Content-Type": "application/json"}
+    async with asyncio.timeout(WITHIN), http.post(url, data=body, headers=headers) as response:
+        await response.read()
+        return response.status
