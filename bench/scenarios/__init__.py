@@ -9,7 +9,7 @@ from bench.scenario import Scenario
 MODULES = {"passthrough": "passthrough", "fanout": "fanout", "stitching": "fanout",
            "ttft": "ttft", "memory": "memory", "wire": "passthrough", "manystream": "manystream",
            "soak": "soak", "vllm": "vllm", "llamacpp": "llamacpp",
-           "dashboard": "dashboard", "tokens": "tokens"}  # fmt: skip
+           "dashboard": "dashboard", "tokens": "tokens", "reload": "reload"}  # fmt: skip
 NAMES = tuple(MODULES)
 SUITE = NAMES[:5]  # against the demo backend: the default run, bench/results/latest.md
 

@@ -30,6 +30,12 @@ async def metrics(request: web.Request) -> web.Response:
         for name, kind, help_text, value in [
             ("devserver_requests_total", "counter", "Generation requests.", len(state.seen)),
             ("devserver_requests_running", "gauge", "Requests generating.", len(state.active)),
+            (
+                "devserver_requests_peak",
+                "gauge",
+                "The most requests generating at once.",
+                state.peak,
+            ),
         ]
     )
     content_type = "text/plain; version=0.0.4; charset=utf-8"

@@ -22,6 +22,7 @@ class DevState:
 
     def __init__(self) -> None:
         self.active: dict[str, Json] = {}
+        self.peak = 0  # the most requests generating at once, since the server started
         self.finished: list[str] = []
         self.aborted: list[str] = []
         # Requests the server broke on purpose (x_demo faults), neither finished nor aborted.
@@ -43,6 +44,7 @@ class DevState:
 
     def begin(self, rid: str, body: Json) -> None:
         self.active[rid] = body
+        self.peak = max(self.peak, len(self.active))
         self._notify()
 
     def end(self, rid: str, outcome: Outcome) -> None:

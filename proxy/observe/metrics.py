@@ -9,7 +9,7 @@ start at zero for every label set known up front.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import prometheus_client
@@ -379,6 +379,17 @@ class Metrics:
         )
         return TokenSeries(prompt, completion, cached, reasoning)
 
+    def forget(self, upstreams: Collection[str], replicas: Collection[tuple[str, str]]) -> None:
+        """Remove every series of the ``upstreams``, and of the (upstream, replica) pairs, that a
+        reload took away (docs/operating.md#reload), from every family labelled by upstream. Not
+        under ``--workers``: prometheus-client cannot take a series out of the workers' files."""
+        if MULTIPROCESS or not (upstreams or replicas):
+            return
+        for family in vars(self).values():
+            if isinstance(family, PlainCounter | PlainHistogram | Counter | Gauge | Histogram):
+                for values in _gone(family, upstreams, replicas):
+                    family.remove(*values)
+
     def answered_series(
         self, route: str, status: int, fanned_out: bool
     ) -> tuple[Count, Observe, Observe]:
@@ -452,6 +463,29 @@ _OUTSTANDING = (
     "Upstream requests in flight on each replica from this proxy (what least_outstanding "
     "placement compares)."
 )
+
+
+def _gone(
+    family: PlainCounter | PlainHistogram | Counter | Gauge | Histogram,
+    upstreams: Collection[str],
+    replicas: Collection[tuple[str, str]],
+) -> set[tuple[str, ...]]:
+    """The label values of ``family``'s series that name one of ``upstreams`` (as its upstream or
+    its fallback) or one of ``replicas``. A sample's labels come in the family's order, with a
+    histogram bucket's ``le`` after them."""
+    collected = family.collect()
+    found = set()
+    for metric in [collected] if isinstance(collected, Metric) else collected:
+        for sample in metric.samples:
+            labels = sample.labels
+            upstream = labels.get("upstream")
+            if upstream is not None and (
+                upstream in upstreams
+                or labels.get("fallback") in upstreams
+                or (upstream, labels.get("replica")) in replicas
+            ):
+                found.add(tuple(value for name, value in labels.items() if name != "le"))
+    return found
 
 
 class _Shared(Collector):

@@ -67,6 +67,9 @@ class PlainCounter(_Family):
             child = self._children[values] = _Count()
         return child
 
+    def remove(self, *values: str) -> None:
+        self._children.pop(values, None)
+
     def inc(self, amount: float = 1) -> None:
         self.labels().inc(amount)
 
@@ -96,6 +99,9 @@ class PlainHistogram(_Family):
         if child is None:
             child = self._children[values] = _Spread(self.bounds)
         return child
+
+    def remove(self, *values: str) -> None:
+        self._children.pop(values, None)
 
     def observe(self, amount: float) -> None:
         self.labels().observe(amount)

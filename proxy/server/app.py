@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
@@ -66,9 +66,9 @@ def build_app(
     trimmer = Trimmer()
     large = trimmer.watch()
 
-    def build(config: Config) -> Generation:
+    def build(config: Config, earlier: Sequence[Upstreams]) -> Generation:
         served_metrics.known(config)
-        upstreams = Upstreams(config, served_metrics, resolver)
+        upstreams = Upstreams(config, served_metrics, resolver, earlier)
         watching: list[Observer] = [RequestMetrics(served_metrics, config), RequestLine()]
         if tracing is not None:
             watching.insert(0, tracing)  # a span begins before the others see the request
@@ -109,9 +109,11 @@ async def _serve(
 
 
 def take_census(in_flight: InFlight, generations: Generations) -> Census:
-    """The counts as they are now, over every generation still serving: an upstream that two
-    generations name is counted once, with both generations' holdings."""
+    """The counts as they are now, over every generation still serving, by upstream name. The
+    generations that name an upstream share its line and replicas: each is counted once. Each
+    generation's upstream requests in flight are its own."""
     counted: dict[str, UpstreamCensus] = {}
+    shared: set[int] = set()  # the ids of the lines and replicas counted already
     connections = idle = 0
     for generation in generations:
         upstreams = generation.upstreams
@@ -119,18 +121,18 @@ def take_census(in_flight: InFlight, generations: Generations) -> Census:
         idle += upstreams.connections.idle_connections()
         for upstream in upstreams.config.upstreams:
             state = upstreams.state(upstream)
-            outstanding = {replica.url: replica.outstanding for replica in state.replicas}
-            seen = counted.get(upstream.name)
-            if seen is not None:
-                for url, count in seen.outstanding.items():
-                    outstanding[url] = outstanding.get(url, 0) + count
-            counted[upstream.name] = UpstreamCensus(
-                upstream.name,
-                state.slots.in_use + (seen.slots_held if seen else 0),
-                state.slots.queued + (seen.queued if seen else 0),
-                state.exchanges + (seen.exchanges if seen else 0),
-                outstanding,
-            )
+            name = upstream.name
+            seen = counted.get(name) or UpstreamCensus(name, 0, 0, 0, {})
+            held, queued, outstanding = seen.slots_held, seen.queued, seen.outstanding
+            if id(state.slots) not in shared:
+                shared.add(id(state.slots))
+                held, queued = held + state.slots.in_use, queued + state.slots.queued
+            for replica in state.replicas:
+                if id(replica) not in shared:
+                    shared.add(id(replica))
+                    outstanding[replica.url] = outstanding.get(replica.url, 0) + replica.outstanding
+            exchanges = seen.exchanges + state.exchanges
+            counted[name] = UpstreamCensus(name, held, queued, exchanges, outstanding)
     return Census(
         requests=in_flight.requests,
         children=in_flight.fanouts.children,

@@ -1,14 +1,17 @@
 """What serves a config: a ``Generation`` holds the config, its ``Upstreams`` and the ``Handler``
 bound to them. A reload (``Generations.replace``) makes a new one current: a request keeps the
-generation it began in to its end, and an old generation's upstreams (health checks, discovery,
-connection pool) are closed once its last request is over.
+generation it began in to its end. Every upstream a live generation names has one line and one
+set of replicas, whichever generations name it: the new generation takes them over, resized to
+its limits, and the old ones' health checks, discovery and watchdog stop at the hand-over
+(docs/operating.md#reload). An old generation's connection pool is closed once its last request
+is over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -32,12 +35,17 @@ class Generation:
     begun: Requests = field(default_factory=Requests)
 
 
+# What serves a config, given the upstreams of the generations still alive (newest first), whose
+# lines and replicas it takes over.
+Build = Callable[[Config, Sequence[Upstreams]], Generation]
+
+
 class Generations:
     """The current generation, and the older ones whose requests are still running."""
 
-    def __init__(self, build: Callable[[Config], Generation], config: Config) -> None:
+    def __init__(self, build: Build, config: Config) -> None:
         self._build = build
-        self.current = build(config)
+        self.current = build(config, ())
         self.retiring: list[Generation] = []
         self._retirements: set[asyncio.Task[None]] = set()
 
@@ -72,7 +80,8 @@ class Generations:
     async def replace(self, config: Config) -> None:
         """``config`` serves every request from now on, once its upstreams had a health round
         (or ``_FIRST_HEALTH_SECONDS``); the generation it replaces retires."""
-        new = self._build(config)
+        earlier = [self.current.upstreams, *(g.upstreams for g in reversed(self.retiring))]
+        new = self._build(config, earlier)
         try:
             await new.upstreams.start()
             with contextlib.suppress(TimeoutError):
@@ -82,6 +91,7 @@ class Generations:
             await new.upstreams.close()
             raise
         old, self.current = self.current, new
+        new.upstreams.take_over(earlier)
         self.retiring.append(old)
         task = asyncio.create_task(self._retire(old))
         self._retirements.add(task)
@@ -95,6 +105,9 @@ class Generations:
         await old.begun.wait_idle()
         await old.upstreams.close()
         self.retiring.remove(old)
+        # Its last requests may have named again a series the hand-over removed (a count of
+        # retries, of answers...).
+        self.current.upstreams.forget(old.upstreams)
 
     async def close(self) -> None:
         """Every generation's upstreams closed (at shutdown: no request is left)."""

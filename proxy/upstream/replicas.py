@@ -187,6 +187,22 @@ class ReplicaSet:
             replica.failures = 0
             replica.ejected_until = -math.inf
 
+    def carry(self, earlier: ReplicaSet, resolved: bool) -> None:
+        """Take over the replicas of ``earlier``, the same upstream in a config a reload replaced
+        (docs/operating.md#reload): a replica at a URL both sets have is the same replica, its
+        health, ejection and requests in flight kept. With ``resolved`` (this set is discovered
+        by DNS too), the addresses ``earlier`` found for a source both have are this set's until
+        its own discovery answers. A URL new to this set starts fresh."""
+        if resolved:
+            for source in self.sources:
+                self._by_source[source] = earlier._by_source.get(source, self._by_source[source])
+        replicas: dict[str, Replica] = {}
+        for address in itertools.chain.from_iterable(self._by_source.values()):
+            if address.url not in replicas:
+                replica = earlier.get(address.url) or Replica(address.url, address.host)
+                replicas[address.url] = replica
+        self._replicas = replicas
+
     def discovered(self, source: str, addresses: Sequence[Address]) -> Change:
         """The addresses ``source`` resolves to now. An empty answer keeps the last known ones:
         a DNS hiccup must not take every replica away. Replicas that stay keep their state;

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Literal, NamedTuple
 
@@ -39,6 +39,7 @@ from proxy.upstream.replicas import Replica
 from proxy.upstream.retry import Reason, Verdict, parse_retry_after
 from proxy.upstream.slots import Place
 from proxy.upstream.state import UpstreamState
+from proxy.upstream.succession import gone, hand_over, newest
 
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 _DISCARD_SECONDS = 1.0  # ... if it comes this soon: a retry must not wait on a stalled body
@@ -208,11 +209,23 @@ class Upstreams:
     ``checked_health`` and ``checked_replicas`` hold each upstream's last health round, as
     ``/readyz`` shows it; ``health_checked`` is set once every upstream has had one."""
 
-    def __init__(self, config: Config, metrics: Metrics, resolver: Resolver | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        metrics: Metrics,
+        resolver: Resolver | None = None,
+        earlier: Sequence[Upstreams] = (),
+    ) -> None:
+        """``earlier``: the upstreams of the configs this one is to replace whose requests may
+        still run, newest first. An upstream one of them names takes over its line and replicas
+        (``UpstreamState``); ``take_over`` is the hand-over itself."""
         self.config = config
         self.metrics = metrics
         self.resolve = resolver or resolve
-        self._states = {u.name: UpstreamState(u, metrics) for u in config.upstreams}
+        previous = newest(other._states for other in earlier)
+        self._states: dict[str, UpstreamState] = {
+            u.name: UpstreamState(u, metrics, previous.get(u.name)) for u in config.upstreams
+        }
         for state in self._states.values():
             state.publish()
         self.loops: list[asyncio.Task[None]] = []
@@ -242,10 +255,29 @@ class Upstreams:
         self.loops = [asyncio.create_task(loop) for loop in loops]
 
     async def close(self) -> None:
-        for loop in self.loops:
-            loop.cancel()
+        self.stop()
         await asyncio.gather(*self.loops, return_exceptions=True)
         await self.connections.close()
+
+    def stop(self) -> None:
+        """The service's loops cancelled (``close`` awaits them); its requests carry on."""
+        for loop in self.loops:
+            loop.cancel()
+
+    def take_over(self, earlier: Sequence[Upstreams]) -> None:
+        """A reload's hand-over (docs/operating.md#reload): this config serves from now on in
+        place of ``earlier`` (every one still alive, newest first), whose requests run on. Their
+        loops stop: this one's check, discover, watch and publish what they share. Each line this
+        config names takes its limits, so every generation's requests count against one
+        ``max_concurrency`` per upstream; the series only they name go (``forget``)."""
+        hand_over(self._states, [other._states for other in earlier])
+        for other in earlier:
+            other.stop()
+            self.forget(other)
+
+    def forget(self, other: Upstreams) -> None:
+        """Remove the series of the upstreams and replicas ``other`` names and this does not."""
+        self.metrics.forget(*gone(self._states, other._states))
 
     async def _check_health(self, upstream: Upstream) -> None:
         """Every replica of ``upstream`` each ``health_interval`` (docs/behaviour.md#failover)."""

@@ -29,7 +29,9 @@ class Place:
         self._slots = slots
         self._future: asyncio.Future[None] | None = None
         self.state: PlaceState = state
-        self.ahead = ahead  # live waiters in front of this one when it joined the queue
+        # Slots to be freed before its turn, less one, when it joined the queue: the live waiters
+        # in front of it, and the slots held past the capacity (a reload lowered it).
+        self.ahead = ahead
         self.frees_before = frees_before  # the slots' free count when it joined
         self.queued_at = asyncio.get_running_loop().time()
 
@@ -102,11 +104,29 @@ class Slots:
                 self.in_use += 1
                 places.append(Place(self, "held", 0, self.frees))
             else:
-                place = Place(self, "waiting", self._queued, self.frees)
+                place = Place(self, "waiting", self._queued + self._owed(), self.frees)
                 self._line.append(place)
                 self._queued += 1
                 places.append(place)
         return places
+
+    def resize(self, capacity: int, max_queue: int) -> None:
+        """A reload's new ``max_concurrency`` and ``max_queue`` (docs/operating.md#reload).
+        Growing grants waiters at once. Shrinking takes no slot back: children admitted keep
+        theirs, and no waiter is granted until fewer than ``capacity`` are held. Children queued
+        past a smaller ``max_queue`` stay in line: only arrivals are refused."""
+        owed = self._owed()
+        self.capacity = capacity
+        self.max_queue = max_queue
+        more = self._owed() - owed
+        if more > 0:  # each waiter now waits for that many more slots to be freed (``audit``)
+            for place in self._line:
+                place.ahead += more
+        self._wake()
+
+    def _owed(self) -> int:
+        """Slots held past the capacity (a reload lowered it): freed before any waiter's turn."""
+        return max(0, self.in_use - self.capacity)
 
     def _release(self, place: Place) -> None:
         if place.state == "held":
@@ -145,8 +165,9 @@ class Slots:
         """The watchdog's check (``proxy.upstream.service``); None while the queue explains every
         wait.
 
-        A waiter with ``ahead`` live waiters in front of it must be granted by the
-        ``ahead + 1``-th slot freed after it joined; a free slot with waiters is a stall too.
+        A waiter with ``ahead`` live waiters (and slots owed past the capacity) in front of it
+        must be granted by the ``ahead + 1``-th slot freed after it joined; a free slot with
+        waiters is a stall too.
         ``patience``: also report a head waiter that waited that long with no slot freed.
         """
         head = next((p for p in self._line if p.state == "waiting"), None)

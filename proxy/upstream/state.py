@@ -1,6 +1,10 @@
 """What the proxy holds for one upstream (``UpstreamState``): its admission line (``Slots``), its
 replicas (``ReplicaSet``), its retry policy and budget (``RetryPolicy``), and its count of
 requests in flight. ``proxy.upstream.service`` does the I/O around it.
+
+A reload builds a state for each upstream of the new config; one an earlier config named, and
+whose requests may still run, hands it its line and replicas, so that every generation's
+requests count against one ``max_concurrency`` (docs/operating.md#reload).
 """
 
 from __future__ import annotations
@@ -19,9 +23,15 @@ from proxy.upstream.slots import Slots
 class UpstreamState:
     """What the proxy holds for one upstream: replicas, slots, retry policy, requests in flight."""
 
-    def __init__(self, upstream: Upstream, metrics: Metrics) -> None:
+    def __init__(
+        self, upstream: Upstream, metrics: Metrics, earlier: UpstreamState | None = None
+    ) -> None:
+        """``earlier``: the same upstream's state in a config a reload replaced, still alive:
+        its line (resized only at the hand-over, ``take_over``) and its replicas are this one's."""
         self.upstream = upstream
         self.slots = Slots(upstream.max_concurrency, upstream.max_queue)
+        if earlier is not None:
+            self.slots = earlier.slots
         self.metrics = metrics
         placement = upstream.placement
         self.replicas = ReplicaSet(
@@ -29,6 +39,12 @@ class UpstreamState:
             Ejection(upstream.eject.failures, upstream.eject.seconds),
             Placement(placement.choose, None if placement.pack == "all" else placement.pack),
         )
+        if earlier is not None:
+            self.replicas.carry(earlier.replicas, resolved=upstream.discovery.dns)
+        # The state that publishes this upstream's replica health: this one while its config
+        # is current; after a reload the new config's, or None when it names this upstream no
+        # more (``Upstreams.take_over``).
+        self.current: UpstreamState | None = self
         self.retry_on = frozenset(upstream.retry_on)
         backoff, budget = upstream.backoff, upstream.retry_budget
         self.retry = RetryPolicy(
@@ -46,10 +62,20 @@ class UpstreamState:
 
     def failed(self, url: str) -> None:
         if self.replicas.failed(url, time.monotonic()):
-            self.metrics.ejections.labels(self.upstream.name, url).inc()
-            self.metrics.replica_up.labels(self.upstream.name, url).set(0)
+            self._count_ejection(url)
             log_event("replica ejected", "warning", upstream=self.upstream.name, replica=url)
             self.notify()
+
+    def _count_ejection(self, url: str) -> None:
+        """A replica is one object across generations: an old request's failure ejects it for
+        the new config's requests too, and the new config counts it, if it has that replica."""
+        current = self.current
+        if current is None or current.replicas.get(url) is not self.replicas.get(url):
+            return
+        current.metrics.ejections.labels(self.upstream.name, url).inc()
+        current.metrics.replica_up.labels(self.upstream.name, url).set(0)
+        if current is not self:
+            current.notify()
 
     def notify(self) -> None:
         self._changed.set()

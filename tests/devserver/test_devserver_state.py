@@ -64,3 +64,21 @@ async def test_history_lists_stay_bounded_for_long_demos() -> None:
     assert len(state.finished) == HISTORY
     assert state.finished[-1] == f"r{2 * HISTORY}"
     assert state.seen[0][0] == f"r{HISTORY + 1}"
+
+
+async def test_metrics_show_the_most_requests_that_generated_at_once(
+    http: aiohttp.ClientSession, backend: Backend
+) -> None:
+    url = backend.url + CHAT
+    endless = {"model": "m", "messages": MESSAGES, "stream": True, "max_tokens": 10_000}
+    endless.update(ignore_eos=True, x_demo={"token_delay": 0.01})
+    async with http.post(url, json=endless) as one, http.post(url, json=endless) as two:
+        assert (one.status, two.status) == (200, 200)
+        await backend.state.wait_for(lambda s: len(s.active) == 2)
+    await backend.state.wait_for(lambda s: not s.active)  # both clients left
+    async with http.post(url, json={"model": "m", "messages": MESSAGES}) as three:
+        await three.read()
+    async with http.get(backend.url + "/metrics") as response:
+        text = await response.text()
+    assert "devserver_requests_running 0\n" in text
+    assert "devserver_requests_peak 2\n" in text

@@ -107,6 +107,22 @@ def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: Bench
     assert bench_env.apt_calls() == []
 
 
+def test_reload_scenario_reloads_under_open_streams_and_reads_the_upstreams_peak(
+    tmp_path: Path, bench_env: BenchEnv
+) -> None:
+    """The reload scenario, tiny: three SIGHUPs to a real n-proxy while streams are open, every
+    stream whole, and the backend's peak read (no timing is asserted)."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench", "reload", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT, env=bench_env.env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    (run,) = json.loads((tmp_path / "reload.json").read_text())["reload"]["runs"]
+    assert (run["reloads"], run["streams"], run["whole"]) == (3, 4, 4)
+    assert 1 <= run["peak"] <= run["bound"]
+    assert bench_env.apt_calls() == []
+
+
 def test_canned_fallback_server_answers_like_nginx(tmp_path: Path, bench_env: BenchEnv) -> None:
     """The Python canned upstream (used without nginx): keep-alive, pipelined, the same body."""
     from bench.pacer import BODY

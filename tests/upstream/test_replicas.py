@@ -244,6 +244,36 @@ def test_a_removed_replica_ignores_late_outcomes() -> None:
     assert replicas.urls == ["http://10.0.0.1:8000"]
 
 
+# --- a reload carries the replicas over (docs/operating.md#reload) ---------------------------
+
+
+def test_a_reload_keeps_the_state_of_the_replicas_that_stay_and_starts_new_ones_fresh() -> None:
+    before = ReplicaSet([A, B], Ejection(failures=1, seconds=10))
+    busy(before, a=2)
+    before.checked(B, ok=False)
+    after = ReplicaSet([B, C])
+    after.carry(before, resolved=False)
+    assert after.urls == [B, C]
+    assert after.get(B) is before.get(B)  # one replica: its requests in flight count in both
+    assert [(r.url, r.healthy, r.outstanding) for r in after] == [(B, False, 0), (C, True, 0)]
+    assert after.place(2, now=0) == [C, C]  # the dead one stays out, not optimistic again
+
+
+def test_a_reload_keeps_the_addresses_discovery_found_while_it_goes_on() -> None:
+    x, y = (Address(f"http://10.0.0.{i}:8000", "svc:8000") for i in (1, 2))
+    before = ReplicaSet(["http://svc:8000", A])
+    before.discovered("http://svc:8000", [x, y])
+    before.checked(y.url, ok=False)
+    resolved = ReplicaSet(["http://svc:8000"])
+    resolved.carry(before, resolved=True)
+    assert resolved.urls == [x.url, y.url]
+    assert resolved.get(y.url) is before.get(y.url)
+    assert resolved.discovered("http://svc:8000", [y]) == Change(removed=(x.url,))
+    plain = ReplicaSet(["http://svc:8000"])  # discovery off now: the URL itself, fresh
+    plain.carry(before, resolved=False)
+    assert [(r.url, r.host, r.healthy) for r in plain] == [("http://svc:8000", None, True)]
+
+
 @pytest.mark.parametrize(
     ("url", "ips", "expected"),
     [

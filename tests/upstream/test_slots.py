@@ -168,18 +168,68 @@ async def test_audit_reports_a_head_waiter_that_saw_no_slot_freed_for_patience()
     assert stall.reason.startswith("no slot freed in")
 
 
+# --- a reload resizes the line (docs/operating.md#reload) -----------------------------------
+
+
+async def test_growing_the_line_grants_waiters_at_once() -> None:
+    slots = Slots(1, max_queue=10)
+    (held,) = slots.join(1)
+    waiters = slots.join(3)
+    slots.resize(3, max_queue=10)
+    assert [p.state for p in waiters] == ["held", "held", "waiting"]
+    assert (slots.in_use, slots.queued) == (3, 1)
+    assert held.state == "held"
+
+
+async def test_shrinking_the_line_keeps_held_slots_and_grants_none_until_below_the_new_limit() -> (
+    None
+):
+    slots = Slots(3, max_queue=10)
+    held = slots.join(3)
+    (waiter,) = slots.join(1)
+    slots.resize(1, max_queue=10)
+    (late,) = slots.join(1)  # joins behind two slots owed past the new capacity, and the waiter
+    now = asyncio.get_running_loop().time()
+    for place in held:
+        assert (waiter.state, late.state) == ("waiting", "waiting")
+        assert slots.audit(now, patience=0) is None  # every wait explained: no stall reported
+        place.release()
+    assert (waiter.state, late.state) == ("held", "waiting")
+    assert (slots.in_use, slots.queued) == (1, 1)
+    assert slots.audit(now, patience=0) is None
+    waiter.release()
+    assert late.state == "held"
+    late.release()
+    assert (slots.in_use, slots.queued) == (0, 0)
+
+
+async def test_a_smaller_max_queue_refuses_arrivals_and_keeps_the_queued() -> None:
+    slots = Slots(1, max_queue=5)
+    (held,) = slots.join(1)
+    queued = slots.join(3)
+    slots.resize(1, max_queue=1)
+    assert [p.state for p in queued] == ["waiting"] * 3
+    with pytest.raises(Overloaded):
+        slots.join(1)
+    held.release()
+    assert queued[0].state == "held"
+
+
 # --- the property: random cancellations at random moments ------------------------------------
 
 
-async def run_scenario(seed: int) -> None:
+async def run_scenario(seed: int, resizes: bool = False) -> None:
+    """Requests joining, children and requests cancelled at random; with ``resizes``, the line
+    also resized at random (a reload): no slot is granted past the capacity, though a shrink
+    leaves the slots held above it, in use until they are freed (``bound``)."""
     rng = random.Random(seed)
-    capacity = rng.randint(1, 4)
-    slots = Slots(capacity, max_queue=10_000)
+    slots = Slots(rng.randint(1, 4), max_queue=10_000)
+    bound = slots.capacity  # slots.in_use never exceeds it
     children: list[tuple[int, asyncio.Task[None]]] = []
 
     async def child(place: Place) -> None:
         async with place:
-            assert slots.in_use <= capacity
+            assert slots.in_use <= bound
             await ticks(rng.randint(0, 3))
 
     async def request(j: int, count: int) -> None:
@@ -205,8 +255,13 @@ async def run_scenario(seed: int) -> None:
     for _ in range(rng.randint(0, 40)):
         await ticks(rng.randint(0, 2))
         assert slots.audit(asyncio.get_running_loop().time(), patience=0) is None
+        assert slots.in_use <= bound
+        bound = max(slots.capacity, slots.in_use)  # held past a shrink: they only go down
         roll = rng.random()
-        if roll < 0.3:
+        if resizes and roll < 0.15:
+            slots.resize(rng.randint(1, 4), max_queue=10_000)
+            bound = max(slots.capacity, slots.in_use)
+        elif roll < 0.3:
             j = rng.randrange(len(requests))
             requests[j].cancel()
             cancelled.add(j)
@@ -228,6 +283,12 @@ async def run_scenario(seed: int) -> None:
 @given(st.integers(min_value=0, max_value=2**32))
 def test_random_cancellations_always_give_every_slot_back(seed: int) -> None:
     asyncio.run(run_scenario(seed))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32))
+def test_random_resizes_never_grant_past_the_capacity_nor_report_a_stall(seed: int) -> None:
+    asyncio.run(run_scenario(seed, resizes=True))
 
 
 # --- over real loopback servers: a disconnect storm (it once leaked slots) -------------------
