@@ -83,10 +83,13 @@ async def test_the_series_of_the_upstreams_and_replicas_a_reload_drops_go() -> N
     new = Upstreams(config(("a", (A,), 1)), metrics, earlier=[old])
     assert gone(new._states, old._states) == ({"b"}, {("a", B)})
     assert naming(metrics, "upstream", "b") == [
-        "n_proxy_children_aborted_total", "n_proxy_ejections_total",
+        "n_proxy_cached_tokens_total", "n_proxy_children_aborted_total",
+        "n_proxy_completion_tokens_total", "n_proxy_ejections_total",
         "n_proxy_model_list_failures_total",
+        "n_proxy_prompt_tokens_total",
         "n_proxy_queue_wait_seconds_bucket", "n_proxy_queue_wait_seconds_count",
-        "n_proxy_queue_wait_seconds_sum", "n_proxy_rejected_total", "n_proxy_replica_up",
+        "n_proxy_queue_wait_seconds_sum", "n_proxy_reasoning_tokens_total",
+        "n_proxy_rejected_total", "n_proxy_replica_up",
         "n_proxy_retries_refused_total", "n_proxy_retries_total", "n_proxy_slot_stalls_total",
         "n_proxy_upstream_duration_seconds_bucket", "n_proxy_upstream_duration_seconds_count",
         "n_proxy_upstream_duration_seconds_sum", "n_proxy_upstream_responses_total",
