@@ -51,6 +51,7 @@ def _extensions() -> list[Any]:
         # The build's environment need not hold the runtime dependencies: their types are Any
         # there, which mypyc compiles as plain Python calls; so no strict checking here (the
         # project's own check, mypy --strict, runs with them installed).
+        # tests/meta/test_build.py runs this check as the isolated build does (--no-site-packages).
         flags = ["--config-file=", "--ignore-missing-imports"]
         return list(mypycify([*flags, *COMPILED], opt_level="3", group_name="proxy.compiled"))
     except BaseException as exc:  # mypyc missing, or its type check exiting: build pure

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import TypeAlias
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -31,7 +32,9 @@ _REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}
 _RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
 
 
-Headers = CIMultiDictProxy[str] | CIMultiDict[str]
+# Declared an alias: where multidict is not installed (the build's isolated environment, where
+# mypyc type-checks the stream path) its classes are Any, and only a declared alias stays a type.
+Headers: TypeAlias = CIMultiDictProxy[str] | CIMultiDict[str]
 
 # Visible ASCII and inner spaces, as vLLM echoes: safe to send on, to prefix, to put in an id.
 # An edge space would not survive a header (parsers strip it), so it is not taken either.

@@ -88,6 +88,31 @@ def test_n_proxy_pure_builds_the_pure_package_without_running_mypyc(tmp_path: Pa
     assert "n-proxy build: N_PROXY_PURE is set: pure Python, nothing compiled" in said
 
 
+@pytest.mark.timeout(BUILD_TIMEOUT + 60)
+def test_mypyc_type_checks_the_stream_path_without_the_runtime_dependencies(tmp_path: Path) -> None:
+    """pip builds in an isolated environment holding only ``[build-system] requires``: there
+    aiohttp, multidict and the rest are missing, their classes ``Any``, and an alias built from
+    them must still be a type, or mypyc exits and the install is silently the pure build. The
+    offline wheels above build where they are installed, so this is the check that sees it."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            *("--config-file=", "--ignore-missing-imports"),  # setup.py's flags
+            "--no-site-packages",  # as in pip's isolated build environment
+            *("--cache-dir", str(tmp_path / "cache")),
+            *STREAM_PATH,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 def test_the_test_environment_holds_what_the_build_requires() -> None:
     """The offline builds above use this environment's own build tools: the ``test`` extra must
     pin each of pyproject.toml's ``[build-system] requires`` to a release that satisfies it."""
