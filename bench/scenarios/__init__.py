@@ -9,7 +9,7 @@ from bench.scenario import Scenario
 MODULES = {"passthrough": "passthrough", "fanout": "fanout", "stitching": "fanout",
            "ttft": "ttft", "memory": "memory", "wire": "passthrough", "manystream": "manystream",
            "soak": "soak", "vllm": "vllm", "llamacpp": "llamacpp",
-           "dashboard": "dashboard"}  # fmt: skip
+           "dashboard": "dashboard", "fairness": "fairness"}  # fmt: skip
 NAMES = tuple(MODULES)
 SUITE = NAMES[:5]  # against the demo backend: the default run, bench/results/latest.md
 

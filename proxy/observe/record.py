@@ -91,7 +91,7 @@ class RequestRecord:
     """
 
     __slots__ = (
-        "aborted", "bytes_in", "bytes_out", "children", "chunks", "done_at", "ended_at",
+        "aborted", "bytes_in", "bytes_out", "children", "chunks", "client", "done_at", "ended_at",
         "fanned_out", "finish_reasons", "first_chunk_at", "headers", "method", "model", "n",
         "observers", "path", "queued", "relayed", "request_id", "retries", "route", "sent_at",
         "span", "started", "status", "trace_id", "upstream", "usage",
@@ -105,6 +105,7 @@ class RequestRecord:
         self.method = method
         self.path = path
         self.headers = headers  # the client's, as it sent them
+        self.client: str | None = None  # its id (proxy.request.clients): never a key itself
         self.route = "other"  # the fan-out path it came in on, or "other"
         self.upstream = ""
         self.model: str | None = None  # the body's, where the body was read

@@ -25,12 +25,13 @@ async def pass_through(
     upstream: Upstream,
     body: bytes,
     record: RequestRecord,
+    client: str,
 ) -> web.StreamResponse:
     headers = request_headers(request.headers, upstream.headers)
     sent = UpstreamRequest(
         request.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
     )
-    (ticket,) = upstreams.admit(upstream, 1)
+    (ticket,) = upstreams.admit(upstream, 1, client)
     async with upstreams.exchange(ticket, sent, record.child(None)) as exchange:
         return await _relay(request, exchange, record)
 

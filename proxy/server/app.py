@@ -112,9 +112,10 @@ def take_census(in_flight: InFlight, generations: Generations) -> Census:
     """The counts as they are now, over every generation still serving: an upstream that two
     generations name is counted once, with both generations' holdings."""
     counted: dict[str, UpstreamCensus] = {}
-    connections = idle = 0
+    connections = idle = tabs = 0
     for generation in generations:
         upstreams = generation.upstreams
+        tabs += upstreams.tabs.held()
         connections += len(upstreams.connections.in_use)
         idle += upstreams.connections.idle_connections()
         for upstream in upstreams.config.upstreams:
@@ -138,6 +139,7 @@ def take_census(in_flight: InFlight, generations: Generations) -> Census:
         connections=connections,
         idle=idle,
         upstreams=tuple(counted.values()),
+        tabs=tabs,
     )
 
 

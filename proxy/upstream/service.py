@@ -23,7 +23,13 @@ from typing import Literal, NamedTuple
 from multidict import CIMultiDict
 
 from proxy.config import Config, Upstream
-from proxy.core import Overloaded, UpstreamTimeout, UpstreamUnavailable, rebased_headers
+from proxy.core import (
+    ClientLimited,
+    Overloaded,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    rebased_headers,
+)
 from proxy.http import (
     BodyTooLong,
     ClientClosed,
@@ -37,7 +43,7 @@ from proxy.observe import ChildRecord, Metrics, log_event, logger
 from proxy.upstream.discovery import Resolver, discover, resolve
 from proxy.upstream.replicas import Replica
 from proxy.upstream.retry import Reason, Verdict, parse_retry_after
-from proxy.upstream.slots import Place
+from proxy.upstream.slots import Place, Tabs
 from proxy.upstream.state import UpstreamState
 
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
@@ -61,12 +67,14 @@ class UpstreamRequest(NamedTuple):
 
 class Ticket(NamedTuple):
     """One admitted upstream request (a pass-through's, a fan-out child's): its upstream, the
-    replica it goes to, its place in the upstream's line and when it joined the line."""
+    replica it goes to, its place in the upstream's line, when it joined the line and whose it
+    is (the client's id: a fallback's place joins that client's line there)."""
 
     state: UpstreamState
     url: str
     place: Place
     joined: float  # perf_counter seconds, the record's clock
+    client: str = ""
 
 
 class Tickets(tuple[Ticket, ...]):
@@ -118,7 +126,7 @@ class Exchange:
         ticket.state.exchanges += 1
         try:
             self.response, self._replica, self._fallback = await self._upstreams._answer(
-                ticket.state, ticket.url, self._request, child
+                ticket.state, ticket.url, self._request, child, client=ticket.client
             )
         except BaseException as exc:
             self._release(exc)
@@ -232,6 +240,8 @@ class Upstreams:
         named = [config.default_upstream, *(r.upstream for r in config.routes)]
         self.model_lists = tuple(config.upstream(name) for name in dict.fromkeys(named))
         self._required = [u.name for u in config.upstreams if u.readiness == "required"]
+        self.tabs = Tabs()  # each client's places over every upstream (clients.max_children)
+        self._max_children = config.clients.max_children
 
     async def start(self) -> None:
         """The service's own loops: the slot watchdog, each upstream's health checks and, where
@@ -284,20 +294,31 @@ class Upstreams:
     def state(self, upstream: Upstream) -> UpstreamState:
         return self._states[upstream.name]
 
-    def admit(self, upstream: Upstream, count: int) -> Tickets:
-        """``count`` requests into the upstream, in one step: a place each in its FIFO line (429
-        on arrival when the line is full), then a replica each by its ``placement``, over the
-        healthy replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
+    def admit(self, upstream: Upstream, count: int, client: str = "") -> Tickets:
+        """``count`` requests of ``client`` (its id) into the upstream, in one step: a place each
+        in the client's line (429 on arrival when the client is at ``clients.max_children`` or
+        the upstream's line is full), then a replica each by its ``placement``, over the healthy
+        replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
         state = self._states[upstream.name]
+        tab = self.tabs.tab(client)
+        cap = self._max_children
+        if cap and tab.places + count > cap:
+            self.metrics.client_limited.labels(upstream.name).inc()
+            raise ClientLimited(
+                f"this client has {tab.places} upstream requests queued or running and this"
+                f" request needs {count} more; at most {cap} are allowed at once: retry shortly",
+                retry_after=1,
+            )
         try:
-            places = state.slots.join(count)
+            places = state.slots.join(count, client if state.fair else None, tab)
         except Overloaded:
             self.metrics.rejected.labels(upstream.name).inc()
             raise
         urls = state.replicas.place(count, time.monotonic())
         joined = time.perf_counter()
         return Tickets(
-            Ticket(state, url, place, joined) for url, place in zip(urls, places, strict=True)
+            Ticket(state, url, place, joined, client)
+            for url, place in zip(urls, places, strict=True)
         )
 
     async def _watch(self) -> None:
@@ -338,11 +359,13 @@ class Upstreams:
         request: UpstreamRequest,
         child: ChildRecord,
         fallback: bool = True,
+        client: str = "",
     ) -> Answered:
         """The response to relay: up to ``retries`` further tries, each on another replica when
         there is one, with the same body and headers (so the same seed and request id), spaced
         by the backoff and within the retry budget (``RetryPolicy``). When every try failed in a
-        way ``retry_on`` lists, the fallback upstream is tried (not its own fallback).
+        way ``retry_on`` lists, the fallback upstream is tried (not its own fallback), the child
+        waiting there in ``client``'s line.
 
         Each wait is a cancellation point that holds nothing: the failed try's connection and
         its replica's ``outstanding`` count are let go before it. A retry is counted, logged
@@ -370,7 +393,7 @@ class Upstreams:
                     state.failed(replica.url)
                 verdict = self._judge(state, replica, len(tried), reason, None)
                 if verdict.outcome != "retry":
-                    place = self._fallback_place(state, verdict) if fallback else None
+                    place = self._fallback_place(state, verdict, client) if fallback else None
                     if place is None:
                         raise upstream_error(exc, upstream) from None
                     return await self._fall_back(state, place, request, child, None)
@@ -390,7 +413,7 @@ class Upstreams:
                 wait = None if header is None else parse_retry_after(header, time.time())
                 verdict = self._judge(state, replica, len(tried), status, wait)
                 if verdict.outcome != "retry":
-                    place = self._fallback_place(state, verdict) if fallback else None
+                    place = self._fallback_place(state, verdict, client) if fallback else None
                     if place is None:
                         return response, replica, None
                     replica.outstanding -= 1
@@ -438,13 +461,15 @@ class Upstreams:
             state.retry.unsent(verdict)
             raise
 
-    def _fallback_place(self, state: UpstreamState, verdict: Verdict) -> Place | None:
-        """A place in the fallback upstream's line, when it has one and is to be tried."""
+    def _fallback_place(self, state: UpstreamState, verdict: Verdict, client: str) -> Place | None:
+        """A place in the fallback upstream's line, when it has one and is to be tried: in the
+        client's line there, not counted against it again (its place here still counts)."""
         name = state.upstream.fallback
         if name is None or not verdict.falls_back:
             return None
+        other = self._states[name]
         try:
-            (place,) = self._states[name].slots.join(1)
+            (place,) = other.slots.join(1, client if other.fair else None)
         except Overloaded:
             self.metrics.rejected.labels(name).inc()
             return None  # its line is full: the failure here stands

@@ -22,6 +22,7 @@ class UpstreamState:
     def __init__(self, upstream: Upstream, metrics: Metrics) -> None:
         self.upstream = upstream
         self.slots = Slots(upstream.max_concurrency, upstream.max_queue)
+        self.fair = upstream.admission == "fair"  # each client's children in a line of its own
         self.metrics = metrics
         placement = upstream.placement
         self.replicas = ReplicaSet(

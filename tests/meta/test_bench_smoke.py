@@ -107,6 +107,27 @@ def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: Bench
     assert bench_env.apt_calls() == []
 
 
+def test_fairness_scenario_times_the_victim_through_both_admissions(
+    tmp_path: Path, bench_env: BenchEnv
+) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench", "fairness", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT, env=bench_env.env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    results = json.loads((tmp_path / "fairness.json").read_text())
+    summary = results["fairness"]["summary"]
+    assert {(r["flood_tokens"], r["admission"]) for r in summary} == {
+        (8, "fifo"), (8, "fair"), (4, "fifo"), (4, "fair"),
+    }  # fmt: skip
+    for row in summary:
+        assert row["victim_requests"] > 0, row
+        assert row["tokens_per_s"] > 0, row
+        assert row["errors"] == 0, row
+    assert [t["verdict"] for t in results["targets"]] != ["n/a"] * 4
+    assert bench_env.apt_calls() == []
+
+
 def test_canned_fallback_server_answers_like_nginx(tmp_path: Path, bench_env: BenchEnv) -> None:
     """The Python canned upstream (used without nginx): keep-alive, pipelined, the same body."""
     from bench.pacer import BODY
