@@ -85,12 +85,23 @@ async def _victim(
             "victim_p90_ms": percentile(latencies, 90)}  # fmt: skip
 
 
+def lengths(flood: str) -> list[int]:
+    """A flood's choice lengths: ``"20"``, each 20 tokens; ``"16-24"``, 16, 18, ... 24 in turn;
+    ``"none"``: no flood."""
+    if flood == "none":
+        return []
+    low, _, high = flood.partition("-")
+    return list(range(int(low), int(high or low) + 1, 2))
+
+
 async def _flood(
-    session: aiohttp.ClientSession, url: str, body: bytes, errors: list[int], window: Window
-) -> None:
-    """One fan-out stream after another, its tokens counted as they arrive, until cancelled (its
-    client then leaves mid-request)."""
-    for _ in range(1_000_000):  # bounded: each takes the tokens' time at least
+    session: aiohttp.ClientSession, url: str, bodies: list[bytes], errors: list[int],
+    window: Window, turn: int,
+) -> None:  # fmt: skip
+    """One fan-out stream after another, the next of ``bodies`` each time from ``turn`` on, its
+    tokens counted as they arrive, until cancelled (its client then leaves mid-request)."""
+    for sent in range(1_000_000):  # bounded: each takes the tokens' time at least
+        body = bodies[(turn + sent) % len(bodies)]
         async with session.post(url, data=body, headers=FLOOD) as response:
             rest = b""
             async for data in response.content.iter_any():
@@ -101,20 +112,21 @@ async def _flood(
             await asyncio.sleep(0.1)
 
 
-async def _measure(ctx: Context, proxy: Server, admin: int, flood_tokens: int) -> Row:
-    """The victim alone (``flood_tokens`` 0), or beside the flood of choices that long."""
+async def _measure(ctx: Context, proxy: Server, admin: int, flood: str) -> Row:
+    """The victim alone (``flood`` "none"), or beside a flood of choices that long."""
     o = ctx.options
     url = proxy.url + CHAT_PATH
     victim = orjson.dumps(chat_body(max_tokens=VICTIM_TOKENS))
-    flood = orjson.dumps(chat_body(o.n[0], stream=True, max_tokens=flood_tokens))
+    bodies = [orjson.dumps(chat_body(o.n[0], stream=True, max_tokens=tokens))
+              for tokens in lengths(flood)]  # fmt: skip
     window = Window()
     async with client(600) as session:
-        if not flood_tokens:
+        if not bodies:
             seconds = UNLOADED_SECONDS if o.warm_up else 1.0
             return await _victim(session, url, victim, seconds, window)
         errors: list[int] = []
-        floods = [asyncio.create_task(_flood(session, url, flood, errors, window))
-                  for _ in range(FLOOD_PARENTS)]  # fmt: skip
+        floods = [asyncio.create_task(_flood(session, url, bodies, errors, window, turn))
+                  for turn in range(FLOOD_PARENTS)]  # fmt: skip
         try:
             await asyncio.sleep(FLOOD_WARM_UP if o.warm_up else 0.5)
             before, window.start = _served(admin), time.perf_counter()
@@ -141,17 +153,19 @@ def _run(ctx: Context) -> Row:
 
     def one(admission: str, case: Row) -> Row:
         proxy, admin = proxies[admission]
-        row = run_async(_measure(ctx, proxy, admin, case["flood_tokens"]))
-        tokens = case["flood_tokens"]
-        beside = f"beside {tokens}-token choices" if tokens else "alone"
+        flood = case["flood"]
+        row = run_async(_measure(ctx, proxy, admin, flood))
+        beside = f"beside {flood}-token choices" if flood != "none" else "alone"
         say(f"{admission}, {beside}, round {case['round']}", row, "victim_p50_ms",
             "tokens_per_s", "children_per_s")  # fmt: skip
         return row
 
-    # The flood's choices --max-tokens long (the issue's case: five times the victim's), then as
-    # long as the victim's; 0: the victim alone.
-    lengths = dict.fromkeys((0, ctx.options.max_tokens, VICTIM_TOKENS))
-    cases = [{"flood_tokens": tokens} for tokens in lengths]
+    # The flood's choices --max-tokens long (the issue's case: five times the victim's), each as
+    # long, then as long on average but from a fifth shorter to a fifth longer (real answers
+    # differ; equal ones end in step), then as long as the victim's; "none": the victim alone.
+    tokens, spread = ctx.options.max_tokens, ctx.options.max_tokens // 5
+    floods = ("none", f"{tokens}", f"{tokens - spread}-{tokens + spread}", f"{VICTIM_TOKENS}")
+    cases = [{"flood": flood} for flood in dict.fromkeys(floods)]
     rows = ctx.rounds(ADMISSIONS, cases, one, label="admission")
     return {"runs": rows, "summary": summarize(rows)}
 
@@ -161,17 +175,17 @@ def summarize(rows: list[Row]) -> list[Row]:
     unloaded median through the same proxy in the same round; the tokens and children served
     per second, and the tokens' ratio over fifo's under the same flood in the same round."""
     alone = {(r["admission"], r["round"]): r["victim_p50_ms"] for r in rows
-             if not r["flood_tokens"]}  # fmt: skip
+             if r["flood"] == "none"}  # fmt: skip
     summary = []
-    for (tokens, admission), under in grouped(rows, "flood_tokens", "admission"):
-        if not tokens:
+    for (flood, admission), under in grouped(rows, "flood", "admission"):
+        if flood == "none":
             continue
         ratios = [r["victim_p50_ms"] / alone[admission, r["round"]] for r in under
                   if alone.get((admission, r["round"]))]  # fmt: skip
-        same = [r for r in rows if r["flood_tokens"] == tokens]
+        same = [r for r in rows if r["flood"] == flood]
         over_fifo = paired(same, "admission", admission, "fifo", "tokens_per_s")
         summary.append({
-            "flood_tokens": tokens, "admission": admission,
+            "flood": flood, "admission": admission,
             "unloaded_p50_ms": median(v for (a, _), v in alone.items() if a == admission),
             **medians(under, "victim_p50_ms", "victim_q1_ms", "victim_q3_ms", "victim_p90_ms",
                       "tokens_per_s", "children_per_s"),
@@ -186,7 +200,7 @@ def summarize(rows: list[Row]) -> list[Row]:
 
 
 COLUMNS: list[Column] = [
-    ("flood's tokens a choice", "flood_tokens", ""), ("admission", "admission", ""),
+    ("flood's tokens a choice", "flood", ""), ("admission", "admission", ""),
     ("victim p50 ms, alone", "unloaded_p50_ms", "{:.0f}"),
     ("victim p50 ms, beside the flood", "victim_p50_ms", "{:.0f}"),
     ("quartiles ms", "victim_q1_ms", "{:.0f}"), ("", "victim_q3_ms", "{:.0f}"),
@@ -203,6 +217,7 @@ RENDER = Section(
     f"The demo backend at {TOKEN_DELAY * 1e3:.0f} ms a token behind n-proxy with max_concurrency"
     f" {CAPACITY}. One client (its own API key) keeps {FLOOD_PARENTS} streams of"
     " n = {options[n][0]} in flight, their choices {options[max_tokens]} tokens long, then"
+    " from a fifth shorter to a fifth longer, then"
     f" {VICTIM_TOKENS}; the other sends n = 1 requests of {VICTIM_TOKENS} tokens one after"
     f" another, for {{options[seconds]:g}} s after {FLOOD_WARM_UP:g} s of flood, and alone for"
     f" {UNLOADED_SECONDS:g} s. Rounds: {{options[rounds]}}, the admissions in a rotated order.",
@@ -217,8 +232,8 @@ RENDER = Section(
 
 def _targets(data: Row) -> list[Row]:
     out = []
-    for tokens in dict.fromkeys(r["flood_tokens"] for r in data["summary"]):
-        fair = pick(data["summary"], flood_tokens=tokens, admission="fair")
+    for tokens in dict.fromkeys(r["flood"] for r in data["summary"]):
+        fair = pick(data["summary"], flood=tokens, admission="fair")
         flood = f"a flood of {tokens}-token choices"
         out += [
             target(f"fair: victim's median beside {flood}, over alone", fair.get("slowdown"),

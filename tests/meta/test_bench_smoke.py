@@ -117,14 +117,14 @@ def test_fairness_scenario_times_the_victim_through_both_admissions(
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     results = json.loads((tmp_path / "fairness.json").read_text())
     summary = results["fairness"]["summary"]
-    assert {(r["flood_tokens"], r["admission"]) for r in summary} == {
-        (8, "fifo"), (8, "fair"), (4, "fifo"), (4, "fair"),
-    }  # fmt: skip
+    assert {(r["flood"], r["admission"]) for r in summary} == {
+        (flood, admission) for flood in ("8", "7-9", "4") for admission in ("fifo", "fair")
+    }
     for row in summary:
         assert row["victim_requests"] > 0, row
         assert row["tokens_per_s"] > 0, row
         assert row["errors"] == 0, row
-    assert [t["verdict"] for t in results["targets"]] != ["n/a"] * 4
+    assert "n/a" not in [t["verdict"] for t in results["targets"]]
     assert bench_env.apt_calls() == []
 
 
