@@ -37,11 +37,12 @@ class ClientIds:
         configured header's last comma-separated value (the one the load balancer in front
         added), else its peer address. A key never leaves here."""
         identify = self._identify
-        if identify != "peer":
-            name = "Authorization" if identify == "authorization" else self._header
-            value = request.headers.get(name)
+        if identify == "authorization":
+            value = request.headers.get("Authorization")
             if value is not None:
-                if identify == "header":
-                    value = value.rpartition(",")[2].strip()
+                return keyed_id(value)
+        elif identify == "header":
+            value = request.headers.get(self._header, "").rpartition(",")[2].strip()
+            if value:
                 return keyed_id(value)
         return request.remote or "unknown"

@@ -84,6 +84,7 @@ def test_by_header_the_last_value_the_load_balancer_added_counts() -> None:
     honest = request_from("10.1.1.1", **{"X-Forwarded-For": "192.0.2.7"})
     assert ids.of(forged) == ids.of(honest) == keyed_id("192.0.2.7")
     assert ids.of(request_from("10.1.1.1")) == "10.1.1.1"  # no header: the peer
+    assert ids.of(request_from("10.1.1.1", **{"X-Forwarded-For": "6.6.6.6, "})) == "10.1.1.1"
 
 
 # --- fair admission over real servers ---------------------------------------------------------
