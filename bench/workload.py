@@ -62,7 +62,7 @@ def stream_events(n: int, max_tokens: int) -> int:
 
 _EVENT = b"data: "
 # A chat chunk that carries generated text (the opening role chunk has "content":"").
-_TOKEN = re.compile(rb'"content":"[^"]')
+TOKEN_EVENT = re.compile(rb'"content":"[^"]')
 T = TypeVar("T")
 
 
@@ -99,7 +99,7 @@ async def read_stream(
                 first_byte = now
             block, rest = whole_events(rest + data)
             events += block.count(_EVENT)
-            if math.isnan(first_token) and _TOKEN.search(block):
+            if math.isnan(first_token) and TOKEN_EVENT.search(block):
                 first_token = now
         end = time.perf_counter() - t0
     return StreamTiming(response.status, headers_at, first_byte, first_token, end, events)

@@ -9,7 +9,8 @@ from bench.scenario import Scenario
 MODULES = {"passthrough": "passthrough", "fanout": "fanout", "stitching": "fanout",
            "ttft": "ttft", "memory": "memory", "wire": "passthrough", "manystream": "manystream",
            "soak": "soak", "vllm": "vllm", "llamacpp": "llamacpp",
-           "dashboard": "dashboard", "tokens": "tokens", "reload": "reload"}  # fmt: skip
+           "dashboard": "dashboard", "tokens": "tokens", "reload": "reload",
+           "fairness": "fairness"}  # fmt: skip
 NAMES = tuple(MODULES)
 SUITE = NAMES[:5]  # against the demo backend: the default run, bench/results/latest.md
 

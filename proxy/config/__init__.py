@@ -4,6 +4,7 @@ and the JSON Schema.
 
 from proxy.config.models import (
     MAX_N_CEILING,
+    Clients,
     Config,
     ConfigError,
     Listen,
@@ -15,6 +16,7 @@ from proxy.config.models import (
 
 __all__ = [
     "MAX_N_CEILING",
+    "Clients",
     "Config",
     "ConfigError",
     "Listen",

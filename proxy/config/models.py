@@ -46,7 +46,7 @@ class ConfigError(ValueError):
 # Schema descriptions of the limits --workers N divides (proxy.server.workers.worker_config).
 _SHARED = " The proxy's total: with --workers N each worker enforces its share (they add up to it)."
 _DIVIDED = _SHARED + " Every worker needs at least 1, so N may not exceed it."
-_CONCURRENCY = "Upstream requests in flight; children are admitted one at a time, FIFO." + _DIVIDED
+_CONCURRENCY = "Upstream requests in flight; children are admitted one at a time." + _DIVIDED
 _QUEUE = "Children waiting for a slot; a request arriving past it gets 429." + _SHARED
 _CONNECTIONS = "Open client connections; past it new ones are closed at accept." + _DIVIDED
 
@@ -162,6 +162,25 @@ def _upstream_schema(schema: dict[str, Any]) -> None:
     properties["placement"] = {"anyOf": [{"enum": list(_PLACEMENTS)}, mapping], "default": "spread"}
 
 
+class Clients(_Section):
+    """How clients are told apart (docs/operating.md#clients), for fair admission and their cap:
+    by ``Authorization`` (its HMAC; the peer address when a request has none), by the peer
+    address, or by ``header``, which the load balancer in front sets (trusted as it comes)."""
+
+    identify: Literal["authorization", "peer", "header"] = "authorization"
+    header: Annotated[str, Field(pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")] | None = None
+    # Children one client may have queued or running at once over every upstream; 0: no cap.
+    max_children: Annotated[int, ranged(0, 1_000_000)] = 0
+
+    @model_validator(mode="after")
+    def _header_names_the_header(self) -> Clients:
+        if self.identify == "header" and self.header is None:
+            raise keyed("clients.header", "required with identify: header")
+        if self.identify != "header" and self.header is not None:
+            raise keyed("clients.header", "only with identify: header")
+        return self
+
+
 class Upstream(_Section):
     model_config = ConfigDict(json_schema_extra=_upstream_schema)
 
@@ -170,6 +189,8 @@ class Upstream(_Section):
     native_n: Annotated[bool, Field(strict=True)] = False
     max_concurrency: Annotated[int, ranged(1, 1_000_000, _CONCURRENCY)] = 4096
     max_queue: Annotated[int, ranged(0, 1_000_000, _QUEUE)] = 4096
+    # fair: a freed slot goes to each client in turn; fifo: to the oldest waiting child.
+    admission: Literal["fair", "fifo"] = "fair"
     placement: Annotated[Placement, BeforeValidator(_placement)] = Placement(choose="round_robin")
     headers: dict[str, HeaderValue] = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()
@@ -228,6 +249,7 @@ class Config(_Section):
     max_response_bytes: Annotated[int, ranged(1, 1 << 40)] = 64 * MiB
     max_connections: Annotated[int, ranged(1, 10_000_000, _CONNECTIONS)] = 10_000
     client_timeouts: ClientTimeouts = ClientTimeouts()
+    clients: Clients = Clients()
     stream_start: Literal["first", "all"] = "first"
     sse_keepalive_seconds: Annotated[float, Field(strict=True, ge=0)] = 15.0
     drain_seconds: Seconds = 25.0

@@ -6,6 +6,7 @@ ProxyError                 status + OpenAI error body
 ├── BodyTooLarge           413 (also after inflating a gzip/deflate body)
 ├── UnsupportedEncoding    415 (a Content-Encoding the proxy cannot inflate, on a fan-out path)
 ├── Overloaded             429, with Retry-After
+│   └── ClientLimited      429: the client is at clients.max_children
 ├── UpstreamUnavailable    502 (connection refused, reset before headers, bad upstream body)
 └── UpstreamTimeout        504
 ChildFailed                a child's own non-2xx answer, relayed with its status and body
@@ -33,6 +34,7 @@ def status_type(status: int) -> str:
 class ProxyError(Exception):
     status = 500
     type_ = "server_error"
+    code: str | None = None
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -40,7 +42,7 @@ class ProxyError(Exception):
         self.param = param
 
     def body(self) -> bytes:
-        return orjson.dumps(error_body(self.message, self.type_, self.param))
+        return orjson.dumps(error_body(self.message, self.type_, self.param, self.code))
 
 
 class InvalidRequest(ProxyError):
@@ -70,6 +72,13 @@ class Overloaded(ProxyError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ClientLimited(Overloaded):
+    """One client's children at its cap (``clients.max_children``): OpenAI's own code for a
+    rate limit, so that clients back off as they would from OpenAI."""
+
+    code = "rate_limit_exceeded"
 
 
 class UpstreamUnavailable(ProxyError):

@@ -1,6 +1,7 @@
 """What one proxy holds right now, counted where it is held: requests and fan-out children in
-flight, upstream slots held and queued, each replica's outstanding requests, upstream requests in
-flight and pooled connections checked out. ``/metrics`` exports it; all of it is 0 when idle.
+flight, upstream slots held and queued, places counted against their clients, each replica's
+outstanding requests, upstream requests in flight and pooled connections checked out.
+``/metrics`` exports it; all of it is 0 when idle.
 ``proxy.server.app.take_census`` takes it.
 """
 
@@ -37,6 +38,7 @@ class Census:
     connections: int  # upstream connections checked out of the pool (health checks included)
     idle: int  # pooled for reuse: open, holding nothing (not part of ``held``)
     upstreams: tuple[UpstreamCensus, ...]
+    tabs: int = 0  # places counted against their clients (``clients.max_children``)
 
     def gauges(self) -> dict[str, int]:
         """The values of ``GAUGES``."""
@@ -71,4 +73,6 @@ class Census:
             for url, count in upstream.outstanding.items():
                 if count:
                     out.append(f"upstream {name}: replica {url} has {count} outstanding")
+        if self.tabs:
+            out.append(f"{self.tabs} places counted against their clients")
         return out

@@ -182,6 +182,7 @@ class RequestLine(Observer):
         log_request(
             request_id=record.request_id or logged_id(headers),
             trace_id=record.trace_id or _incoming_trace_id(headers),
+            client=record.client,
             method=record.method,
             path=record.path,
             route=record.route,

@@ -200,6 +200,13 @@ class Metrics:
             ["upstream"],
             registry=r,
         )
+        self.client_limited = Counter(
+            "n_proxy_client_limited",
+            "Requests refused with 429 because their client had clients.max_children children "
+            "queued or running.",
+            ["upstream"],
+            registry=r,
+        )
         self.client_connections = Gauge(
             "n_proxy_client_connections",
             "Open client connections on the proxy listener.",
@@ -358,7 +365,8 @@ class Metrics:
             for outcome in UPSTREAM_OUTCOMES:
                 self.upstream_responses.labels(name, outcome)
             for family in (
-                self.children_aborted, self.rejected, self.slot_stalls, self.model_list_failures
+                self.children_aborted, self.rejected, self.client_limited, self.slot_stalls,
+                self.model_list_failures,
             ):  # fmt: skip
                 family.labels(name)
             for reason in upstream.retry_on:

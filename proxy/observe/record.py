@@ -91,7 +91,8 @@ class RequestRecord:
     """
 
     __slots__ = (
-        "aborted", "body", "bytes_in", "bytes_out", "children", "chunks", "done_at", "ended_at",
+        "aborted", "body", "bytes_in", "bytes_out", "children", "chunks", "client", "done_at",
+        "ended_at",
         "fanned_out", "finish_reasons", "first_chunk_at", "headers", "method", "model", "n",
         "observers", "path", "provider", "queued", "relayed", "request_id", "response_id",
         "response_model", "retries", "route", "sent_at", "span", "started", "status", "tail",
@@ -106,6 +107,7 @@ class RequestRecord:
         self.method = method
         self.path = path
         self.headers = headers  # the client's, as it sent them
+        self.client: str | None = None  # its id (proxy.request.clients): never a key itself
         self.route = "other"  # the fan-out path it came in on, or "other"
         self.upstream = ""
         self.provider = ""  # its upstream's, as the GenAI conventions name it (``provider``)

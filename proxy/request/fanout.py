@@ -84,6 +84,7 @@ class Fanout:
     headers: CIMultiDict[str]  # end-to-end headers shared by every child
     record: RequestRecord
     fanouts: Fanouts
+    client: str  # whose children these are: admission's line and cap
     children: list[ChildRecord] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -107,8 +108,8 @@ class Fanout:
         return headers
 
     def admit(self) -> Tickets:
-        """Each child's replica and place in line (``Upstreams.admit``)."""
-        return self.upstreams.admit(self.upstream, len(self.plan.children))
+        """Each child's replica and place in the client's line (``Upstreams.admit``)."""
+        return self.upstreams.admit(self.upstream, len(self.plan.children), self.client)
 
     def exchange(self, pos: int, ticket: Ticket) -> Exchange:
         """Child ``pos``'s upstream request, from its place in line to the end of its body."""
@@ -126,7 +127,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
     """Non-streaming (docs/behaviour.md#json): wait for every child, fail fast on the first
     failure."""
     plan = fanout.plan
-    # One slot per child, FIFO: a batch larger than max_concurrency runs in turns.
+    # One slot per child, in the client's turns: a batch larger than max_concurrency runs in turns.
     tickets = fanout.admit()
 
     async def fetch(pos: int) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from proxy.core import (
     plan_request,
 )
 from proxy.observe import ClientErrors, Metrics, Observers, RequestRecord, kind_of
+from proxy.request.clients import ClientIds
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
 from proxy.request.models import MODELS_PATH, list_models, merges_models
 from proxy.request.passthrough import UPSTREAM_SERVER, pass_through
@@ -94,6 +95,11 @@ class Handler:
         self.client_errors = client_errors
         self.metrics = metrics
         self.merges_models = merges_models(upstreams)
+        self.clients = ClientIds(config.clients)
+        # A request with more children than one client may have at once could never be admitted:
+        # 400 with the plan's own wording, not a 429 the client would retry for ever.
+        cap = config.clients.max_children
+        self.max_children = min(config.max_children, cap) if cap else config.max_children
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         record = RequestRecord(self.observers, request.method, request.path, request.headers)
@@ -116,9 +122,10 @@ class Handler:
             message = "malformed request line: no HTTP version"
             return error_response(InvalidRequest(message), close=True)
         path = request.rel_url.path
+        record.client = client = self.clients.of(request)
         if self.merges_models and path == MODELS_PATH and request.method == "GET":
             record.upstream = config.default_upstream
-            return await list_models(request, self.upstreams, record)
+            return await list_models(request, self.upstreams, record, client)
         fans_out = request.method == "POST" and path in config.fanout_paths
         body = await self._read_body(request)
         if isinstance(body, web.StreamResponse):
@@ -136,8 +143,8 @@ class Handler:
             record.provider = upstream.provider
             if plan is None:
                 passing = True
-                return await pass_through(request, self.upstreams, upstream, body, record)
-            return await self._fan_out(request, record, upstream, plan)
+                return await pass_through(request, self.upstreams, upstream, body, record, client)
+            return await self._fan_out(request, record, upstream, plan, client)
         except (ProxyError, ChildFailed) as exc:
             response = (
                 error_response(exc) if isinstance(exc, ProxyError) else child_failed_response(exc)
@@ -151,7 +158,12 @@ class Handler:
             return response
 
     async def _fan_out(
-        self, request: web.Request, record: RequestRecord, upstream: Upstream, plan: Plan
+        self,
+        request: web.Request,
+        record: RequestRecord,
+        upstream: Upstream,
+        plan: Plan,
+        client: str,
     ) -> web.StreamResponse:
         config = self.config
         record.fanned_out = True
@@ -167,6 +179,7 @@ class Handler:
             headers=child_headers(request.headers, upstream.headers),
             record=record,
             fanouts=self.in_flight.fanouts,
+            client=client,
         )
         if plan.stream:
             return await respond_stream(fanout, request)
@@ -225,7 +238,7 @@ class Handler:
             functools.partial(_parent_id, request, parsed),
             config.max_n,
             endpoint=endpoint,
-            max_children=config.max_children,
+            max_children=self.max_children,
         )
         return upstream, plan
 

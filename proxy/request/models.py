@@ -34,11 +34,11 @@ def merges_models(upstreams: Upstreams) -> bool:
 
 
 async def list_models(
-    request: web.Request, upstreams: Upstreams, record: RequestRecord
+    request: web.Request, upstreams: Upstreams, record: RequestRecord, client: str
 ) -> web.Response:
     """Every upstream's list, merged; 502 only when none answered."""
     asked = upstreams.model_lists
-    lists = await asyncio.gather(*(_ask(request, upstreams, u) for u in asked))
+    lists = await asyncio.gather(*(_ask(request, upstreams, u, client) for u in asked))
     if all(found is None for found in lists):
         names = ", ".join(u.name for u in asked)
         return error_response(UpstreamUnavailable(f"no upstream answered {MODELS_PATH} ({names})"))
@@ -52,7 +52,7 @@ async def list_models(
 
 
 async def _ask(
-    request: web.Request, upstreams: Upstreams, upstream: Upstream
+    request: web.Request, upstreams: Upstreams, upstream: Upstream, client: str
 ) -> list[dict[str, Any]] | None:
     """``upstream``'s model cards (each a mapping with a string id), or None when it failed."""
     headers = request_headers(request.headers, upstream.headers)
@@ -61,7 +61,7 @@ async def _ask(
     reason = ""
     try:
         async with asyncio.timeout(upstreams.config.model_list_timeout):
-            (ticket,) = upstreams.admit(upstream, 1)
+            (ticket,) = upstreams.admit(upstream, 1, client)
             async with upstreams.exchange(ticket, sent, quiet.child(None)) as exchange:
                 status = exchange.response.status
                 data = await exchange.read()

@@ -26,12 +26,13 @@ async def pass_through(
     upstream: Upstream,
     body: bytes,
     record: RequestRecord,
+    client: str,
 ) -> web.StreamResponse:
     headers = request_headers(request.headers, upstream.headers)
     sent = UpstreamRequest(
         request.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
     )
-    (ticket,) = upstreams.admit(upstream, 1)
+    (ticket,) = upstreams.admit(upstream, 1, client)
     async with upstreams.exchange(ticket, sent, record.child(None)) as exchange:
         response = await _relay(request, exchange, record)
     if record.path == MODELS_PATH and response.status == 200 and isinstance(response, web.Response):

@@ -114,9 +114,12 @@ def take_census(in_flight: InFlight, generations: Generations) -> Census:
     generation's upstream requests in flight are its own."""
     counted: dict[str, UpstreamCensus] = {}
     shared: set[int] = set()  # the ids of the lines and replicas counted already
-    connections = idle = 0
+    connections = idle = tabs = 0
     for generation in generations:
         upstreams = generation.upstreams
+        if id(upstreams.tabs) not in shared:  # one for every config since the first
+            shared.add(id(upstreams.tabs))
+            tabs += upstreams.tabs.held()
         connections += len(upstreams.connections.in_use)
         idle += upstreams.connections.idle_connections()
         for upstream in upstreams.config.upstreams:
@@ -140,6 +143,7 @@ def take_census(in_flight: InFlight, generations: Generations) -> Census:
         connections=connections,
         idle=idle,
         upstreams=tuple(counted.values()),
+        tabs=tabs,
     )
 
 

@@ -3,14 +3,8 @@ budget, health checks, DNS discovery, and one exchange per upstream request.
 """
 
 from proxy.upstream.discovery import Resolver
-from proxy.upstream.service import (
-    Exchange,
-    Ticket,
-    Tickets,
-    UpstreamRequest,
-    Upstreams,
-    upstream_error,
-)
+from proxy.upstream.exchange import Exchange, Ticket, Tickets, UpstreamRequest, upstream_error
+from proxy.upstream.service import Upstreams
 
 __all__ = [
     "Exchange",

@@ -17,27 +17,35 @@ import asyncio
 import fnmatch
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from types import TracebackType
-from typing import Literal, NamedTuple
 
 from multidict import CIMultiDict
 
 from proxy.config import Config, Upstream
-from proxy.core import Overloaded, UpstreamTimeout, UpstreamUnavailable, rebased_headers
+from proxy.core import (
+    ClientLimited,
+    Overloaded,
+    rebased_headers,
+)
 from proxy.http import (
     BodyTooLong,
-    ClientClosed,
-    ConnectFailed,
     ConnectionPool,
-    Disconnected,
     HTTPClientError,
     UpstreamResponse,
 )
 from proxy.observe import ChildRecord, Metrics, log_event, logger
 from proxy.upstream.discovery import Resolver, discover, resolve
+from proxy.upstream.exchange import (
+    Answered,
+    Exchange,
+    Ticket,
+    Tickets,
+    UpstreamRequest,
+    failure_kind,
+    upstream_error,
+)
 from proxy.upstream.replicas import Replica
 from proxy.upstream.retry import Reason, Verdict, parse_retry_after
-from proxy.upstream.slots import Place
+from proxy.upstream.slots import Place, Tabs
 from proxy.upstream.state import UpstreamState
 from proxy.upstream.succession import gone, hand_over, newest
 
@@ -47,158 +55,6 @@ _RELAY_BUFFER = 32 * 1024  # a pass-through body: bytes read ahead of the client
 
 WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
 WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
-
-
-class UpstreamRequest(NamedTuple):
-    """What one upstream request carries: the same on every try, so the same seed and id."""
-
-    method: str
-    path_qs: str
-    headers: CIMultiDict[str]
-    body: bytes | None
-    inflate: bool = False  # undo a gzip or deflate Content-Encoding (children parse the body)
-    read_bufsize: int | None = None  # bytes read ahead of the consumer
-
-
-class Ticket(NamedTuple):
-    """One admitted upstream request (a pass-through's, a fan-out child's): its upstream, the
-    replica it goes to, its place in the upstream's line and when it joined the line."""
-
-    state: UpstreamState
-    url: str
-    place: Place
-    joined: float  # perf_counter seconds, the record's clock
-
-
-class Tickets(tuple[Ticket, ...]):
-    """What admission gave one client request: a ticket per upstream request, in child order."""
-
-    __slots__ = ()
-
-    def release(self) -> None:
-        """Every place back, granted or still queued: a child cancelled before it ran holds one
-        too. A place already given back (its exchange ended) is left as it is."""
-        for ticket in self:
-            ticket.place.release()
-
-
-class Exchange:
-    """One upstream request of a client request, from its place in line to the end of its body:
-    ``async with upstreams.exchange(ticket, request, child) as exchange``.
-
-    Entering waits for the place, then sends the request, with retries and fallback, until a
-    response head is in; the response is then ``exchange.response``, its body read whole with
-    ``read`` or relayed with ``response.relay``. Leaving gives back, in one place and whatever
-    happened, the connection (pooled when its body was read to the end, closed otherwise), the
-    replica's ``outstanding`` count, the fallback's place and its own, and the upstream's count
-    of requests in flight. The steps go to ``child``, the request's record of it.
-
-    A class, not an ``asynccontextmanager``: it is on every request's path, and a generator
-    behind two awaits per request costs more than these few lines.
-    """
-
-    __slots__ = ("_fallback", "_replica", "_request", "_ticket", "_upstreams", "child",
-                 "response")  # fmt: skip
-    response: UpstreamResponse  # its head in once entered
-
-    def __init__(
-        self, upstreams: Upstreams, ticket: Ticket, request: UpstreamRequest, child: ChildRecord
-    ) -> None:
-        self._upstreams = upstreams
-        self._ticket = ticket
-        self._request = request
-        self.child = child
-        self._replica: Replica | None = None  # the replica that answered, once one did
-        self._fallback: Place | None = None
-
-    async def __aenter__(self) -> Exchange:
-        ticket = self._ticket
-        await ticket.place.wait()  # cancelled, the place is given back there
-        child = self.child
-        child.admitted(ticket.joined)
-        ticket.state.exchanges += 1
-        try:
-            self.response, self._replica, self._fallback = await self._upstreams._answer(
-                ticket.state, ticket.url, self._request, child
-            )
-        except BaseException as exc:
-            self._release(exc)
-            raise
-        child.head(self.response.status)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        # Never awaits: a compiled caller's ``async with`` awaits this inside its exception
-        # handler (docs/architecture.md#working-on-a-compiled-module).
-        self._release(exc)
-
-    def _release(self, failure: BaseException | None) -> None:
-        ticket = self._ticket
-        replica = self._replica
-        try:
-            if replica is not None:
-                # Read to its end: back to the pool. Left unread: closed, so the upstream stops.
-                self._upstreams.connections.release(self.response)
-        finally:
-            if replica is not None:
-                replica.outstanding -= 1
-            if self._fallback is not None:
-                self._fallback.release()
-            ticket.place.release()
-            ticket.state.exchanges -= 1
-            self.child.ended(failure)
-
-    async def read(self) -> bytes:
-        """The whole body; a read that fails is the proxy's 502 or 504 (docs/behaviour.md#errors).
-
-        Past ``max_response_bytes`` the read stops at once and the request fails with 502;
-        leaving the body unread makes the exchange drop the connection, so the upstream stops
-        too."""
-        response = self.response
-        upstream = self._ticket.state.upstream
-        limit = self._upstreams.config.max_response_bytes
-        length = response.content_length
-        try:
-            if length is not None and length > limit:
-                raise BodyTooLong(length)
-            data: bytes = await response.read(limit)
-        except BodyTooLong:
-            raise UpstreamUnavailable(
-                f"upstream {upstream.name} sent a body larger than {limit} bytes"
-            ) from None
-        except (TimeoutError, HTTPClientError) as exc:
-            raise upstream_error(exc, upstream) from None
-        return data
-
-
-def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:
-    """Map an upstream client failure to the proxy's own error (docs/behaviour.md#errors: 502
-    or 504)."""
-    if isinstance(exc, TimeoutError):
-        return UpstreamTimeout(f"upstream {upstream.name} timed out")
-    return UpstreamUnavailable(f"upstream {upstream.name} failed: {type(exc).__name__}")
-
-
-def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
-    """``connect``: the request never reached a server (its connect timing out included).
-    ``reset``: the connection closed before a status line came back, or the client was closed
-    under it. Anything else (a timeout waiting for the answer, a malformed answer) is neither."""
-    match exc:
-        case ConnectFailed():
-            return "connect"
-        case Disconnected() | ClientClosed():
-            return "reset"
-    return None
-
-
-# The response to relay, the replica it came from (its ``outstanding`` counts it until the
-# exchange ends), and the fallback upstream's place in line when the fallback sent it.
-Answered = tuple[UpstreamResponse, Replica, Place | None]
 
 
 class Upstreams:
@@ -245,6 +101,9 @@ class Upstreams:
         named = [config.default_upstream, *(r.upstream for r in config.routes)]
         self.model_lists = tuple(config.upstream(name) for name in dict.fromkeys(named))
         self._required = [u.name for u in config.upstreams if u.readiness == "required"]
+        # Each client's places over every upstream (clients.max_children), one for every config.
+        self.tabs: Tabs = earlier[0].tabs if earlier else Tabs()
+        self._max_children = config.clients.max_children
 
     async def start(self) -> None:
         """The service's own loops: the slot watchdog, each upstream's health checks and, where
@@ -316,20 +175,31 @@ class Upstreams:
     def state(self, upstream: Upstream) -> UpstreamState:
         return self._states[upstream.name]
 
-    def admit(self, upstream: Upstream, count: int) -> Tickets:
-        """``count`` requests into the upstream, in one step: a place each in its FIFO line (429
-        on arrival when the line is full), then a replica each by its ``placement``, over the
-        healthy replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
+    def admit(self, upstream: Upstream, count: int, client: str = "") -> Tickets:
+        """``count`` requests of ``client`` (its id) into the upstream, in one step: a place each
+        in the client's line (429 on arrival when the client is at ``clients.max_children`` or
+        the upstream's line is full), then a replica each by its ``placement``, over the healthy
+        replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
         state = self._states[upstream.name]
+        tab = self.tabs.tab(client)
+        cap = self._max_children
+        if cap and tab.places + count > cap:
+            self.metrics.client_limited.labels(upstream.name).inc()
+            raise ClientLimited(
+                f"this client has {tab.places} upstream requests queued or running and this"
+                f" request needs {count} more; at most {cap} are allowed at once: retry shortly",
+                retry_after=1,
+            )
         try:
-            places = state.slots.join(count)
+            places = state.slots.join(count, client if state.fair else None, tab)
         except Overloaded:
             self.metrics.rejected.labels(upstream.name).inc()
             raise
         urls = state.replicas.place(count, time.monotonic())
         joined = time.perf_counter()
         return Tickets(
-            Ticket(state, url, place, joined) for url, place in zip(urls, places, strict=True)
+            Ticket(state, url, place, joined, client)
+            for url, place in zip(urls, places, strict=True)
         )
 
     async def _watch(self) -> None:
@@ -370,11 +240,13 @@ class Upstreams:
         request: UpstreamRequest,
         child: ChildRecord,
         fallback: bool = True,
+        client: str = "",
     ) -> Answered:
         """The response to relay: up to ``retries`` further tries, each on another replica when
         there is one, with the same body and headers (so the same seed and request id), spaced
         by the backoff and within the retry budget (``RetryPolicy``). When every try failed in a
-        way ``retry_on`` lists, the fallback upstream is tried (not its own fallback).
+        way ``retry_on`` lists, the fallback upstream is tried (not its own fallback), the child
+        waiting there in ``client``'s line.
 
         Each wait is a cancellation point that holds nothing: the failed try's connection and
         its replica's ``outstanding`` count are let go before it. A retry is counted, logged
@@ -402,7 +274,7 @@ class Upstreams:
                     state.failed(replica.url)
                 verdict = self._judge(state, replica, len(tried), reason, None)
                 if verdict.outcome != "retry":
-                    place = self._fallback_place(state, verdict) if fallback else None
+                    place = self._fallback_place(state, verdict, client) if fallback else None
                     if place is None:
                         raise upstream_error(exc, upstream) from None
                     return await self._fall_back(state, place, request, child, None)
@@ -422,7 +294,7 @@ class Upstreams:
                 wait = None if header is None else parse_retry_after(header, time.time())
                 verdict = self._judge(state, replica, len(tried), status, wait)
                 if verdict.outcome != "retry":
-                    place = self._fallback_place(state, verdict) if fallback else None
+                    place = self._fallback_place(state, verdict, client) if fallback else None
                     if place is None:
                         return response, replica, None
                     replica.outstanding -= 1
@@ -470,13 +342,15 @@ class Upstreams:
             state.retry.unsent(verdict)
             raise
 
-    def _fallback_place(self, state: UpstreamState, verdict: Verdict) -> Place | None:
-        """A place in the fallback upstream's line, when it has one and is to be tried."""
+    def _fallback_place(self, state: UpstreamState, verdict: Verdict, client: str) -> Place | None:
+        """A place in the fallback upstream's line, when it has one and is to be tried: in the
+        client's line there, not counted against it again (its place here still counts)."""
         name = state.upstream.fallback
         if name is None or not verdict.falls_back:
             return None
+        other = self._states[name]
         try:
-            (place,) = self._states[name].slots.join(1)
+            (place,) = other.slots.join(1, client if other.fair else None)
         except Overloaded:
             self.metrics.rejected.labels(name).inc()
             return None  # its line is full: the failure here stands

@@ -32,6 +32,7 @@ class UpstreamState:
         self.slots = Slots(upstream.max_concurrency, upstream.max_queue)
         if earlier is not None:
             self.slots = earlier.slots
+        self.fair = upstream.admission == "fair"  # each client's children in a line of its own
         self.metrics = metrics
         placement = upstream.placement
         self.replicas = ReplicaSet(

@@ -571,3 +571,45 @@ def test_a_fallback_is_one_hop_and_serves_n_as_the_upstream_does(text: str, says
         parse_config(text, {})
     assert str(info.value).startswith("upstreams[")
     assert says in str(info.value)
+
+
+def test_clients_and_admission_default_to_fair_by_authorization_with_no_cap() -> None:
+    config = parse_config(MINIMAL, {})
+    assert (config.clients.identify, config.clients.header, config.clients.max_children) == (
+        "authorization", None, 0,
+    )  # fmt: skip
+    assert config.upstreams[0].admission == "fair"
+    text = (
+        "clients: {identify: header, header: X-Forwarded-For, max_children: 64}\n"
+        "upstreams: [{name: a, url: http://x:1, admission: fifo}]"
+    )
+    config = parse_config(text, {})
+    assert (config.clients.identify, config.clients.header, config.clients.max_children) == (
+        "header", "X-Forwarded-For", 64,
+    )  # fmt: skip
+    assert config.upstreams[0].admission == "fifo"
+
+
+@pytest.mark.parametrize(
+    ("clients", "key", "says"),
+    [
+        ("{identify: header}", "clients.header", "required with identify: header"),
+        ("{header: X-Forwarded-For}", "clients.header", "only with identify: header"),
+        ("{identify: header, header: 'X Bad'}", "clients.header", ""),
+        ("{identify: cookie}", "clients.identify", ""),
+        ("{max_children: -1}", "clients.max_children", "0 to 1000000"),
+        ("{max_children: true}", "clients.max_children", "integer"),
+        ("{colour: blue}", "clients.colour", "unknown"),
+    ],
+)
+def test_a_bad_clients_section_names_the_key(clients: str, key: str, says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(f"clients: {clients}\n{MINIMAL}", {})
+    message = str(info.value)
+    assert message.startswith(f"{key}: "), message
+    assert says in message
+
+
+def test_admission_is_fair_or_fifo() -> None:
+    with pytest.raises(ConfigError, match=r"^upstreams\[0\]\.admission: "):
+        parse_config("upstreams: [{name: a, url: http://x:1, admission: lifo}]", {})

@@ -120,6 +120,26 @@ def test_reload_scenario_reloads_under_open_streams_and_reads_the_upstreams_peak
     (run,) = json.loads((tmp_path / "reload.json").read_text())["reload"]["runs"]
     assert (run["reloads"], run["streams"], run["whole"]) == (3, 4, 4)
     assert 1 <= run["peak"] <= run["bound"]
+
+
+def test_fairness_scenario_times_the_victim_through_both_admissions(
+    tmp_path: Path, bench_env: BenchEnv
+) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench", "fairness", "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT, env=bench_env.env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    results = json.loads((tmp_path / "fairness.json").read_text())
+    summary = results["fairness"]["summary"]
+    assert {(r["flood"], r["admission"]) for r in summary} == {
+        (flood, admission) for flood in ("8", "7-9", "4") for admission in ("fifo", "fair")
+    }
+    for row in summary:
+        assert row["victim_requests"] > 0, row
+        assert row["tokens_per_s"] > 0, row
+        assert row["errors"] == 0, row
+    assert "n/a" not in [t["verdict"] for t in results["targets"]]
     assert bench_env.apt_calls() == []
 
 

@@ -49,7 +49,7 @@ ENTRIES = {
     ("proxy.upstream.service", "Upstreams.route"): 1,
     ("proxy.upstream.service", "Upstreams.admit"): 1,
     ("proxy.upstream.service", "Upstreams.exchange"): CHILDREN,
-    ("proxy.upstream.service", "Tickets.release"): 1,
+    ("proxy.upstream.exchange", "Tickets.release"): 1,
 }
 _COROUTINE = 0x80 | 0x100 | 0x200  # CO_COROUTINE, CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR
 

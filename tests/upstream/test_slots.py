@@ -1,14 +1,17 @@
-"""Tests for the admission line (proxy.upstream.slots): FIFO per-child admission under every
-cancellation interleaving (docs/behaviour.md#admission).
+"""Tests for the admission line (proxy.upstream.slots): per-child admission, round-robin across
+clients and first come first served within one, under every cancellation interleaving
+(docs/behaviour.md#admission).
 
-The unit tests pin each interleaving that once leaked a slot; the property test cancels random
-requests and children at random moments and checks that every slot comes back and that no
-request that was left alone hangs.
+The unit tests pin each interleaving that once leaked a slot, and each step of the rotation; the
+property tests drive random schedules against a model of the rotation, and cancel random
+requests and children at random moments, checking that every slot and every client's count
+comes back and that no request that was left alone hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections.abc import Awaitable, Callable
 
@@ -20,7 +23,7 @@ from hypothesis import strategies as st
 from proxy.config.models import Config
 from proxy.core.errors import Overloaded
 from proxy.server.app import GENERATIONS
-from proxy.upstream.slots import Place, Slots
+from proxy.upstream.slots import Place, Slots, Tabs
 from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
 CLIENTS = 50
@@ -153,7 +156,7 @@ async def test_audit_reports_a_waiter_that_more_frees_than_its_queue_did_not_gra
     now = asyncio.get_running_loop().time()
     stall = slots.audit(now, patience=0)
     assert stall is not None
-    assert "1 slots freed, 0 waiters ahead" in stall.reason
+    assert stall.reason == "1 slots freed while children waited granted none of them"
     assert waiter.state == "waiting"
 
 
@@ -215,26 +218,305 @@ async def test_a_smaller_max_queue_refuses_arrivals_and_keeps_the_queued() -> No
     assert queued[0].state == "held"
 
 
+# --- the turns: a freed slot goes to each client in turn, the fewest held first ---------------
+
+
+def states(places: list[Place]) -> str:
+    """Each place as one letter: w(aiting), h(eld), g(one)."""
+    return "".join(p.state[0] for p in places)
+
+
+async def test_a_freed_slot_goes_to_each_waiting_client_in_turn_one_child_at_a_time() -> None:
+    slots = Slots(1, max_queue=100)
+    (first,) = slots.join(1, "x")
+    a = slots.join(3, "a")
+    b = slots.join(2, "b")
+    c = slots.join(1, "c")
+    order = [*a, *b, *c]
+    granted: list[Place] = []
+    holding = first
+    while slots.queued:
+        holding.release()
+        (holding,) = [p for p in order if p.state == "held"]
+        granted.append(holding)
+    assert granted == [a[0], b[0], c[0], a[1], b[1], a[2]]
+    holding.release()
+    assert (slots.in_use, slots.queued) == (0, 0)
+
+
+async def test_one_clients_children_are_granted_in_the_order_they_joined() -> None:
+    slots = Slots(1, max_queue=100)
+    (first,) = slots.join(1, "a")
+    older, newer = slots.join(2, "a"), slots.join(2, "a")  # two requests of one client
+    first.release()
+    assert states(older + newer) == "hwww"
+    older[0].release()
+    assert states(older + newer) == "ghww"
+
+
+async def test_a_new_client_waits_behind_those_already_waiting_not_behind_one_served_since() -> (
+    None
+):
+    slots = Slots(1, max_queue=100)
+    (first,) = slots.join(1, "x")
+    a = slots.join(2, "a")
+    (b,) = slots.join(1, "b")
+    first.release()  # a's turn: a holds the slot
+    (c,) = slots.join(1, "c")
+    a[0].release()  # a holds none again: behind b and c, who were waiting by then
+    assert (b.state, c.state, a[1].state) == ("held", "waiting", "waiting")
+    b.release()
+    assert (c.state, a[1].state) == ("held", "waiting")
+
+
+async def test_a_freed_slot_goes_to_the_waiting_client_holding_the_fewest_slots() -> None:
+    slots = Slots(4, max_queue=100)
+    mine = slots.join(3, "a")  # a holds three slots
+    (theirs,) = slots.join(1, "b")  # b one
+    a_waits, b_waits = slots.join(1, "a"), slots.join(2, "b")  # a was waiting first...
+    mine[0].release()
+    assert (a_waits[0].state, states(b_waits)) == ("waiting", "hw")  # ...b holds fewer
+    theirs.release()
+    assert (a_waits[0].state, states(b_waits)) == ("waiting", "hh")  # still fewer: 2 against 2
+    mine[1].release()
+    assert (a_waits[0].state, states(b_waits)) == ("held", "hh")  # now a: 1 against 2
+
+
+async def test_one_child_of_a_client_behind_a_flood_of_fan_outs_gets_the_next_free_slot() -> None:
+    slots = Slots(4, max_queue=1000)
+    flood = [place for _ in range(6) for place in slots.join(4, "flood")]  # 6 parents of n = 4
+    (victim,) = slots.join(1, "victim")
+    assert (slots.in_use, slots.queued) == (4, 21)
+    flood[0].release()
+    assert victim.state == "held"
+    victim.release()
+    (again,) = slots.join(1, "victim")  # its next request, right after: the next slot again
+    flood[1].release()
+    assert again.state == "held"
+
+
+async def test_the_shared_line_is_first_come_first_served_whoever_joins_it() -> None:
+    """What ``admission: fifo`` does: every child in the one line, ``None``."""
+    slots = Slots(4, max_queue=1000)
+    flood = [place for _ in range(6) for place in slots.join(4, None)]
+    (victim,) = slots.join(1, None)
+    frees = 0
+    while victim.state == "waiting":
+        next(p for p in flood if p.state == "held").release()
+        frees += 1
+    assert frees == 21  # behind every queued child of the flood
+
+
+async def test_a_client_whose_waiters_all_left_rejoins_at_the_back() -> None:
+    slots = Slots(1, max_queue=100)
+    (first,) = slots.join(1, "x")
+    (a,) = slots.join(1, "a")
+    (b,) = slots.join(1, "b")
+    a.release()  # a's only waiter leaves: a is out of the rotation
+    (again,) = slots.join(1, "a")
+    first.release()
+    assert (b.state, again.state) == ("held", "waiting")
+
+
+# --- a tab: what a client holds, from admission until each place is released ---------------
+
+
+async def test_a_tab_counts_a_clients_places_until_each_is_released_however() -> None:
+    slots, other = Slots(1, max_queue=100), Slots(1, max_queue=100)
+    tabs = Tabs()
+    tab = tabs.tab("a")
+    (held,) = slots.join(1, "a", tab)
+    waiting = slots.join(2, "a", tab)
+    (elsewhere,) = other.join(1, "a", tab)  # over every upstream
+    assert (tab.places, tabs) == (4, {"a": tab})
+    cancelled = asyncio.create_task(waiting[0].wait())
+    await ticks(1)
+    cancelled.cancel()
+    await ticks(1)  # left the line: no longer counted
+    assert tab.places == 3
+    held.release()  # waiting[1] granted: still counted
+    assert (tab.places, waiting[1].state) == (2, "held")
+    waiting[1].release()
+    elsewhere.release()
+    elsewhere.release()  # a second release does nothing
+    assert (tab.places, tabs, tabs.held()) == (0, {}, 0)
+
+
+async def test_a_tab_is_listed_only_once_it_holds_a_place() -> None:
+    slots = Slots(1, max_queue=0)
+    tabs = Tabs()
+    slots.join(1, "a", tabs.tab("a"))
+    with pytest.raises(Overloaded):
+        slots.join(1, "b", tabs.tab("b"))
+    assert list(tabs) == ["a"]
+
+
+# --- cancellation at each moment of a wait: the turn passes on, nothing is held ---------------
+
+MOMENTS = ("before_it_ran", "while_waiting", "as_the_slot_frees", "granted_not_resumed", "holding")
+
+
+@pytest.mark.parametrize("moment", MOMENTS)
+async def test_a_child_cancelled_at_any_moment_never_runs_and_the_next_client_gets_the_slot(
+    moment: str,
+) -> None:
+    slots = Slots(1, max_queue=10)
+    tabs = Tabs()
+    (held,) = slots.join(1, "h", tabs.tab("h"))
+    (x,) = slots.join(1, "a", tabs.tab("a"))  # a's turn comes first
+    (y,) = slots.join(1, "b", tabs.tab("b"))
+    ran: list[str] = []
+    hold = asyncio.Event()
+
+    async def child(place: Place, name: str) -> None:
+        async with place:
+            ran.append(name)
+            await hold.wait()
+
+    task_x = asyncio.create_task(child(x, "x"))
+    task_y = asyncio.create_task(child(y, "y"))
+    if moment == "before_it_ran":
+        task_x.cancel()  # before its first step: its own handler never runs
+        await ticks(2)
+        held.release()  # granted to a place nobody will use...
+        x.release()  # ...until its request gives every place back (Tickets.release)
+    elif moment == "while_waiting":
+        await ticks(2)
+        task_x.cancel()
+        await ticks(2)  # its handler left the line
+        held.release()
+    elif moment == "as_the_slot_frees":
+        await ticks(2)
+        task_x.cancel()
+        held.release()  # the same tick: its handler has not run, its turn is skipped
+    elif moment == "granted_not_resumed":
+        await ticks(2)
+        held.release()
+        assert x.state == "held"
+        task_x.cancel()  # before it resumed: the grant is handed back
+    else:
+        await ticks(2)
+        held.release()
+        await ticks(2)
+        assert ran == ["x"]
+        task_x.cancel()
+    await ticks(4)
+    assert (x.state, y.state, slots.in_use, slots.queued) == ("gone", "held", 1, 0)
+    assert ran == (["x", "y"] if moment == "holding" else ["y"])
+    hold.set()
+    await asyncio.gather(task_x, task_y, return_exceptions=True)
+    assert (slots.in_use, slots.queued, tabs) == (0, 0, {})
+    assert slots.audit(asyncio.get_running_loop().time(), patience=0) is None
+
+
+async def test_every_waiter_of_the_client_in_turn_cancelled_as_a_slot_frees_skips_to_the_next() -> (
+    None
+):
+    slots = Slots(1, max_queue=10)
+    (held,) = slots.join(1, "h")
+    mine = slots.join(3, "a")  # a's turn comes first
+    (theirs,) = slots.join(1, "b")
+    tasks = [asyncio.create_task(p.wait()) for p in [*mine, theirs]]
+    await ticks(2)
+    for task in tasks[:3]:
+        task.cancel()
+    held.release()
+    assert (states(mine), theirs.state, slots.in_use) == ("ggg", "held", 1)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    theirs.release()
+    assert (slots.in_use, slots.queued) == (0, 0)
+
+
+# --- the watchdog's rule for the turns ---------------------------------------------------------
+
+
+async def test_audit_reports_a_client_holding_no_slot_not_served_within_its_turn_plus_one() -> None:
+    slots = Slots(1, max_queue=10)
+    (held,) = slots.join(1, "h")
+    a = slots.join(2, "a")
+    slots.join(1, "b")  # one client ahead of it: served within 2 slots freed
+    slots.join(1, "c")
+    now = asyncio.get_running_loop().time()
+    held.release()  # a served, as its turn says
+    assert slots.audit(now, patience=0) is None
+    slots.frees += 1  # a second slot freed and granted out of turn: b's turn passed it by
+    slots.grants += 1
+    stall = slots.audit(now, patience=0)
+    assert stall is not None
+    assert stall.reason == "2 slots freed, 1 clients holding none ahead of it"
+    assert (stall.in_use, stall.queued) == (1, 3)
+    assert a[0].state == "held"
+
+
+async def test_audit_reports_children_that_saw_no_slot_freed_for_patience_after_one_was() -> None:
+    slots = Slots(1, max_queue=10)
+    (held,) = slots.join(1, "a")
+    slots.join(1, "a")
+    slots.join(1, "b")
+    joined = asyncio.get_running_loop().time()
+    assert slots.audit(joined + 59, patience=60) is None
+    stall = slots.audit(joined + 61, patience=60)
+    assert stall is not None
+    assert stall.reason.startswith("no slot freed in 6")
+    held.release()  # one slot freed (to a): then none, while b waits
+    freed = asyncio.get_running_loop().time()
+    assert slots.audit(freed + 59, patience=60) is None
+    stall = slots.audit(freed + 61, patience=60)
+    assert stall is not None
+    assert stall.reason == "no slot freed in 61 s"
+
+
+async def test_audit_is_quiet_while_every_client_is_served_in_turn() -> None:
+    slots = Slots(2, max_queue=100)
+    places = [*slots.join(4, "a"), *slots.join(3, "b"), *slots.join(1, "c")]
+    now = asyncio.get_running_loop().time()
+    while slots.in_use:
+        assert slots.audit(now, patience=0) is None
+        next(p for p in places if p.state == "held").release()
+    assert slots.audit(now, patience=0) is None
+
+
 # --- the property: random cancellations at random moments ------------------------------------
 
 
+def check_invariants(slots: Slots, tabs: Tabs, places: list[tuple[str, Place]]) -> None:
+    """What holds between any two steps: ``in_use`` is the places held, ``queued`` the places
+    waiting, no slot is free while a child waits, each client's tab counts its live places, and
+    the watchdog finds nothing."""
+    held = sum(p.state == "held" for _, p in places)
+    waiting = sum(p.state == "waiting" for _, p in places)
+    assert (slots.in_use, slots.queued) == (held, waiting)
+    assert not waiting or slots.in_use >= slots.capacity  # above it: held past a shrink
+    live: dict[str, int] = {}
+    for client, place in places:
+        if place.state != "gone":
+            live[client] = live.get(client, 0) + 1
+    assert {key: tab.places for key, tab in tabs.items()} == live
+    assert slots.audit(asyncio.get_running_loop().time(), patience=0) is None
+
+
 async def run_scenario(seed: int, resizes: bool = False) -> None:
-    """Requests joining, children and requests cancelled at random; with ``resizes``, the line
-    also resized at random (a reload): no slot is granted past the capacity, though a shrink
-    leaves the slots held above it, in use until they are freed (``bound``)."""
+    """Requests of several clients joining, children and requests cancelled at random; with
+    ``resizes``, the line also resized at random (a reload): no slot is granted past the
+    capacity, though a shrink leaves the slots held above it, in use until they are freed
+    (``bound``)."""
     rng = random.Random(seed)
     slots = Slots(rng.randint(1, 4), max_queue=10_000)
     bound = slots.capacity  # slots.in_use never exceeds it
+    tabs = Tabs()
+    fifo = rng.random() < 0.25  # admission: fifo, every client in the shared line
     children: list[tuple[int, asyncio.Task[None]]] = []
+    joined: list[tuple[str, Place]] = []
 
     async def child(place: Place) -> None:
         async with place:
             assert slots.in_use <= bound
             await ticks(rng.randint(0, 3))
 
-    async def request(j: int, count: int) -> None:
+    async def request(j: int, client: str, count: int) -> None:
         # The shape of fanout.py: one task per child, every place released in a finally.
-        places = slots.join(count)
+        places = slots.join(count, None if fifo else client, tabs.tab(client))
+        joined.extend((client, p) for p in places)
         tasks = [asyncio.create_task(child(p)) for p in places]
         children.extend((j, t) for t in tasks)
         try:
@@ -248,13 +530,15 @@ async def run_scenario(seed: int, resizes: bool = False) -> None:
                 for place in places:
                     place.release()
 
+    clients = [f"c{k}" for k in range(rng.randint(1, 4))]
     requests = [
-        asyncio.create_task(request(j, rng.randint(1, 6))) for j in range(rng.randint(1, 12))
+        asyncio.create_task(request(j, rng.choice(clients), rng.randint(1, 6)))
+        for j in range(rng.randint(1, 12))
     ]
     cancelled: set[int] = set()
     for _ in range(rng.randint(0, 40)):
         await ticks(rng.randint(0, 2))
-        assert slots.audit(asyncio.get_running_loop().time(), patience=0) is None
+        check_invariants(slots, tabs, joined)
         assert slots.in_use <= bound
         bound = max(slots.capacity, slots.in_use)  # held past a shrink: they only go down
         roll = rng.random()
@@ -275,7 +559,7 @@ async def run_scenario(seed: int, resizes: bool = False) -> None:
     for j, result in enumerate(results):
         if j not in cancelled:
             assert result is None  # left alone: served in full
-    assert (slots.in_use, slots.queued) == (0, 0)
+    assert (slots.in_use, slots.queued, tabs) == (0, 0, {})
     assert all(task.done() for _, task in children)
 
 
@@ -289,6 +573,99 @@ def test_random_cancellations_always_give_every_slot_back(seed: int) -> None:
 @given(st.integers(min_value=0, max_value=2**32))
 def test_random_resizes_never_grant_past_the_capacity_nor_report_a_stall(seed: int) -> None:
     asyncio.run(run_scenario(seed, resizes=True))
+
+
+# --- the property: random schedules against a model of the rotation ---------------------------
+
+
+class Turns:
+    """The rule as plainly as it can be written: each client's slots held and children waiting,
+    and a stamp of when it took its turn (it started waiting, was served, or gave a slot back
+    while waiting); a freed slot goes to the oldest child of the waiting client with the fewest
+    slots held, the oldest stamp first among those."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held: list[Place] = []
+        self.holds: dict[str | None, int] = {}
+        self.waiting: dict[str | None, list[Place]] = {}
+        self.stamps: dict[str | None, int] = {}
+        self.clock = itertools.count()
+        self.owner: dict[int, str | None] = {}
+
+    def joined(self, line: str | None, places: list[Place]) -> None:
+        for place in places:
+            self.owner[id(place)] = line
+            if len(self.held) < self.capacity and not any(self.waiting.values()):
+                self.grant(line, place)
+                continue
+            if not self.waiting.get(line):
+                self.waiting[line] = []
+                self.stamps[line] = next(self.clock)
+            self.waiting[line].append(place)
+
+    def grant(self, line: str | None, place: Place) -> None:
+        self.held.append(place)
+        self.holds[line] = self.holds.get(line, 0) + 1
+
+    def released(self, place: Place) -> None:
+        line = self.owner[id(place)]
+        if place in self.held:
+            self.held.remove(place)
+            self.holds[line] -= 1
+            if self.waiting.get(line):
+                self.stamps[line] = next(self.clock)
+            while len(self.held) < self.capacity and any(self.waiting.values()):
+                waiting = [k for k, v in self.waiting.items() if v]
+                turn = min(waiting, key=lambda k: (self.holds.get(k, 0), self.stamps[k]))
+                self.grant(turn, self.waiting[turn].pop(0))
+                self.stamps[turn] = next(self.clock)
+        else:
+            self.waiting[line].remove(place)
+
+
+Step = tuple[str, int, int]  # ("join", client, count) or ("release", pick, 0)
+STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("join"), st.integers(0, 3), st.integers(1, 5)),
+        st.tuples(st.just("release"), st.integers(0, 1000), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+async def run_schedule(capacity: int, fifo: bool, steps: list[Step]) -> None:
+    slots = Slots(capacity, max_queue=10_000)
+    tabs = Tabs()
+    model = Turns(capacity)
+    places: list[tuple[str, Place]] = []
+    for kind, a, b in steps:
+        if kind == "join":
+            client = f"c{a}"
+            line = None if fifo else client
+            joined = slots.join(b, line, tabs.tab(client))
+            model.joined(line, joined)
+            places += [(client, p) for p in joined]
+        else:
+            live = [p for _, p in places if p.state != "gone"]
+            if not live:
+                continue
+            place = live[a % len(live)]  # a slot given back, or a waiter leaving
+            place.release()
+            model.released(place)
+        assert {id(p) for _, p in places if p.state == "held"} == {id(p) for p in model.held}
+        check_invariants(slots, tabs, places)
+    for _, place in places:
+        place.release()
+    assert (slots.in_use, slots.queued, tabs) == (0, 0, {})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.booleans(), STEPS)
+def test_random_schedules_grant_exactly_as_the_turns_say(
+    capacity: int, fifo: bool, steps: list[Step]
+) -> None:
+    asyncio.run(run_schedule(capacity, fifo, steps))
 
 
 # --- over real loopback servers: a disconnect storm (it once leaked slots) -------------------

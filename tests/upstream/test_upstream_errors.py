@@ -9,7 +9,7 @@ from proxy.config.models import Upstream
 from proxy.core.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.http import ClientClosed, ConnectFailed, Disconnected
 from proxy.http.errors import BadResponse, ConnectTimeout, ResponseTimeout
-from proxy.upstream.service import failure_kind, upstream_error
+from proxy.upstream.exchange import failure_kind, upstream_error
 
 UPSTREAM = Upstream(name="llama", urls=("http://127.0.0.1:1",))
 

@@ -1,0 +1,199 @@
+"""One upstream request of a client request (docs/architecture.md#one-request-two-ways): what
+it carries, the ticket admission gave it, and the ``Exchange`` from the wait for its place to the
+end of its body, which gives back in one place everything it took; and how an upstream client
+failure becomes the proxy's own error. ``Upstreams`` (``proxy.upstream.service``) makes both.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Literal, NamedTuple, Protocol
+
+from multidict import CIMultiDict
+
+from proxy.config import Config, Upstream
+from proxy.core import UpstreamTimeout, UpstreamUnavailable
+from proxy.http import (
+    BodyTooLong,
+    ClientClosed,
+    ConnectFailed,
+    ConnectionPool,
+    Disconnected,
+    HTTPClientError,
+    UpstreamResponse,
+)
+from proxy.observe import ChildRecord
+from proxy.upstream.replicas import Replica
+from proxy.upstream.slots import Place
+from proxy.upstream.state import UpstreamState
+
+
+class UpstreamRequest(NamedTuple):
+    """What one upstream request carries: the same on every try, so the same seed and id."""
+
+    method: str
+    path_qs: str
+    headers: CIMultiDict[str]
+    body: bytes | None
+    inflate: bool = False  # undo a gzip or deflate Content-Encoding (children parse the body)
+    read_bufsize: int | None = None  # bytes read ahead of the consumer
+
+
+class Ticket(NamedTuple):
+    """One admitted upstream request (a pass-through's, a fan-out child's): its upstream, the
+    replica it goes to, its place in the upstream's line, when it joined the line and whose it
+    is (the client's id: a fallback's place joins that client's line there)."""
+
+    state: UpstreamState
+    url: str
+    place: Place
+    joined: float  # perf_counter seconds, the record's clock
+    client: str = ""
+
+
+class Tickets(tuple[Ticket, ...]):
+    """What admission gave one client request: a ticket per upstream request, in child order."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        """Every place back, granted or still queued: a child cancelled before it ran holds one
+        too. A place already given back (its exchange ended) is left as it is."""
+        for ticket in self:
+            ticket.place.release()
+
+
+# The response to relay, the replica it came from (its ``outstanding`` counts it until the
+# exchange ends), and the fallback upstream's place in line when the fallback sent it.
+Answered = tuple[UpstreamResponse, Replica, Place | None]
+
+
+class Service(Protocol):
+    """What an exchange asks of the service that made it (``proxy.upstream.service``)."""
+
+    config: Config
+    connections: ConnectionPool
+
+    async def _answer(
+        self,
+        state: UpstreamState,
+        url: str,
+        request: UpstreamRequest,
+        child: ChildRecord,
+        fallback: bool = True,
+        client: str = "",
+    ) -> Answered: ...
+
+
+class Exchange:
+    """One upstream request of a client request, from its place in line to the end of its body:
+    ``async with upstreams.exchange(ticket, request, child) as exchange``.
+
+    Entering waits for the place, then sends the request, with retries and fallback, until a
+    response head is in; the response is then ``exchange.response``, its body read whole with
+    ``read`` or relayed with ``response.relay``. Leaving gives back, in one place and whatever
+    happened, the connection (pooled when its body was read to the end, closed otherwise), the
+    replica's ``outstanding`` count, the fallback's place and its own, and the upstream's count
+    of requests in flight. The steps go to ``child``, the request's record of it.
+
+    A class, not an ``asynccontextmanager``: it is on every request's path, and a generator
+    behind two awaits per request costs more than these few lines.
+    """
+
+    __slots__ = ("_fallback", "_replica", "_request", "_ticket", "_upstreams", "child",
+                 "response")  # fmt: skip
+    response: UpstreamResponse  # its head in once entered
+
+    def __init__(
+        self, upstreams: Service, ticket: Ticket, request: UpstreamRequest, child: ChildRecord
+    ) -> None:
+        self._upstreams = upstreams
+        self._ticket = ticket
+        self._request = request
+        self.child = child
+        self._replica: Replica | None = None  # the replica that answered, once one did
+        self._fallback: Place | None = None
+
+    async def __aenter__(self) -> Exchange:
+        ticket = self._ticket
+        await ticket.place.wait()  # cancelled, the place is given back there
+        child = self.child
+        child.admitted(ticket.joined)
+        ticket.state.exchanges += 1
+        try:
+            self.response, self._replica, self._fallback = await self._upstreams._answer(
+                ticket.state, ticket.url, self._request, child, client=ticket.client
+            )
+        except BaseException as exc:
+            self._release(exc)
+            raise
+        child.head(self.response.status)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Never awaits: a compiled caller's ``async with`` awaits this inside its exception
+        # handler (docs/architecture.md#working-on-a-compiled-module).
+        self._release(exc)
+
+    def _release(self, failure: BaseException | None) -> None:
+        ticket = self._ticket
+        replica = self._replica
+        try:
+            if replica is not None:
+                # Read to its end: back to the pool. Left unread: closed, so the upstream stops.
+                self._upstreams.connections.release(self.response)
+        finally:
+            if replica is not None:
+                replica.outstanding -= 1
+            if self._fallback is not None:
+                self._fallback.release()
+            ticket.place.release()
+            ticket.state.exchanges -= 1
+            self.child.ended(failure)
+
+    async def read(self) -> bytes:
+        """The whole body; a read that fails is the proxy's 502 or 504 (docs/behaviour.md#errors).
+
+        Past ``max_response_bytes`` the read stops at once and the request fails with 502;
+        leaving the body unread makes the exchange drop the connection, so the upstream stops
+        too."""
+        response = self.response
+        upstream = self._ticket.state.upstream
+        limit = self._upstreams.config.max_response_bytes
+        length = response.content_length
+        try:
+            if length is not None and length > limit:
+                raise BodyTooLong(length)
+            data: bytes = await response.read(limit)
+        except BodyTooLong:
+            raise UpstreamUnavailable(
+                f"upstream {upstream.name} sent a body larger than {limit} bytes"
+            ) from None
+        except (TimeoutError, HTTPClientError) as exc:
+            raise upstream_error(exc, upstream) from None
+        return data
+
+
+def upstream_error(exc: BaseException, upstream: Upstream) -> UpstreamTimeout | UpstreamUnavailable:
+    """Map an upstream client failure to the proxy's own error (docs/behaviour.md#errors: 502
+    or 504)."""
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeout(f"upstream {upstream.name} timed out")
+    return UpstreamUnavailable(f"upstream {upstream.name} failed: {type(exc).__name__}")
+
+
+def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
+    """``connect``: the request never reached a server (its connect timing out included).
+    ``reset``: the connection closed before a status line came back, or the client was closed
+    under it. Anything else (a timeout waiting for the answer, a malformed answer) is neither."""
+    match exc:
+        case ConnectFailed():
+            return "connect"
+        case Disconnected() | ClientClosed():
+            return "reset"
+    return None
