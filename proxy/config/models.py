@@ -191,6 +191,9 @@ class Upstream(_Section):
     max_queue: Annotated[int, ranged(0, 1_000_000, _QUEUE)] = 4096
     # fair: a freed slot goes to each client in turn; fifo: to the oldest waiting child.
     admission: Literal["fair", "fifo"] = "fair"
+    # fair only: a slot a client gives back holding fewer than every waiting client is kept this
+    # long for its next request (docs/behaviour.md#admission); 0: never kept.
+    return_grace: Annotated[float, Field(ge=0, le=10)] = 0.05
     placement: Annotated[Placement, BeforeValidator(_placement)] = Placement(choose="round_robin")
     headers: dict[str, HeaderValue] = Field(default_factory=dict)
     timeouts: Timeouts = Timeouts()

@@ -111,7 +111,7 @@ class _Line:
     has a turn (``Slots._turns``); holding none, it is served within ``ahead + 1`` slots freed
     after ``frees_before`` (the watchdog's rule)."""
 
-    __slots__ = ("ahead", "frees_before", "held", "key", "places", "waiting")
+    __slots__ = ("ahead", "frees_before", "held", "keep", "key", "places", "waiting")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key
@@ -120,6 +120,8 @@ class _Line:
         self.places: deque[Place] = deque()  # its waiters; may also hold released ones, skipped
         self.ahead = 0  # lines holding no slot in front of it when it joined their turns
         self.frees_before = 0  # the slots' frees then
+        # The slot kept for its next child (``Slots.grace``): the timer that gives it back.
+        self.keep: asyncio.TimerHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,15 @@ class Slots:
     turn longest (a client served goes to the back, a new one joins at the back). With one client
     (or every child in the shared line, ``None``) it is first come, first served."""
 
-    def __init__(self, capacity: int, max_queue: int) -> None:
+    def __init__(self, capacity: int, max_queue: int, grace: float = 0.0) -> None:
         self.capacity = capacity
         self.max_queue = max_queue
-        self.in_use = 0
+        # Seconds a slot a client gives back is kept for its next child, when it holds fewer
+        # than every waiting client: a client that sends one request after another would be
+        # first in turn as it comes back, but its slot would have gone to the flood meanwhile.
+        self.grace = grace
+        self.in_use = 0  # slots held, and kept (``grace``)
+        self.kept = 0  # slots kept for a client's next child
         # Slots that came free below capacity so far: each one is owed to the next turn.
         self.frees = 0
         self.grants = 0  # waiters granted a slot so far
@@ -164,14 +171,22 @@ class Slots:
 
         Raises ``Overloaded`` when no slot is free and ``max_queue`` children already wait.
         """
-        if self.in_use >= self.capacity and self._queued >= self.max_queue:
+        standing = self._lines.get(line)
+        kept = standing is not None and standing.keep is not None
+        if self.in_use >= self.capacity and self._queued >= self.max_queue and not kept:
             raise Overloaded("upstream is at its concurrency limit; retry shortly", retry_after=1)
         now = asyncio.get_running_loop().time()
-        standing = self._lines.get(line)
         if standing is None:
             standing = self._lines[line] = _Line(line)
         places = []
         for _ in range(count):
+            if standing.keep is not None:  # its kept slot: held at once, counted in use already
+                standing.keep.cancel()
+                standing.keep = None
+                self.kept -= 1
+                standing.held += 1
+                places.append(Place(self, "held", standing, tab, now))
+                continue
             if self.in_use < self.capacity and not self._queued:
                 self.in_use += 1
                 standing.held += 1
@@ -191,7 +206,7 @@ class Slots:
             tab.take(count)
         return places
 
-    def resize(self, capacity: int, max_queue: int) -> None:
+    def resize(self, capacity: int, max_queue: int, grace: float = 0.0) -> None:
         """A reload's new ``max_concurrency`` and ``max_queue`` (docs/operating.md#reload).
         Growing grants waiters at once, in turn. Shrinking takes no slot back: children admitted
         keep theirs, and no waiter is granted until fewer than ``capacity`` are held (a slot
@@ -200,6 +215,7 @@ class Slots:
         refused."""
         self.capacity = capacity
         self.max_queue = max_queue
+        self.grace = grace
         grants = self.grants
         self._wake()
         self._owed -= self.grants - grants  # granted with no slot freed: none of them was lost
@@ -230,18 +246,57 @@ class Slots:
                 self._take_turn(line)
             else:
                 line.held -= 1
+                if self._keeps(line):
+                    self._keep(line)
+                    return
                 self._forget(line)
-            self.in_use -= 1
-            if self.in_use < self.capacity:
-                self.frees += 1
-                if self._queued:
-                    self._quiet_since = asyncio.get_running_loop().time()
-                    self._wake()
+            self._free()
         elif place.state == "waiting":
             self._leave(place)
             future = place._future
             if future is not None and not future.done():
                 future.cancel()
+
+    def _free(self) -> None:
+        """One slot back: a free one, granted to the next in turn, when below the capacity."""
+        self.in_use -= 1
+        if self.in_use < self.capacity:
+            self.frees += 1
+            if self._queued:
+                self._quiet_since = asyncio.get_running_loop().time()
+                self._wake()
+
+    def _keeps(self, line: _Line) -> bool:
+        """Whether the slot ``line`` gives back is kept for it: it has nothing waiting and holds
+        fewer slots than every client that waits, so its next child, coming within ``grace``,
+        would have been first in turn; and the slot would be a free one."""
+        return (
+            self.grace > 0
+            and line.keep is None
+            and not line.waiting
+            and bool(self._turns)
+            and min(self._turns) > line.held
+            and self.in_use <= self.capacity
+        )
+
+    def _keep(self, line: _Line) -> None:
+        self.kept += 1
+        line.keep = asyncio.get_running_loop().call_later(self.grace, self._expire, line)
+
+    def _expire(self, line: _Line) -> None:
+        """Its client did not come back within ``grace``: the slot goes to the next in turn."""
+        if line.keep is None:
+            return
+        line.keep.cancel()
+        line.keep = None
+        self.kept -= 1
+        self._forget(line)
+        self._free()
+
+    def _let_go(self) -> None:
+        """Nobody waits any more: no slot is kept against anyone."""
+        for line in [line for line in self._lines.values() if line.keep is not None]:
+            self._expire(line)
 
     def _gone(self, place: Place) -> None:
         place.state = "gone"
@@ -252,7 +307,7 @@ class Slots:
 
     def _forget(self, line: _Line) -> None:
         """A client neither holding nor waiting for a slot here is no longer kept."""
-        if not line.held and not line.waiting:
+        if not line.held and not line.waiting and line.keep is None:
             del self._lines[line.key]
 
     def _leave(self, place: Place) -> None:
@@ -266,6 +321,8 @@ class Slots:
             self._leave_turn(line)
             line.places.clear()
             self._forget(line)
+            if self.kept and not self._turns:
+                self._let_go()
         elif len(line.places) > 2 * line.waiting + 64:
             line.places = deque(p for p in line.places if p.state == "waiting")
 
@@ -286,6 +343,8 @@ class Slots:
             self.grants += 1
             if place._future is not None:
                 place._future.set_result(None)
+        if self.kept and not self._turns:
+            self._let_go()
 
     def _first(self, line: _Line) -> Place | None:
         """The line's first live waiter, taken out of it; None when it has none left."""

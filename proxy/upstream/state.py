@@ -29,7 +29,7 @@ class UpstreamState:
         """``earlier``: the same upstream's state in a config a reload replaced, still alive:
         its line (resized only at the hand-over, ``take_over``) and its replicas are this one's."""
         self.upstream = upstream
-        self.slots = Slots(upstream.max_concurrency, upstream.max_queue)
+        self.slots = Slots(upstream.max_concurrency, upstream.max_queue, grace(upstream))
         if earlier is not None:
             self.slots = earlier.slots
         self.fair = upstream.admission == "fair"  # each client's children in a line of its own
@@ -94,3 +94,8 @@ class UpstreamState:
         for replica in self.replicas:
             up = 1 if replica.usable(now) else 0
             self.metrics.replica_up.labels(self.upstream.name, replica.url).set(up)
+
+
+def grace(upstream: Upstream) -> float:
+    """How long a returning client's slot is kept (``Slots.grace``): with fair admission only."""
+    return upstream.return_grace if upstream.admission == "fair" else 0.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from proxy.upstream.state import UpstreamState
+from proxy.upstream.state import UpstreamState, grace
 
 States = Mapping[str, UpstreamState]  # one config's upstreams by name
 
@@ -26,7 +26,8 @@ def hand_over(states: States, earlier: Iterable[States]) -> None:
     """``states`` serve from now on: each line they name takes their limits (``Slots.resize``),
     and every earlier state reports ejections to its successor, when there is one."""
     for state in states.values():
-        state.slots.resize(state.upstream.max_concurrency, state.upstream.max_queue)
+        upstream = state.upstream
+        state.slots.resize(upstream.max_concurrency, upstream.max_queue, grace(upstream))
     for each in earlier:
         for name, state in each.items():
             state.current = states.get(name)

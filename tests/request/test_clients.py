@@ -136,6 +136,51 @@ async def test_a_clients_child_behind_anothers_flood_of_fan_outs_gets_the_next_f
         await asyncio.gather(*clients, return_exceptions=True)
 
 
+@pytest.mark.parametrize("grace", [30.0, 0.0])
+async def test_a_client_sending_one_request_after_another_keeps_its_slot_between_them(
+    grace: float,
+    make_backend: Callable[..., Awaitable[Backend]],
+    make_proxy: Callable[[Config], Awaitable[Proxy]],
+    http: aiohttp.ClientSession,
+) -> None:
+    """A flood holds both slots and queues more; a victim's short request gets the slot one of
+    the flood's streams gives back. When it ends, the victim holds fewer slots than the flood
+    that waits: its slot is kept for it for ``return_grace``, and its next request, sent after
+    the answer, starts at once. With no grace the slot goes to the flood, and the next request
+    waits behind it (the contrast: this is what made a sequential client wait)."""
+    backend = await make_backend(token_delay=0.005)
+    config = with_upstream(proxy_config(backend), max_concurrency=2, return_grace=grace)
+    proxy = await make_proxy(config)
+    slots = proxy.pool.state(proxy.upstream).slots
+    flood = [asyncio.create_task(hold(http, proxy.url + CHAT, {**ENDLESS, "n": 4}, FLOOD))]
+    await until(lambda: slots.queued == 2)
+    short = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    victim = asyncio.create_task(http.post(proxy.url + CHAT, json=short, headers=VICTIM))
+    await until(lambda: slots.queued == 3)
+    flood.append(asyncio.create_task(hold(http, proxy.url + CHAT, {**ENDLESS, "n": 4}, FLOOD)))
+    await until(lambda: slots.queued == 7)
+    try:
+        flood[0].cancel()  # its two slots come free: one to the victim, one to the other stream
+        async with await victim as answer:
+            assert answer.status == 200
+            await answer.read()
+        second = asyncio.create_task(http.post(proxy.url + CHAT, json=short, headers=VICTIM))
+        if grace:
+            async with await second as answer:  # no slot was freed: it started on the kept one
+                assert answer.status == 200
+                await answer.read()
+            assert (slots.queued, slots.kept) == (3, 1)  # the flood still waits; kept again
+        else:
+            await until(lambda: slots.queued == 3)  # behind the flood's two waiting children
+            await asyncio.sleep(0.2)
+            assert not second.done()
+            second.cancel()
+    finally:
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+
+
 # --- clients.max_children ---------------------------------------------------------------------
 
 

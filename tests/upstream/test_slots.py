@@ -295,6 +295,91 @@ async def test_one_child_of_a_client_behind_a_flood_of_fan_outs_gets_the_next_fr
     assert again.state == "held"
 
 
+# --- a returning client's slot kept (return_grace) --------------------------------------------
+
+
+def flood_and_victim(grace: float, max_queue: int = 1000) -> tuple[Slots, list[Place]]:
+    """Max concurrency 4 held by a flood of fan-outs with 20 children waiting, and the slot a
+    victim's child got from it just given back by that child: kept, when ``grace`` allows."""
+    slots = Slots(4, max_queue, grace=grace)
+    flood = [place for _ in range(6) for place in slots.join(4, "flood")]
+    (victim,) = slots.join(1, "victim")
+    flood[0].release()
+    assert victim.state == "held"
+    victim.release()
+    return slots, flood
+
+
+async def test_a_slot_given_back_holding_fewer_than_every_waiting_client_is_kept_for_its_next() -> (
+    None
+):
+    slots, flood = flood_and_victim(grace=60)
+    assert (slots.in_use, slots.kept, slots.queued) == (4, 1, 20)  # not the flood's
+    (again,) = slots.join(1, "victim")  # its next request: the kept slot, at once
+    assert again.state == "held"
+    assert (slots.in_use, slots.kept, slots.queued) == (4, 0, 20)
+    assert slots.audit(asyncio.get_running_loop().time(), patience=0) is None
+    again.release()  # kept again: the flood still holds more
+    assert slots.kept == 1
+    for place in flood:
+        place.release()  # nobody waits any more: nothing is kept against anyone
+    assert (slots.in_use, slots.kept, slots.queued) == (0, 0, 0)
+
+
+async def test_a_kept_slot_not_claimed_within_the_grace_goes_to_the_next_in_turn() -> None:
+    slots, flood = flood_and_victim(grace=0.01)
+    waiting = [p for p in flood if p.state == "waiting"]
+    assert slots.kept == 1
+    await until(lambda: slots.kept == 0)
+    assert (slots.in_use, slots.queued, waiting[0].state) == (4, 19, "held")
+    assert slots.audit(asyncio.get_running_loop().time(), patience=0) is None
+    for place in flood:
+        place.release()
+
+
+async def test_no_slot_is_kept_for_a_client_holding_as_many_as_a_waiter_nor_when_none_waits() -> (
+    None
+):
+    slots = Slots(2, max_queue=10, grace=60)
+    (mine,) = slots.join(1, "a")
+    (theirs,) = slots.join(1, "b")
+    (b_waits,) = slots.join(1, "b")
+    mine.release()  # a holds 0 and b, waiting, holds 1: kept for a
+    assert (slots.kept, b_waits.state) == (1, "waiting")
+    (mine,) = slots.join(1, "a")
+    theirs.release()  # b has a child waiting: its own slot goes to it
+    assert (slots.kept, b_waits.state) == (0, "held")
+    mine.release()  # nobody waits: free
+    assert (slots.in_use, slots.kept) == (1, 0)
+    b_waits.release()
+    fifo = Slots(1, max_queue=10, grace=60)
+    (first,), (second,) = fifo.join(1), fifo.join(1)
+    first.release()  # one line: its next waiter is its own
+    assert (second.state, fifo.kept) == ("held", 0)
+    second.release()
+
+
+async def test_a_client_with_a_kept_slot_is_not_refused_when_the_queue_is_full() -> None:
+    slots, flood = flood_and_victim(grace=60, max_queue=21)
+    flood += slots.join(1, "flood")  # the queue is full
+    with pytest.raises(Overloaded):
+        slots.join(1, "another")
+    (again,) = slots.join(1, "victim")
+    assert again.state == "held"
+    for place in [again, *flood]:
+        place.release()
+    assert (slots.in_use, slots.kept, slots.queued) == (0, 0, 0)
+
+
+async def test_the_last_waiter_leaving_lets_the_kept_slot_go() -> None:
+    slots, flood = flood_and_victim(grace=60)
+    for place in [p for p in flood if p.state == "waiting"]:
+        place.release()  # the flood's request cancelled: its waiters leave
+    assert (slots.in_use, slots.kept, slots.queued) == (3, 0, 0)
+    for place in flood:
+        place.release()
+
+
 async def test_the_shared_line_is_first_come_first_served_whoever_joins_it() -> None:
     """What ``admission: fifo`` does: every child in the one line, ``None``."""
     slots = Slots(4, max_queue=1000)
@@ -485,7 +570,7 @@ def check_invariants(slots: Slots, tabs: Tabs, places: list[tuple[str, Place]]) 
     the watchdog finds nothing."""
     held = sum(p.state == "held" for _, p in places)
     waiting = sum(p.state == "waiting" for _, p in places)
-    assert (slots.in_use, slots.queued) == (held, waiting)
+    assert (slots.in_use, slots.queued) == (held + slots.kept, waiting)
     assert not waiting or slots.in_use >= slots.capacity  # above it: held past a shrink
     live: dict[str, int] = {}
     for client, place in places:
@@ -495,13 +580,13 @@ def check_invariants(slots: Slots, tabs: Tabs, places: list[tuple[str, Place]]) 
     assert slots.audit(asyncio.get_running_loop().time(), patience=0) is None
 
 
-async def run_scenario(seed: int, resizes: bool = False) -> None:
+async def run_scenario(seed: int, resizes: bool = False, grace: float = 0.0) -> None:
     """Requests of several clients joining, children and requests cancelled at random; with
     ``resizes``, the line also resized at random (a reload): no slot is granted past the
     capacity, though a shrink leaves the slots held above it, in use until they are freed
-    (``bound``)."""
+    (``bound``). With ``grace``, slots are kept for the clients that give them back."""
     rng = random.Random(seed)
-    slots = Slots(rng.randint(1, 4), max_queue=10_000)
+    slots = Slots(rng.randint(1, 4), max_queue=10_000, grace=grace)
     bound = slots.capacity  # slots.in_use never exceeds it
     tabs = Tabs()
     fifo = rng.random() < 0.25  # admission: fifo, every client in the shared line
@@ -543,7 +628,7 @@ async def run_scenario(seed: int, resizes: bool = False) -> None:
         bound = max(slots.capacity, slots.in_use)  # held past a shrink: they only go down
         roll = rng.random()
         if resizes and roll < 0.15:
-            slots.resize(rng.randint(1, 4), max_queue=10_000)
+            slots.resize(rng.randint(1, 4), max_queue=10_000, grace=grace)
             bound = max(slots.capacity, slots.in_use)
         elif roll < 0.3:
             j = rng.randrange(len(requests))
@@ -559,6 +644,7 @@ async def run_scenario(seed: int, resizes: bool = False) -> None:
     for j, result in enumerate(results):
         if j not in cancelled:
             assert result is None  # left alone: served in full
+    assert (slots.kept, slots.queued) == (0, 0)  # none kept once nobody waits
     assert (slots.in_use, slots.queued, tabs) == (0, 0, {})
     assert all(task.done() for _, task in children)
 
@@ -573,6 +659,14 @@ def test_random_cancellations_always_give_every_slot_back(seed: int) -> None:
 @given(st.integers(min_value=0, max_value=2**32))
 def test_random_resizes_never_grant_past_the_capacity_nor_report_a_stall(seed: int) -> None:
     asyncio.run(run_scenario(seed, resizes=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=2**32), st.sampled_from([0.0005, 0.005, 0.05]))
+def test_random_schedules_with_kept_slots_give_every_slot_back(seed: int, grace: float) -> None:
+    """Kept slots (``return_grace``) claimed, expiring or let go as the waiters leave, at any
+    moment, through resizes: nothing held past the end, no stall, no request hung."""
+    asyncio.run(run_scenario(seed, resizes=True, grace=grace))
 
 
 # --- the property: random schedules against a model of the rotation ---------------------------

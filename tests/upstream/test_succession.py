@@ -84,7 +84,8 @@ async def test_the_series_of_the_upstreams_and_replicas_a_reload_drops_go() -> N
     assert gone(new._states, old._states) == ({"b"}, {("a", B)})
     assert naming(metrics, "upstream", "b") == [
         "n_proxy_cached_tokens_total", "n_proxy_children_aborted_total",
-        "n_proxy_client_limited_total", "n_proxy_completion_tokens_total", "n_proxy_ejections_total",
+        "n_proxy_client_limited_total", "n_proxy_completion_tokens_total",
+        "n_proxy_ejections_total",
         "n_proxy_model_list_failures_total",
         "n_proxy_prompt_tokens_total",
         "n_proxy_queue_wait_seconds_bucket", "n_proxy_queue_wait_seconds_count",
