@@ -1,7 +1,8 @@
 """Fairness: one client keeps n = 4 fan-out streams in flight while another sends n = 1 requests
 one after another, through n-proxy with ``admission: fair`` and ``fifo`` in front of the demo
 backend at 20 ms a token and ``max_concurrency: 4``: the second client's median latency over its
-unloaded one, and the tokens served per second, paired by round (docs/behaviour.md#admission)."""
+unloaded one, and the tokens served per second, paired by round (docs/behaviour.md#admission);
+and ``fair`` without its kept slot (``return_grace: 0``), for what that adds."""
 
 import asyncio
 import re
@@ -24,7 +25,9 @@ FLOOD_PARENTS = 6  # the flooding client keeps this many fan-outs in flight
 VICTIM_TOKENS = 4  # the other client's requests: about 0.1 s unloaded
 FLOOD_WARM_UP = 2.0  # seconds of flood before the victim is timed: its queue is built by then
 UNLOADED_SECONDS = 3.0
-ADMISSIONS = ("fifo", "fair")
+# fair: the turns, and a returning client's slot kept for it (``return_grace``, its default);
+# fair-no-grace: the turns alone, for what the kept slot adds.
+ADMISSIONS = ("fifo", "fair", "fair-no-grace")
 # Each client has its own key: the proxy tells them apart by it (clients.identify's default).
 FLOOD = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench-flood"}
 VICTIM = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench-victim"}
@@ -36,6 +39,7 @@ upstreams:
     url: {{url}}
     max_concurrency: {capacity}
     admission: {admission}
+    return_grace: {grace}
 drain_seconds: 1
 """
 _SERVED = re.compile(
@@ -146,7 +150,12 @@ def _run(ctx: Context) -> Row:
     proxies: dict[str, tuple[Server, int]] = {}
     for admission in ADMISSIONS:
         admin = free_port()
-        config = CONFIG.format(admin=admin, capacity=CAPACITY, admission=admission)
+        config = CONFIG.format(
+            admin=admin,
+            capacity=CAPACITY,
+            admission=admission.removesuffix("-no-grace"),
+            grace=0 if admission.endswith("-no-grace") else 0.05,
+        )
         proxies[admission] = (start_proxy(ctx.fleet, ctx.work, backend.url, admission,
                                           config=config), admin)  # fmt: skip
     ctx.ready({"backend": backend, **{name: proxy for name, (proxy, _) in proxies.items()}})

@@ -133,7 +133,9 @@ def test_fairness_scenario_times_the_victim_through_both_admissions(
     results = json.loads((tmp_path / "fairness.json").read_text())
     summary = results["fairness"]["summary"]
     assert {(r["flood"], r["admission"]) for r in summary} == {
-        (flood, admission) for flood in ("8", "7-9", "4") for admission in ("fifo", "fair")
+        (flood, admission)
+        for flood in ("8", "7-9", "4")
+        for admission in ("fifo", "fair", "fair-no-grace")
     }
     for row in summary:
         assert row["victim_requests"] > 0, row
