@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config.models import Config, Eject, Upstream
+from proxy.config.models import Clients, Config, Eject, Upstream
+from proxy.core.errors import ClientLimited
 from proxy.observe.metrics import Metrics
 from proxy.upstream.service import Upstreams
 from proxy.upstream.succession import gone, newest
@@ -52,6 +54,24 @@ async def test_a_new_config_takes_over_the_newest_line_of_each_upstream_it_names
     assert third._states["a"].slots.capacity == 1  # resized at the hand-over, not before
     third.take_over([second, first])
     assert (lines["a"].slots.capacity, lines["b"].slots.capacity) == (4, 2)
+
+
+async def test_a_clients_children_count_against_one_cap_through_reloads() -> None:
+    """clients.max_children holds across configs: the places a client took under the old one
+    count in the new one, and a slot kept for it there is still its own."""
+    capped = config(("a", (A,), 2)).model_copy(update={"clients": Clients(max_children=2)})
+    metrics = Metrics()
+    old = Upstreams(capped, metrics)
+    (upstream,) = old.config.upstreams
+    tickets = old.admit(upstream, 2, "client")
+    new = Upstreams(capped, metrics, earlier=[old])
+    new.take_over([old])
+    assert new.tabs is old.tabs
+    with pytest.raises(ClientLimited):
+        new.admit(new.config.upstreams[0], 1, "client")
+    tickets.release()
+    new.admit(new.config.upstreams[0], 2, "client").release()
+    assert new.tabs == {}
 
 
 async def test_an_ejection_by_an_old_request_is_counted_by_the_config_that_serves_now() -> None:
