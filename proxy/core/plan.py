@@ -9,7 +9,6 @@ otherwise a ``Plan`` with one ``Child`` per (prompt, choice).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
@@ -75,7 +74,10 @@ class Plan:
         return len(self.children) // (self.best_of or self.n)
 
 
-_HUGE_INT = re.compile(rb"\d{19}")  # may not fit in 64 bits
+# A run of 19 digits may not fit in 64 bits. Looked for as 19 zeros in the body with every digit
+# made a zero: a substring search, a tenth of what the regex ``\d{19}`` costs on every body.
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_HUGE_INT = b"0" * 19
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -93,7 +95,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    if _HUGE_INT.search(raw):
+    if _HUGE_INT in raw.translate(_DIGITS_AS_ZERO):
         try:
             body = json.loads(raw.decode("utf-8"))
         except RecursionError:

@@ -69,11 +69,12 @@ def token_counts(usage: Mapping[str, Any]) -> Tokens:
     ``completion_tokens_details.reasoning_tokens``)."""
     prompt_details = usage.get("prompt_tokens_details")
     completion_details = usage.get("completion_tokens_details")
+    # Most answers have no details: None is ruled out before the costlier test against an ABC.
+    cached = reasoning = 0
+    if prompt_details is not None and isinstance(prompt_details, Mapping):
+        cached = _int(prompt_details.get("cached_tokens"))
+    if completion_details is not None and isinstance(completion_details, Mapping):
+        reasoning = _int(completion_details.get("reasoning_tokens"))
     return Tokens(
-        _int(usage.get("prompt_tokens")),
-        _int(usage.get("completion_tokens")),
-        _int(prompt_details.get("cached_tokens")) if isinstance(prompt_details, Mapping) else 0,
-        _int(completion_details.get("reasoning_tokens"))
-        if isinstance(completion_details, Mapping)
-        else 0,
+        _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached, reasoning
     )

@@ -93,7 +93,12 @@ class ConnectionPool:
         head = request_head(method, origin.base_path + path_qs, origin.host_header, headers, body)
         fresh = False
         while True:
-            connection, reused = await self._connect(origin, connect, tls_name, fresh)
+            # An idle connection, the common case, is taken without a coroutine to await.
+            pooled = None if fresh or self._closed else self._take_idle(_key(origin, tls_name))
+            if pooled is not None:
+                connection, reused = pooled, True
+            else:
+                connection, reused = await self._connect(origin, connect, tls_name, fresh)
             # From here to the ``try``, no await: the connection is in_use or dropped.
             response = UpstreamResponse(connection, method, buffer, inflate)
             connection.begin(response)
@@ -123,9 +128,8 @@ class ConnectionPool:
         ``timeout`` covers the wait in line and the connect."""
         if self._closed:
             raise ClientClosed("the upstream client is closed")
+        key = _key(origin, tls_name)
         host, port = origin.host, origin.port
-        name = (tls_name or host) if origin.tls else None
-        key: Key = (host, port, name)
         if not fresh:
             connection = self._take_idle(key)
             if connection is not None:
@@ -281,3 +285,8 @@ class ConnectionPool:
             connection.abort()
         self.in_use.clear()
         await asyncio.sleep(0)  # let the transports run connection_lost
+
+
+def _key(origin: Origin, tls_name: str | None) -> Key:
+    """The pool an origin's connections share: host, port and, for https, the TLS name."""
+    return (origin.host, origin.port, (tls_name or origin.host) if origin.tls else None)

@@ -191,7 +191,10 @@ class RequestRecord:
 
     def replicas(self) -> str | None:
         """The replicas that answered its upstream requests, each once, in child order."""
-        seen = dict.fromkeys(c.replica for c in self.children if c.replica is not None)
+        children = self.children
+        if len(children) == 1:  # a pass-through's, the most common
+            return children[0].replica
+        seen = dict.fromkeys(c.replica for c in children if c.replica is not None)
         return ",".join(seen) if seen else None
 
 

@@ -128,7 +128,7 @@ class Handler:
             return await list_models(request, self.upstreams, record, client)
         fans_out = request.method == "POST" and path in config.fanout_paths
         body = await self._read_body(request)
-        if isinstance(body, web.StreamResponse):
+        if not isinstance(body, bytes):  # not web.StreamResponse: an ABC, a slower test
             if fans_out and not body.prepared:  # a 413: the answer of a fan-out request too
                 body.headers["X-Request-Id"] = _error_request_id(request, b"")
             return body

@@ -116,7 +116,9 @@ class Exchange:
 
     async def __aenter__(self) -> Exchange:
         ticket = self._ticket
-        await ticket.place.wait()  # cancelled, the place is given back there
+        place = ticket.place
+        if place.state != "held":  # most places are granted at once: no coroutine to wait on
+            await place.wait()  # cancelled, the place is given back there
         child = self.child
         child.admitted(ticket.joined)
         ticket.state.exchanges += 1
