@@ -44,6 +44,9 @@ class ModelCatalog:
         by ``answered`` (the upstream's own name for it, learned here first): the answer's name
         when known, else the asked one when known, else ``OTHER``."""
         if answered is not None:
+            known = self._learned.get(upstream)
+            if (known is not None and answered in known) or answered in self._configured:
+                return answered  # the common case, on every answer: no call
             self.learn(upstream, (answered,))
             if self.knows(upstream, answered):
                 return answered

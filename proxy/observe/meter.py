@@ -83,8 +83,10 @@ class RequestMetrics(Observer):
                 series = self._tokens[key] = self._metrics.token_series(*key)
             series.prompt.inc(tokens.prompt)
             series.completion.inc(tokens.completion)
-            series.cached.inc(tokens.cached)
-            series.reasoning.inc(tokens.reasoning)
+            if tokens.cached:  # most answers have none of either
+                series.cached.inc(tokens.cached)
+            if tokens.reasoning:
+                series.reasoning.inc(tokens.reasoning)
         first_at = record.first_chunk_at
         if first_at is None:
             return

@@ -181,9 +181,9 @@ class Upstreams:
         the upstream's line is full), then a replica each by its ``placement``, over the healthy
         replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
         state = self._states[upstream.name]
-        tab = self.tabs.tab(client)
         cap = self._max_children
-        if cap and tab.places + count > cap:
+        tab = self.tabs.tab(client) if cap else None  # counted only for a cap
+        if tab is not None and tab.places + count > cap:
             self.metrics.client_limited.labels(upstream.name).inc()
             raise ClientLimited(
                 f"this client has {tab.places} upstream requests queued or running and this"

@@ -246,7 +246,7 @@ class Slots:
                 self._take_turn(line)
             else:
                 line.held -= 1
-                if self._keeps(line):
+                if self.grace and self._turns and self._keeps(line):
                     self._keep(line)
                     return
                 self._forget(line)
