@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from proxy.core.plan import is_int, is_number
+from proxy.core.plan import is_number
 
 
 def merge_usage(
@@ -53,7 +53,9 @@ def _sum_details(details: Sequence[object]) -> dict[str, Any]:
 
 
 def _int(value: object) -> int:
-    return value if is_int(value) else 0
+    """A JSON integer, else 0: ``type`` rules out ``bool`` (and JSON has no other int) in one test,
+    on every answer's counts."""
+    return value if type(value) is int else 0
 
 
 class Tokens(NamedTuple):
@@ -75,6 +77,10 @@ def token_counts(usage: Mapping[str, Any]) -> Tokens:
         cached = _int(prompt_details.get("cached_tokens"))
     if completion_details is not None and isinstance(completion_details, Mapping):
         reasoning = _int(completion_details.get("reasoning_tokens"))
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
     return Tokens(
-        _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens")), cached, reasoning
+        prompt if type(prompt) is int else 0,
+        completion if type(completion) is int else 0,
+        cached,
+        reasoning,
     )
