@@ -43,8 +43,12 @@ SGL = "sglang-router"
 # and write(2) calls (the read and write families only: uvloop reads a socket with read(2), nginx
 # and tokio with recv(2), which /proc does not count), and context switches: voluntary, a sleep
 # in epoll_wait (so one per wake-up of the loop), and involuntary, a preemption by another
-# process wanting the core; and the CPU split into user and system (kernel) time, in µs.
-COUNTS = ("reads", "writes", "wakeups", "preempted", "user_us", "system_us")
+# process wanting the core; and the CPU split into user and system (kernel) time, in µs. Those
+# two, like the CPU of every table, are the kernel's tick samples (here 250 a second: the task
+# running at a tick is charged the whole 4 ms), which a pacer's timer in step with the tick can
+# bias; ``exact_us`` is the scheduler's own count of time on the CPU, in ns
+# (/proc/PID/task/TID/schedstat), which is not sampled.
+COUNTS = ("reads", "writes", "wakeups", "preempted", "user_us", "system_us", "exact_us")
 MEDIANS = ("cpu_us_per_chunk", "proxy_cores", "delivered", "p50_ms", "p99_ms", "client_cores",
            "pacer_cores", *(f"{c}_per_chunk" for c in COUNTS))  # fmt: skip
 
@@ -57,7 +61,7 @@ def _counts(server: Server) -> tuple[float, ...]:
         with contextlib.suppress(psutil.NoSuchProcess, OSError):
             io, cpu = each.io_counters(), each.cpu_times()  # the whole process's, every thread's
             found = (io.read_count, io.write_count, *_switches(each.pid), cpu.user * 1e6,
-                     cpu.system * 1e6)  # fmt: skip
+                     cpu.system * 1e6, _runtime_us(each.pid))  # fmt: skip
             for i, value in enumerate(found):
                 total[i] += value
     return tuple(total)
@@ -75,6 +79,15 @@ def _switches(pid: int) -> tuple[int, int]:
                 elif line.startswith("nonvoluntary_ctxt_switches:"):
                     involuntary += int(line.split()[1])
     return voluntary, involuntary
+
+
+def _runtime_us(pid: int) -> float:
+    """µs on the CPU of every thread of ``pid`` so far, as the scheduler counts it."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(stat.read_text().split()[0])
+    return total / 1000
 
 
 def _cpu(pid: int) -> float:
@@ -209,9 +222,9 @@ def summarize(rows: list[Row]) -> list[Row]:
                     for q in ("p50", "p99")
                 ]
             if name not in (DIRECT, "nginx"):
-                row["cpu_vs_nginx"], row["p99_vs_nginx"] = (
+                row["cpu_vs_nginx"], row["p99_vs_nginx"], row["exact_vs_nginx"] = (
                     median(paired(timed, "contender", name, "nginx", key))
-                    for key in ("cpu_us_per_chunk", "added_p99_ms")
+                    for key in ("cpu_us_per_chunk", "added_p99_ms", "exact_us_per_chunk")
                 )
             if name not in (DIRECT, SGL):
                 row["cpu_vs_sgl"] = median(
@@ -281,7 +294,9 @@ def _render(data: Row) -> list[str]:
         f"Medians of {data['options']['rounds']} round(s) of {data['options']['seconds']:g} s."
         " CPU from /proc of the contender's processes only; added latency = the contender's"
         " minus direct's in the same round; over nginx and over sglang-router: the ratios of CPU"
-        " per chunk (and of added p99 over nginx's), each paired by round. Pacer / client: the C"
+        " per chunk (and of added p99 over nginx's), each paired by round; exact: the same from"
+        " the scheduler's count of time on the CPU rather than /proc's tick samples (below)."
+        " Pacer / client: the C"
         " ones (native) or the Python ones (`python -m bench.pacer --step`, `bench.streams`)."
         " SGLang's gateways relay at n = 1 only: they pass `n` through to a server of one choice"
         " per request, which refuses it with a 400, as LiteLLM does.",
@@ -290,6 +305,8 @@ def _render(data: Row) -> list[str]:
                 ("CPU µs / chunk", "cpu_us_per_chunk", "{:.1f}"),
                 ("CPU over nginx", "cpu_vs_nginx", "{:.2f}x"),
                 ("over sglang-router", "cpu_vs_sgl", "{:.2f}x"),
+                ("exact µs / chunk", "exact_us_per_chunk", "{:.1f}"),
+                ("exact over nginx", "exact_vs_nginx", "{:.2f}x"),
                 ("cores", "proxy_cores", "{:.2f}"), ("delivered", "delivered", "{:.1%}"),
                 ("added p50 / p99 ms", "added_ms", "{:+.1f}"),
                 ("added p99 over nginx", "p99_vs_nginx", "{:.2f}x"),
@@ -300,8 +317,10 @@ def _render(data: Row) -> list[str]:
         " nginx and the Rust gateways read with recv(2), which /proc does not count, so their"
         " reads show as 0), wake-ups (voluntary context switches: one per sleep of the event"
         " loop) and preemptions (involuntary ones), and its CPU in user and in system (kernel)"
-        " time, summed over the contender's processes; the client's and the pacer's own CPU in"
-        " cores.",
+        " time, summed over the contender's processes, as /proc samples them (the task running"
+        " at each tick of the kernel's clock is charged the whole tick), and exactly (the"
+        " scheduler's time on the CPU, /proc/PID/task/TID/schedstat); the client's and the"
+        " pacer's own CPU in cores.",
         *table([("streams x step", "group", ""), ("pacer / client", "shape", ""),
                 ("contender", "contender", ""), ("reads", "reads_per_chunk", "{:.2f}"),
                 ("writes", "writes_per_chunk", "{:.2f}"),
@@ -309,6 +328,7 @@ def _render(data: Row) -> list[str]:
                 ("preempted", "preempted_per_chunk", "{:.3f}"),
                 ("user µs", "user_us_per_chunk", "{:.1f}"),
                 ("system µs", "system_us_per_chunk", "{:.1f}"),
+                ("exact µs", "exact_us_per_chunk", "{:.1f}"),
                 ("client cores", "client_cores", "{:.2f}"),
                 ("pacer cores", "pacer_cores", "{:.2f}")], tools),
         *_configs(data),
