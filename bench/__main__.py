@@ -25,6 +25,7 @@ from bench.procs import Fleet
 from bench.report import PICTURED, ROOT, Row, header, stamp, table, version
 from bench.scenario import Context, Options, Scenario, Tools
 from bench.scenarios import NAMES, SUITE, load
+from bench.stack import GATEWAYS
 
 RESULTS = ROOT / "bench" / "results"
 WORK = ROOT / "bench" / ".work"  # where bench/run --install-tools puts LiteLLM, matplotlib, py-spy
@@ -38,6 +39,12 @@ TOOLS = {
     "nginx": ([Path("/usr/sbin/nginx")], "its contenders are left out", "-v"),
     "wrk": ([], "the Python load generator is used", "-v"),
     "litellm": ([WORK / "litellm" / "bin" / "litellm"], "its contender is left out", "--version"),
+    "sglang-router": (
+        [WORK / "sglang-router" / "bin" / "sglang-router"],
+        "its contender is left out",
+        "--version",
+    ),
+    "smg": ([WORK / "smg" / "bin" / "smg"], "its contender is left out", "--version"),
     "prometheus": ([], "the dashboard scenario collects nothing", "--version"),
 }
 INSTALL = {"prometheus": "Debian's prometheus package has it"}  # else bench/run --install-tools
@@ -73,7 +80,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--tool", choices=("auto", "wrk", "python"), default="auto",
                    help="load generator; auto: wrk when found, except with --smoke")  # fmt: skip
     c.add_argument("--skip", type=lambda s: set(s.split(",")), default=set(),
-                   help="leave out: nginx, wrk, litellm, prometheus, forwarder, lean")  # fmt: skip
+                   help="leave out: nginx, wrk, litellm, sglang-router, smg, prometheus,\n"
+                   "forwarder, lean")  # fmt: skip
     c.add_argument("--profile", nargs="?", const="py-spy", metavar="PY_SPY",
                    help="record n-proxy with py-spy: its hot spots in the report")  # fmt: skip
     r = p.add_argument_group("output")
@@ -93,7 +101,8 @@ def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:
     """What is installed (or given, or left out with --skip), and the versions of those used."""
     found: dict[str, str | None] = {}
     for name, (places, without, _) in TOOLS.items():
-        found[name] = None if name in args.skip else getattr(args, name) or _find(name, places)
+        given = getattr(args, name.replace("-", "_"))
+        found[name] = None if name in args.skip else given or _find(name, places)
         if found[name] is None and name not in args.skip:
             how = INSTALL.get(name, "bench/run --install-tools installs it")
             print(f"bench: {name} not found: {without} ({how})")
@@ -105,8 +114,9 @@ def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:
     wrk = args.tool == "wrk" or (args.tool == "auto" and found["wrk"] and not args.smoke)
     used = {k: v for k, v in found.items() if v and (k != "wrk" or wrk)}  # wrk: when it loads
     versions = [version([path, TOOLS[name][2]]) for name, path in used.items()]
+    gateways = {kind: path for kind in GATEWAYS if (path := found[kind])}
     chosen = Tools(found["nginx"], found["wrk"], found["litellm"], found["prometheus"],
-                   "wrk" if wrk else "python", py_spy or None)  # fmt: skip
+                   "wrk" if wrk else "python", py_spy or None, gateways)  # fmt: skip
     return chosen, versions
 
 

@@ -56,6 +56,7 @@ class Server:
     log: Path
     ready_path: str
     tree: bool = False  # it forks workers: count them in
+    ready_ok: bool = False  # only a 2xx answer on ready_path means ready (else: any answer)
 
     @property
     def url(self) -> str:
@@ -82,7 +83,8 @@ class Server:
 
 
 def wait_ready(server: Server, timeout: float = READY_TIMEOUT) -> None:
-    """Poll its ready path until any HTTP answer; fail if the process exits or time runs out."""
+    """Poll its ready path until any HTTP answer (a 2xx one for a server marked ``ready_ok``);
+    fail if the process exits or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
@@ -91,8 +93,11 @@ def wait_ready(server: Server, timeout: float = READY_TIMEOUT) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=2)
         try:
             conn.request("GET", server.ready_path)
-            conn.getresponse().read()
-            return
+            answer = conn.getresponse()
+            answer.read()
+            if not server.ready_ok or 200 <= answer.status < 300:
+                return
+            time.sleep(0.05)
         except OSError:
             time.sleep(0.05)
         finally:
@@ -110,6 +115,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
     def launch(
         self, name: str, argv: Sequence[str], ready_path: str = "/health", port: int | None = None,
         env: Mapping[str, str] | None = None, cwd: Path | None = None, tree: bool = False,
+        ready_ok: bool = False,
     ) -> Server:  # fmt: skip
         """Start without waiting (``wait_ready`` does), so servers boot side by side; on ``port``
         when its config names one, else on a free one given as ``--port``."""
@@ -122,7 +128,7 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
             process = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})},
                                        cwd=cwd, preexec_fn=_die_with_parent)  # fmt: skip
-        server = Server(name, port, process, log, ready_path, tree)
+        server = Server(name, port, process, log, ready_path, tree, ready_ok)
         self.servers.append(server)
         return server
 

@@ -45,6 +45,13 @@ class Options:
     steps_ms: tuple[int, ...] = _option((50, 20), "manystream: the pacer's decode steps", _ints)
     retry_on: tuple[str, ...] = _option(("connect", "reset"), "llamacpp: n-proxy's retry_on",
                                         lambda text: tuple(text.split(",")))  # fmt: skip
+    clients: tuple[str, ...] = _option(
+        ("native",),
+        "manystream: native (C), python (asyncio, line by line)",
+        lambda text: tuple(text.split(",")),
+    )
+    pacers: tuple[str, ...] = _option(("native",), "manystream: native (C), python (asyncio)",
+                                      lambda text: tuple(text.split(",")))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class Tools:
     prometheus: str | None  # the dashboard scenario's
     tool: Tool  # the load generator: wrk, or bench.load as a process
     py_spy: str | None  # --profile
+    gateways: Mapping[str, str] = field(default_factory=dict)  # sglang-router, smg: their binaries
 
 
 @dataclass

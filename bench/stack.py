@@ -1,13 +1,14 @@
 """How each contender is started on loopback: demo backends, n-proxy, nginx, LiteLLM's proxy,
-and the canned upstream of the wire scenario. Run as a script, this is the demo backend on uvloop
-(a faster backend is a harder baseline): ``python -m bench.stack --port P [devserver options]``."""
+SGLang's two Rust gateways (sglang-router and smg), and the canned upstream of the wire scenario.
+Run as a script, this is the demo backend on uvloop (a faster backend is a harder baseline):
+``python -m bench.stack --port P [devserver options]``."""
 
 import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from bench.pacer import BODY, HEALTH_PATH, paced_argv
+from bench.pacer import BODY, HEALTH_PATH, MODELS, MODELS_PATH, paced_argv
 from bench.procs import Fleet, Server, free_port
 from bench.workload import BENCH_KEY, CHAT_PATH, MODEL, on_uvloop
 
@@ -59,6 +60,10 @@ _CANNED = """\
         location = {health} {{
             default_type text/plain;
             return 200 "ok\\n";
+        }}
+        location = {models_path} {{
+            default_type application/json;
+            return 200 '{models}';
         }}
         location = {path} {{
             default_type application/json;
@@ -129,9 +134,11 @@ def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Se
     return fleet.launch(name, argv + ["--lean"] * lean)
 
 
-def start_pacer(fleet: Fleet, step: float, name: str) -> Server:
-    """The native pacer (``bench.pacer.paced_argv``): paced streams, a chunk every ``step``
-    seconds."""
+def start_pacer(fleet: Fleet, step: float, name: str, kind: str = "native") -> Server:
+    """Paced streams, a chunk every ``step`` seconds: the native pacer (``bench.pacer.paced_argv``)
+    or, ``kind`` "python", the same bytes from ``python -m bench.pacer --step``."""
+    if kind == "python":
+        return fleet.launch(name, [sys.executable, "-m", "bench.pacer", "--step", str(step)])
     return fleet.launch(name, paced_argv(step))
 
 
@@ -141,7 +148,13 @@ def start_nginx(fleet: Fleet, work: Path, nginx: str, upstream: Server | None = 
     home, port = work / ("nginx" if upstream else "nginx-canned"), free_port()
     for sub in _NGINX_TEMP:
         (home / sub).mkdir(parents=True, exist_ok=True)
-    canned = _CANNED.format(health=HEALTH_PATH, path=CHAT_PATH, body=BODY.decode())
+    canned = _CANNED.format(
+        health=HEALTH_PATH,
+        path=CHAT_PATH,
+        body=BODY.decode(),
+        models_path=MODELS_PATH,
+        models=MODELS.decode(),
+    )
     (home / "nginx.conf").write_text(_NGINX.format(
         work=home, port=port, upstream_port=upstream.port if upstream else port,  # canned: unused
         keepalive_requests=1000 if upstream else 100_000_000,
@@ -166,6 +179,38 @@ def start_litellm(fleet: Fleet, work: Path, litellm: str, upstream: Server) -> S
     config.write_text(_LITELLM_CONFIG.format(model=MODEL, url=upstream.url, key=BENCH_KEY))
     argv = [litellm, "--config", str(config), "--host", "127.0.0.1", "--num_workers", "1"]
     return fleet.launch("litellm", argv, "/health/liveliness", env=LITELLM_ENV, cwd=work, tree=True)
+
+
+# SGLang's model gateway, as its best operator runs it in front of one worker (bench/README.md,
+# "The contenders", says why each flag): a plain router, round robin (cache-aware routing keeps a
+# prefix tree per request, and with one worker it can only ever pick that one), logging at error
+# (no line per request), its Prometheus listener on loopback at a port of its own (it cannot be
+# turned off, and its default 29000 is shared by every gateway on the machine). smg also stops
+# polling the worker's load, which only load-aware policies read.
+GATEWAYS = ("sglang-router", "smg")
+_GATEWAY_FLAGS = [
+    "--policy",
+    "round_robin",
+    "--log-level",
+    "error",
+    "--prometheus-host",
+    "127.0.0.1",
+]
+_GATEWAY_OWN = {"sglang-router": [], "smg": ["--disable-load-monitoring"]}
+
+
+def gateway_argv(kind: str, binary: str, upstream: str) -> list[str]:
+    """The command line of ``kind`` (one of ``GATEWAYS``) routing to ``upstream``, without its
+    ports (``start_gateway`` adds them)."""
+    return [binary, "launch", "--worker-urls", upstream, "--host", "127.0.0.1",
+            *_GATEWAY_FLAGS, *_GATEWAY_OWN[kind]]  # fmt: skip
+
+
+def start_gateway(fleet: Fleet, kind: str, binary: str, upstream: Server) -> Server:
+    """One of SGLang's Rust gateways in front of ``upstream``; ready once ``/readiness`` says
+    200 (a worker registered and healthy: before that it answers 503, or 404 to a chat)."""
+    argv = [*gateway_argv(kind, binary, upstream.url), "--prometheus-port", str(free_port())]
+    return fleet.launch(kind, argv, "/readiness", tree=True, ready_ok=True)
 
 
 if __name__ == "__main__":  # the demo backend, as ``n-proxy-devserver`` serves it, on uvloop

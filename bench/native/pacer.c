@@ -1,11 +1,12 @@
 /* The paced upstream of the manystream scenario: HTTP/1.1 on 127.0.0.1, keep-alive and in order,
  * every POST answered with an SSE stream of max_tokens chunks (at most MAX_STREAM), one chunk to
- * every open stream per step from one timer, GET /health with 200. A chunk is PREFIX, its send
+ * every open stream per step from one timer, GET /health with 200, GET /v1/models with MODELS (a
+ * gateway that routes by model reads it before it sends a worker anything). A chunk is PREFIX, its send
  * time (CLOCK_MONOTONIC, Python's time.monotonic(), as %.6f) and SUFFIX; a stream ends with FINISH
  * and the last chunk. A timer that fell behind skips steps rather than burst. bench/native.py
  * builds it and bench/pacer.py gives it the bytes:
  *
- *     pacer STEP_SECONDS PREFIX SUFFIX FINISH --port PORT
+ *     pacer STEP_SECONDS PREFIX SUFFIX FINISH MODELS --port PORT
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -59,6 +60,7 @@ static int streams[MAX_FDS];
 static int stream_count;
 static int epoll_fd;
 static const char *prefix, *suffix, *finish;
+static char *models; /* the answer to GET /v1/models, head and body */
 
 static void die(const char *what) {
     perror(what);
@@ -173,6 +175,7 @@ static void serve(int fd) {
         c->close_after = connection_value && strncasecmp(connection_value + strspn(connection_value, " "), "close", 5) == 0;
         int post = strncmp(c->in.data, "POST ", 5) == 0;
         int health = strncmp(c->in.data, "GET /health ", 12) == 0;
+        int listing = strncmp(c->in.data, "GET /v1/models ", 15) == 0;
         long steps = post ? max_tokens(c->in.data + head, (size_t)body) : 0;
         consume(&c->in, head + (size_t)body);
         if (post) {
@@ -182,7 +185,7 @@ static void serve(int fd) {
             streams[stream_count++] = fd;
             return;
         }
-        const char *answer = health ? HEALTHY : NOT_FOUND;
+        const char *answer = health ? HEALTHY : listing ? models : NOT_FOUND;
         if (send_bytes(fd, answer, strlen(answer)) < 0) return;
         if (c->close_after) {
             if (c->out.len == 0) close_conn(fd);
@@ -263,18 +266,26 @@ static int listen_on(int port) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 7 || strcmp(argv[5], "--port") != 0) {
-        fprintf(stderr, "usage: %s STEP_SECONDS PREFIX SUFFIX FINISH --port PORT\n", argv[0]);
+    if (argc != 8 || strcmp(argv[6], "--port") != 0) {
+        fprintf(stderr, "usage: %s STEP_SECONDS PREFIX SUFFIX FINISH MODELS --port PORT\n", argv[0]);
         return 2;
     }
     double step = atof(argv[1]);
     prefix = argv[2], suffix = argv[3], finish = argv[4];
-    if (step <= 0 || strlen(prefix) + strlen(suffix) > 60000 || strlen(finish) > 60000) {
+    if (step <= 0 || strlen(prefix) + strlen(suffix) > 60000 || strlen(finish) > 60000 ||
+        strlen(argv[5]) > 60000) {
         fprintf(stderr, "pacer: the step must be positive and the chunks under 60000 bytes\n");
         return 2;
     }
+    size_t models_len = strlen(argv[5]) + 128;
+    models = malloc(models_len);
+    if (!models) die("malloc");
+    snprintf(models, models_len,
+             "HTTP/1.1 200 OK\r\nContent-Length: %zu\r\nContent-Type: application/json\r\n\r\n%s",
+             strlen(argv[5]), argv[5]);
+    int port = atoi(argv[7]);
     signal(SIGPIPE, SIG_IGN);
-    int listener = listen_on(atoi(argv[6]));
+    int listener = listen_on(port);
     int timer = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK);
     long ns = (long)(step * 1e9);
     struct itimerspec every = {{ns / 1000000000, ns % 1000000000}, {ns / 1000000000, ns % 1000000000}};

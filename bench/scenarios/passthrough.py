@@ -1,7 +1,8 @@
 """n=1 pass-through, non-streaming, at fixed concurrency: every contender in each round, direct to
 the upstream as the limit. ``passthrough`` runs in front of the demo backend; ``wire`` in front of
-a canned upstream that costs next to nothing (nginx's ``return``, else ``bench.pacer --canned``),
-with the lean forwarder and n-proxy fan-out n=4 too. ``measure`` is every closed loop's."""
+a canned upstream that costs next to nothing (nginx's ``return``, else ``python -m bench.pacer``),
+with the lean forwarder and n-proxy fan-out n=4 too. SGLang's Rust gateways (sglang-router, smg)
+run in both, when installed. ``measure`` is every closed loop's."""
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from bench import stack
 from bench.procs import CpuWatch, Server
 from bench.report import Column, Row, missing, pick, say, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
+from bench.stack import GATEWAYS
 from bench.stats import grouped, median, medians, minus, paired, quartiles, ratio
 from bench.workload import HEADERS, Request, chat_request
 
@@ -24,6 +26,7 @@ LEAN = "lean forwarder"  # the aiohttp forwarder on n-proxy's own client: the fl
 FANOUT_N = 4  # wire: each n-proxy a second time, as a contender sent n = FANOUT_N
 FANOUT = f"{PROXY} n={FANOUT_N}"
 HEADLINE = 16  # the concurrency the goals are stated at
+SGL = "sglang-router"  # the Rust gateway the goals name
 
 
 def check(name: str, server: Server, request: Request) -> int:
@@ -174,7 +177,9 @@ def _run(ctx: Context, upstream: Server, wire: bool = False) -> Row:
         contenders[workers] = stack.start_proxy(fleet, work, upstream.url, workers, workers=count)
     if not wire and tools.litellm:
         contenders["litellm"] = stack.start_litellm(fleet, work, tools.litellm, upstream)
-    up = ctx.ready(contenders, {"nginx", FORWARDER, LEAN, workers, "litellm"})
+    for kind, binary in tools.gateways.items():
+        contenders[kind] = stack.start_gateway(fleet, kind, binary, upstream)
+    up = ctx.ready(contenders, {"nginx", FORWARDER, LEAN, workers, "litellm", *GATEWAYS})
     data = measure(ctx, up, lambda name, case: chat_request(FANOUT_N if name in fanouts else 1))
     return {"upstream": upstream.name, **data, "summary": summarize(data["runs"])}
 
@@ -192,10 +197,13 @@ def _render(data: Row) -> list[str]:
     def rps(a: str, b: str) -> float:
         return median(versus(rows, a, b, high))
 
-    def cpu(a: str, b: str, per: int = 1) -> float:
-        mine, theirs = (pick(data["summary"], target=t, concurrency=high) for t in (a, b))
+    def cpu(a: str, b: str, per: int = 1, c: int = high) -> float:
+        mine, theirs = (pick(data["summary"], target=t, concurrency=c) for t in (a, b))
         return ratio(mine.get("cpu_us_per_req"), theirs.get("cpu_us_per_req")) / per
 
+    levels = dict.fromkeys((high, _levels(data)[0]))  # c=16 first, then c=1
+    gateways = [(f"n-proxy pass-through CPU/req over {g}'s (c={c})", cpu(PROXY, g, c=c))
+                for g in GATEWAYS for c in levels]  # fmt: skip
     ratios = [
         ("n-proxy pass-through CPU/req over the aiohttp forwarder's", cpu(PROXY, FORWARDER)),
         ("n-proxy pass-through CPU/req over nginx's", cpu(PROXY, "nginx")),
@@ -204,6 +212,7 @@ def _render(data: Row) -> list[str]:
         ("n-proxy req/s over nginx's", rps(PROXY, "nginx")),
         (f"fan-out n={n} CPU per child over pass-through CPU/req", cpu(FANOUT, PROXY, n)),
         (f"fan-out n={n} CPU per child over the forwarder's CPU/req", cpu(FANOUT, FORWARDER, n)),
+        *gateways,
     ]
     columns = list(COLUMNS)
     if any("children_per_s" in r for r in data["summary"]):
@@ -238,7 +247,23 @@ def _targets(data: Row) -> list[Row]:
         target("throughput vs nginx" + at, vs("nginx"), ">=", 0.5, "{:.2f}x"),
         target("throughput vs the aiohttp forwarder" + at, vs(FORWARDER), ">=", 1.5, "{:.2f}x"),
         target("added p50 latency (n=1, c=1)", low, "<=", 0.25, "{:.3f} ms"),
+        *gateway_targets(data, "demo backend"),
     ]
+
+
+def gateway_targets(data: Row, upstream: str) -> list[Row]:
+    """n-proxy's pass-through against sglang-router's, each paired by round: CPU per request
+    at concurrency 1 and 16, and p50 at concurrency 1 (n-proxy's minus sglang-router's: the
+    same as their added p50s' difference, direct's p50 cancelling)."""
+    rows = data["runs"]
+    out = [
+        target(f"n-proxy CPU/req over sglang-router's (c={c}, {upstream})",
+               median(versus(rows, PROXY, SGL, c, "cpu_us_per_req")), "<=", 1.0, "{:.2f}x")
+        for c in (1, HEADLINE)
+    ]  # fmt: skip
+    p50 = median(versus(rows, PROXY, SGL, 1, "p50_ms", minus))
+    what = f"n-proxy added p50 minus sglang-router's (c=1, {upstream})"
+    return [*out, target(what, p50, "<=", 0.0, "{:+.3f} ms")]
 
 
 def _wire_targets(data: Row) -> list[Row]:
@@ -252,6 +277,7 @@ def _wire_targets(data: Row) -> list[Row]:
         target(f"n-proxy pass-through added p50 (c={low})", added, "<=", 0.25, "{:.3f} ms"),
         target(f"fan-out n={FANOUT_N} children/s over pass-through req/s (c={high})", children,
                ">=", 2, "{:.2f}x"),
+        *gateway_targets(data, "canned upstream"),
     ]  # fmt: skip
 
 

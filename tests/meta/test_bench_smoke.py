@@ -21,6 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = {"passthrough", "fanout", "stitching", "ttft", "memory"}
+# Contenders each run only where installed (nginx from Debian, the gateways by bench/run
+# --install-tools into bench/.work): a smoke run has them or leaves them out.
+INSTALLED = {"nginx", "sglang-router", "smg"}
 
 
 @dataclass
@@ -79,11 +82,38 @@ def test_many_stream_scenario_measures_every_contender(tmp_path: Path, bench_env
     data = json.loads((tmp_path / "manystream.json").read_text())["manystream"]
     contenders = {row["contender"]: row for row in data["runs"]}
     expected = {"direct", "aiohttp forwarder", "n-proxy n=1", "n-proxy n=4"}
-    assert expected <= set(contenders) <= expected | {"nginx"}
+    assert expected <= set(contenders) <= expected | INSTALLED
     for name, row in contenders.items():
         assert row["chunks"] > 0, name
         assert row["not_started"] == 0, name
     assert bench_env.apt_calls() == []
+
+
+def test_many_stream_scenario_runs_the_python_pacer_and_client(
+    tmp_path: Path, bench_env: BenchEnv
+) -> None:
+    """The Python pacer (``bench.pacer --step``) and client (``bench.streams``): every chunk
+    they count comes through, with their own CPU and the contender's counts per chunk."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench", "manystream", "--smoke", "--streams", "8", "--steps-ms",
+         "50", "--clients", "python", "--pacers", "python", "--skip",
+         "nginx,forwarder,sglang-router,smg", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        env=bench_env.env,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    data = json.loads((tmp_path / "manystream.json").read_text())["manystream"]
+    rows = {row["contender"]: row for row in data["runs"]}
+    assert set(rows) == {"direct", "n-proxy n=1", "n-proxy n=4"}
+    for name, row in rows.items():
+        assert (row["pacer"], row["client"]) == ("python", "python")
+        assert row["chunks"] > 0, name
+        assert row["not_started"] == 0, name
+        assert 0.5 < row["delivered"] < 1.5, name  # a step every 50 ms, no more, no fewer
+        assert row["client_cores"] >= 0, name
+        assert row["writes_per_chunk"] > 0, name  # the pacer and n-proxy write with write(2)
+    assert rows["n-proxy n=1"]["reads_per_chunk"] > 0  # and n-proxy reads each with read(2)
+    assert {r["client"] for r in data["summary"]} == {"python"}
 
 
 def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: BenchEnv) -> None:
@@ -97,7 +127,7 @@ def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: Bench
     data = results["wire"]
     served = {row["target"]: row for row in data["runs"]}
     expected = {"direct", "aiohttp forwarder", "lean forwarder", "n-proxy", "n-proxy n=4"}
-    assert expected <= set(served) <= expected | {"nginx"}
+    assert expected <= set(served) <= expected | INSTALLED
     for name, row in served.items():
         assert row["requests"] > 0, name
         assert row["errors"] == 0, name
@@ -155,6 +185,7 @@ def test_canned_fallback_server_answers_like_nginx(tmp_path: Path, bench_env: Be
         server = start_canned(fleet, tmp_path, nginx=None)
         wait_ready(server, timeout=20)
         answers = _two_posts_then_health(server.port, _post(b"{}"))
+        listed = _get(server.port, "/v1/models")
     for answer in answers[:2]:
         head, body = answer.split(b"\r\n\r\n", 1)
         assert b"Content-Type: application/json" in head
@@ -162,20 +193,24 @@ def test_canned_fallback_server_answers_like_nginx(tmp_path: Path, bench_env: Be
     parsed = json.loads(BODY)
     assert parsed["choices"][0]["index"] == 0
     assert parsed["usage"]["total_tokens"] > 0
+    assert json.loads(listed)["data"][0]["id"] == parsed["model"]
     assert bench_env.apt_calls() == []
 
 
-def test_native_pacer_streams_the_chunks_bench_pacer_defines(tmp_path: Path) -> None:
-    """The paced upstream in C writes ``bench.pacer.chunk`` for each step, ends each stream with
-    the finishing chunk and the last one, and answers the next request on the same connection."""
-    from bench.pacer import _FINISH, chunk
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_pacer_streams_the_chunks_bench_pacer_defines(tmp_path: Path, kind: str) -> None:
+    """The paced upstream, in C or in Python, writes ``bench.pacer.chunk`` for each step, ends
+    each stream with the finishing chunk and the last one, answers the next request on the same
+    connection, and lists the bench's model (a gateway routing by model reads it first)."""
+    from bench.pacer import _FINISH, MODELS, chunk
     from bench.procs import Fleet, wait_ready
     from bench.stack import start_pacer
 
     with Fleet(tmp_path / "logs") as fleet:
-        server = start_pacer(fleet, 0.01, "pacer")
+        server = start_pacer(fleet, 0.01, "pacer", kind)
         wait_ready(server, timeout=20)
         answers = _two_posts_then_health(server.port, _post(b'{"max_tokens": 3, "stream": true}'))
+        assert _get(server.port, "/v1/models") == MODELS
     for answer in answers[:2]:
         head, body = answer.split(b"\r\n\r\n", 1)
         assert b"Transfer-Encoding: chunked" in head
@@ -192,13 +227,14 @@ def test_native_pacer_streams_the_chunks_bench_pacer_defines(tmp_path: Path) -> 
         assert stamps == sorted(stamps)
 
 
-def test_native_pacer_closes_a_connection_that_sends_past_its_bound(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["native", "python"])
+def test_pacer_closes_a_connection_that_sends_past_its_bound(tmp_path: Path, kind: str) -> None:
     """Request bytes held unanswered are bounded (1 MiB) while a stream is open, too."""
     from bench.procs import Fleet, wait_ready
     from bench.stack import start_pacer
 
     with Fleet(tmp_path / "logs") as fleet:
-        server = start_pacer(fleet, 0.05, "pacer")
+        server = start_pacer(fleet, 0.05, "pacer", kind)
         wait_ready(server, timeout=20)
         post = _post(b'{"max_tokens": 100000}')  # 83 minutes of chunks, unless it is cut
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
@@ -217,6 +253,18 @@ def _recv_or_reset(sock: socket.socket) -> bytes:
         return sock.recv(65536)
     except ConnectionResetError:
         return b""
+
+
+def _get(port: int, path: str) -> bytes:
+    """The body of a GET's 200 answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        received = b""
+        while data := sock.recv(65536):
+            received += data
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return body
 
 
 def _post(body: bytes) -> bytes:
