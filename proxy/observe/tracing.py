@@ -58,6 +58,19 @@ def tracing_from_env(environ: Mapping[str, str] = os.environ) -> Tracing | None:
         return None
 
 
+def _exporters(environ: Mapping[str, str], signal: str) -> list[str]:
+    """The exporters ``OTEL_{signal}_EXPORTER`` names (otlp by default), lower-cased."""
+    listed = environ.get(f"OTEL_{signal}_EXPORTER", "otlp")
+    return [name.strip().lower() for name in listed.split(",")]
+
+
+def _grpc(environ: Mapping[str, str], signal: str) -> bool:
+    """Whether the signal's OTLP exporter speaks gRPC (else http/protobuf, the SDK's default):
+    its own ``OTEL_EXPORTER_OTLP_{signal}_PROTOCOL``, else the shared one."""
+    shared = environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    return environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", shared) == "grpc"
+
+
 def _provider_from_env(environ: Mapping[str, str]) -> TracerProvider:
     """The SDK configured by its own ``OTEL_*`` variables (sampler, resource, OTLP endpoint,
     headers, protocol); spans leave in batches from the SDK's thread, off the event loop."""
@@ -71,17 +84,12 @@ def _provider_from_env(environ: Mapping[str, str]) -> TracerProvider:
 
     attributes = {} if environ.get("OTEL_SERVICE_NAME") else {"service.name": "n-proxy"}
     provider = TracerProvider(resource=Resource.create(attributes))
-    names = [n.strip().lower() for n in environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")]
-    for name in names:
+    for name in _exporters(environ, "TRACES"):
         exporter: SpanExporter
         if name == "console":
             exporter = ConsoleSpanExporter()
         elif name == "otlp":
-            protocol = environ.get(
-                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
-            )
-            if protocol == "grpc":
+            if _grpc(environ, "TRACES"):
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
                     OTLPSpanExporter as GrpcExporter,
                 )
@@ -101,7 +109,7 @@ def _meters_from_env(environ: Mapping[str, str], traces: TracerProvider) -> Mete
     """Where tracing is on, the GenAI metrics beside the spans, to the same collector, unless
     ``OTEL_METRICS_EXPORTER`` is ``none`` (the SDK reads its own ``OTEL_*`` variables: the
     endpoint, headers, export interval)."""
-    names = [n.strip().lower() for n in environ.get("OTEL_METRICS_EXPORTER", "otlp").split(",")]
+    names = _exporters(environ, "METRICS")
     if names == ["none"]:
         return None
     from opentelemetry.sdk.metrics import MeterProvider
@@ -117,11 +125,7 @@ def _meters_from_env(environ: Mapping[str, str], traces: TracerProvider) -> Mete
         if name == "console":
             exporter = ConsoleMetricExporter()
         elif name == "otlp":
-            protocol = environ.get(
-                "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
-                environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
-            )
-            if protocol == "grpc":
+            if _grpc(environ, "METRICS"):
                 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (  # type: ignore[import-not-found]
                     OTLPMetricExporter as GrpcMetricExporter,
                 )
