@@ -77,9 +77,9 @@ def paced_argv(step: float) -> list[str]:
     return [str(native.tool("pacer")), str(step), *(piece.decode() for piece in pieces)]
 
 
-class Canned(asyncio.Protocol):
-    """Keep-alive HTTP/1.1, answers in request order (pipelining works): the canned answer to a
-    POST of a chat, ``ok`` on the health path, 404 elsewhere."""
+class _Requests(asyncio.Protocol):
+    """Keep-alive HTTP/1.1 requests read with httptools, the URL gathered; a connection that
+    sends more than ``MAX_BUFFERED`` bytes toward one request, or garbage, is closed."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -101,6 +101,11 @@ class Canned(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+
+
+class Canned(_Requests):
+    """Keep-alive HTTP/1.1, answers in request order (pipelining works): the canned answer to a
+    POST of a chat, ``ok`` on the health path, 404 elsewhere."""
 
     def on_message_complete(self) -> None:
         path, post = self.url.split(b"?", 1)[0], self.parser.get_method() == b"POST"
@@ -160,36 +165,19 @@ class Pacer:
         self.loop.call_at(self.start + self.step * self.steps, self.tick)
 
 
-class Paced(asyncio.Protocol):
+class Paced(_Requests):
     """Keep-alive HTTP/1.1, answers in request order: a chat POST with an SSE stream of its
     ``max_tokens`` chunks, written by the ``Pacer``; health, the model list, else 404."""
 
     def __init__(self, pacer: Pacer) -> None:
+        super().__init__()
         self.pacer = pacer
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
-        self.url = self.body = b""
-        self.pending = 0  # bytes fed since the last complete request
+        self.body = b""
         self.queued: list[tuple[bool, bytes, bytes, bool]] = []  # post, path, body, keep-alive
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.pacer.streams.pop(self, None)
         self.transport = None
-
-    def data_received(self, data: bytes) -> None:
-        self.pending += len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.pending = MAX_BUFFERED + 1
-        if self.pending > MAX_BUFFERED and self.transport is not None:
-            self.transport.close()
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
 
     def on_body(self, body: bytes) -> None:
         self.body += body
