@@ -24,7 +24,7 @@ from multidict import CIMultiDict
 from proxy.config.models import ClientTimeouts, Config, Listen, Route, single_upstream_config
 from proxy.server.process import Server
 from tests.support.rawhttp import parse_raw
-from tests.support.servers import Servers
+from tests.support.servers import Servers, serving
 from tests.support.upstreams import RecordingUpstream, Seen
 
 CHAT = "/v1/chat/completions"
@@ -92,12 +92,8 @@ async def running(fake: Fake, **overrides: Any) -> AsyncIterator[Server]:
     config: Config = single_upstream_config(fake.url).model_copy(
         update={"listen": Listen(host="127.0.0.1", port=0), **overrides}
     )
-    server = Server(config)
-    await server.start()
-    try:
+    async with serving(config) as server:
         yield server
-    finally:
-        await server.close()
 
 
 @dataclass

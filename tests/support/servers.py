@@ -217,6 +217,13 @@ upstreams: [{{name: u, url: "{upstream_url}"{extra}}}]
 """,
         env={},
     )
+    async with serving(config) as server:
+        yield server
+
+
+@contextlib.asynccontextmanager
+async def serving(config: Config) -> AsyncIterator[Server]:
+    """The whole server of one process for ``config``, closed at the block's end."""
     server = Server(config)
     await server.start()
     try:
