@@ -38,8 +38,7 @@ upstreams:
   - name: demo
     url: {{url}}
     max_concurrency: {capacity}
-    admission: {admission}
-    return_grace: {grace}
+    admission: {admission}{grace}
 drain_seconds: 1
 """
 _SERVED = re.compile(
@@ -154,7 +153,8 @@ def _run(ctx: Context) -> Row:
             admin=admin,
             capacity=CAPACITY,
             admission=admission.removesuffix("-no-grace"),
-            grace=0 if admission.endswith("-no-grace") else 0.05,
+            # fair keeps the default grace, so the figure is the one operators get
+            grace="\n    return_grace: 0" if admission.endswith("-no-grace") else "",
         )
         proxies[admission] = (start_proxy(ctx.fleet, ctx.work, backend.url, admission,
                                           config=config), admin)  # fmt: skip
