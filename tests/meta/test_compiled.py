@@ -4,8 +4,11 @@ inputs: SSE streams cut into reads anywhere, children's streams through the stit
 byte templates, chunked bodies through the framing read without the parser and through an
 upstream connection relaying them. They must answer alike, byte for byte, failures included.
 
-The modules that do I/O (the client sink, the mailbox, the stream's writer, the fan-out) are
-run by the whole suite on each build instead (.ci/run): their behaviour is the suite's.
+The per-request core (the plan, header filtering, the answer's facts, the usage merge) is fed
+random bodies, header sets and answers the same way. The modules that do I/O or keep state over
+time (the client sink, the mailbox, the stream's writer, the fan-out, the pool, the slots, the
+replicas, the retry budget, the plain metrics) are run by the whole suite on each build instead
+(.ci/run): their behaviour is the suite's.
 
 In the pure build the two copies are the same code: its run of this file skips, and the
 compiled build's run (which .ci/run makes first) checks.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import random
 import sys
 from collections.abc import Iterator, Sequence
@@ -23,11 +27,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import given, settings
+from multidict import CIMultiDict
 
+from proxy.core import answer as compiled_answer
+from proxy.core import headers as compiled_headers
+from proxy.core import plan as compiled_plan
 from proxy.core import sse as compiled_sse
 from proxy.core import stitch as compiled_stitch
+from proxy.core import usage as compiled_usage
 from proxy.core.plan import Plan
 from proxy.http import chunks as compiled_chunks
 from proxy.http import connection as compiled_connection
@@ -47,6 +57,10 @@ ORDER = (
     "proxy.http.chunks",
     "proxy.http.response",
     "proxy.http.connection",
+    "proxy.core.plan",
+    "proxy.core.usage",
+    "proxy.core.answer",
+    "proxy.core.headers",
 )
 
 pytestmark = pytest.mark.skipif(
@@ -90,6 +104,10 @@ COMPILED = {
     "proxy.http.chunks": compiled_chunks,
     "proxy.http.response": compiled_response,
     "proxy.http.connection": compiled_connection,
+    "proxy.core.plan": compiled_plan,
+    "proxy.core.usage": compiled_usage,
+    "proxy.core.answer": compiled_answer,
+    "proxy.core.headers": compiled_headers,
 }
 
 
@@ -250,3 +268,120 @@ async def test_an_upstream_connection_relays_alike_on_bodies_cut_anywhere() -> N
         assert await relayed(*pure, cut) == await relayed(
             compiled_connection, compiled_response, cut
         ), cut
+
+
+# The per-request core: values a client may send in each field, valid or not.
+FIELDS: dict[str, list[Any]] = {
+    "n": [1, 2, 3, 0, -1, 2.0, "2", True, None, 10**20, 1e300, 11],
+    "seed": [None, 0, 5, -3, 2**63 - 1, 2**63, -(2**63), 1.5, "7", True, float(2**64)],
+    "stream": [True, False, None, "true"],
+    "stream_options": [None, {}, {"include_usage": True}, {"continuous_usage_stats": True}, [1]],
+    "prompt": ["hi", ["a", "b"], [1, 2, 3], [[1, 2], [3]], [], None, 5, ["a", 1]],
+    "best_of": [None, 1, 2, 3, 0, "2", 2.5],
+    "logprobs": [None, False, True, 0, 2],
+    "sampling_params": [None, {"n": 2, "seed": 3}, {"n": 3}, {}, "x"],
+    "messages": [[{"role": "user", "content": "x"}], "x"],
+    "request_id": ["r-1", 7, " edge", None],
+}
+
+
+def a_request_body(rng: random.Random) -> dict[str, Any]:
+    chosen = rng.sample(sorted(FIELDS), rng.randint(0, len(FIELDS)))
+    return {name: rng.choice(FIELDS[name]) for name in chosen}
+
+
+def planned_facts(plan: ModuleType, body: dict[str, Any], endpoint: str, cap: int) -> Any:
+    """What plan_request makes of a body, as plain values (each build has its own classes)."""
+    made = outcome(lambda: plan.plan_request(body, "p", 10, endpoint=endpoint, max_children=cap))
+    if made is None or isinstance(made, tuple):
+        return made
+    children = [(c.index, c.prompt, c.body, c.request_id) for c in made.children]
+    flags = [made.stream, made.include_usage, made.continuous_usage, made.keep_logprobs]
+    return [made.parent_id, made.endpoint, made.n, made.best_of, made.prompts, flags, children]
+
+
+def test_the_plan_is_alike_for_any_body() -> None:
+    rng = random.Random(20261208)
+    for _ in range(1500):
+        body = a_request_body(rng)
+        endpoint = rng.choice(["chat", "completions", "generate"])
+        cap = rng.choice([2048, 4])
+        pure = planned_facts(PURE["proxy.core.plan"], body, endpoint, cap)
+        assert pure == planned_facts(compiled_plan, body, endpoint, cap), (body, endpoint)
+        raw = json.dumps(body).encode() if rng.random() < 0.8 else rng.randbytes(8)
+        pure_parse = outcome(PURE["proxy.core.plan"].parse_body, raw)
+        assert pure_parse == outcome(compiled_plan.parse_body, raw), raw
+
+
+HEADER_NAMES = ["Connection", "Keep-Alive", "TE", "Transfer-Encoding", "Content-Length", "Host",
+                "X-Request-Id", "Authorization", "Accept-Encoding", "Content-Encoding", "Upgrade",
+                "Proxy-Connection", "Proxy-Foo", "X-Foo", "Trailer", "Expect"]  # fmt: skip
+HEADER_VALUES = ["close", "keep-alive, X-Foo", " Upgrade ,, x-foo", "gzip", "br, deflate;q=0.5",
+                 "identity", "", "1", "a b", "GZIP , zstd"]  # fmt: skip
+
+
+def filtered(headers: ModuleType, incoming: CIMultiDict[str], injected: dict[str, str]) -> Any:
+    return [
+        list(headers.request_headers(incoming, injected).items()),
+        list(headers.child_headers(incoming, injected).items()),
+        list(headers.response_headers(incoming).items()),
+        list(headers.rebased_headers(incoming, injected, {"X-Other": "1"}).items()),
+        headers.client_request_id(incoming.get("X-Request-Id"), incoming.get("X-Foo")),
+    ]
+
+
+def test_the_headers_are_filtered_alike_for_any_set() -> None:
+    rng = random.Random(20261209)
+    for _ in range(1000):
+        incoming: CIMultiDict[str] = CIMultiDict()
+        for _ in range(rng.randint(0, 8)):
+            name = rng.choice(HEADER_NAMES)
+            incoming.add(rng.choice([name, name.lower(), name.upper()]), rng.choice(HEADER_VALUES))
+        injected = dict(
+            rng.sample([("Authorization", "Bearer k"), ("X-Foo", "set")], rng.randint(0, 2))
+        )
+        pure = filtered(PURE["proxy.core.headers"], incoming, injected)
+        assert pure == filtered(compiled_headers, incoming, injected), incoming
+
+
+USAGES: list[Any] = [None, "x", {}, {"prompt_tokens": 3, "completion_tokens": 4},
+                     {"prompt_tokens": 3.0, "completion_tokens": True, "total_tokens": 9},
+                     {"prompt_tokens": 5, "completion_tokens": 2,
+                      "prompt_tokens_details": {"cached_tokens": 4},
+                      "completion_tokens_details": {"reasoning_tokens": 1, "x": "y"}},
+                     {"completion_tokens_details": [1], "prompt_tokens": -1}]  # fmt: skip
+
+
+def an_answer(rng: random.Random) -> bytes:
+    """A JSON answer, an SSE stream's tail, or bytes that are neither."""
+    usage = rng.choice(USAGES)
+    fields = {"id": rng.choice(["chatcmpl-1", 5, None]), "model": rng.choice(["m", None, 1])}
+    if usage is not None:
+        fields["usage"] = usage
+    text = orjson.dumps(fields)
+    kind = rng.randrange(4)
+    if kind == 1:
+        return b"data: " + text + b"\n\ndata: [DONE]\n\n"
+    if kind == 2:
+        return text[: rng.randint(0, len(text))]
+    if kind == 3:
+        return rng.randbytes(rng.randint(0, 30))
+    return text
+
+
+def facts(answer: ModuleType, usage: ModuleType, data: bytes, usages: list[Any]) -> Any:
+    made = outcome(answer.answer_facts, data)
+    heads = [0, len(usages) - 1] if usages else []
+    merged = outcome(usage.merge_usage, usages, heads)
+    counts = [outcome(usage.token_counts, u) for u in usages if isinstance(u, dict)]
+    return [made if isinstance(made, tuple) and made[:1] == ("raised",) else tuple(made),
+            merged, [c if c[:1] == ("raised",) else tuple(c) for c in counts]]  # fmt: skip
+
+
+def test_the_answer_facts_and_the_usage_merge_are_alike() -> None:
+    rng = random.Random(20261210)
+    for _ in range(1500):
+        data = an_answer(rng)
+        usages = rng.choices(USAGES, k=rng.randint(0, 4))
+        pure = facts(PURE["proxy.core.answer"], PURE["proxy.core.usage"], data, usages)
+        assert pure == facts(compiled_answer, compiled_usage, data, usages), (data, usages)
