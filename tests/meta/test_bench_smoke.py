@@ -16,6 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,15 @@ class BenchEnv:
 
     def apt_calls(self) -> list[str]:
         return self.calls.read_text().splitlines() if self.calls.exists() else []
+
+    def smoke(self, out: Path, scenario: str, *options: str) -> dict[str, Any]:
+        """``python -m bench SCENARIO --smoke OPTIONS``, which must succeed: its JSON report."""
+        completed = subprocess.run(
+            [sys.executable, "-m", "bench", scenario, "--smoke", *options, "--out", str(out)],
+            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+        return json.loads((out / f"{scenario}.json").read_text())  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -72,14 +82,8 @@ def test_bench_smoke_runs_every_scenario(tmp_path: Path, bench_env: BenchEnv) ->
 
 
 def test_many_stream_scenario_measures_every_contender(tmp_path: Path, bench_env: BenchEnv) -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench", "manystream", "--smoke", "--streams", "8", "--steps-ms",
-         "50", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-        env=bench_env.env,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    data = json.loads((tmp_path / "manystream.json").read_text())["manystream"]
+    report = bench_env.smoke(tmp_path, "manystream", "--streams", "8", "--steps-ms", "50")
+    data = report["manystream"]
     contenders = {row["contender"]: row for row in data["runs"]}
     expected = {"direct", "aiohttp forwarder", "n-proxy n=1", "n-proxy n=4"}
     assert expected <= set(contenders) <= expected | INSTALLED
@@ -94,15 +98,10 @@ def test_many_stream_scenario_runs_the_python_pacer_and_client(
 ) -> None:
     """The Python pacer (``bench.pacer --step``) and client (``bench.streams``): every chunk
     they count comes through, with their own CPU and the contender's counts per chunk."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench", "manystream", "--smoke", "--streams", "8", "--steps-ms",
-         "50", "--clients", "python", "--pacers", "python", "--skip",
-         "nginx,forwarder,sglang-router,smg", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-        env=bench_env.env,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    data = json.loads((tmp_path / "manystream.json").read_text())["manystream"]
+    data = bench_env.smoke(
+        tmp_path, "manystream", "--streams", "8", "--steps-ms", "50", "--clients", "python",
+        "--pacers", "python", "--skip", "nginx,forwarder,sglang-router,smg",
+    )["manystream"]  # fmt: skip
     rows = {row["contender"]: row for row in data["runs"]}
     assert set(rows) == {"direct", "n-proxy n=1", "n-proxy n=4"}
     for name, row in rows.items():
@@ -118,12 +117,7 @@ def test_many_stream_scenario_runs_the_python_pacer_and_client(
 
 def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: BenchEnv) -> None:
     """The wire scenario, tiny: nginx and wrk when installed, else the canned server and Python."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench", "wire", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT, env=bench_env.env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    results = json.loads((tmp_path / "wire.json").read_text())
+    results = bench_env.smoke(tmp_path, "wire")
     data = results["wire"]
     served = {row["target"]: row for row in data["runs"]}
     expected = {"direct", "aiohttp forwarder", "lean forwarder", "n-proxy", "n-proxy n=4"}
@@ -142,12 +136,7 @@ def test_reload_scenario_reloads_under_open_streams_and_reads_the_upstreams_peak
 ) -> None:
     """The reload scenario, tiny: three SIGHUPs to a real n-proxy while streams are open, every
     stream whole, and the backend's peak read (no timing is asserted)."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench", "reload", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT, env=bench_env.env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    (run,) = json.loads((tmp_path / "reload.json").read_text())["reload"]["runs"]
+    (run,) = bench_env.smoke(tmp_path, "reload")["reload"]["runs"]
     assert (run["reloads"], run["streams"], run["whole"]) == (3, 4, 4)
     assert 1 <= run["peak"] <= run["bound"]
 
@@ -155,12 +144,7 @@ def test_reload_scenario_reloads_under_open_streams_and_reads_the_upstreams_peak
 def test_fairness_scenario_times_the_victim_through_both_admissions(
     tmp_path: Path, bench_env: BenchEnv
 ) -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench", "fairness", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT, env=bench_env.env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    results = json.loads((tmp_path / "fairness.json").read_text())
+    results = bench_env.smoke(tmp_path, "fairness")
     summary = results["fairness"]["summary"]
     assert {(r["flood"], r["admission"]) for r in summary} == {
         (flood, admission)
