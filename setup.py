@@ -47,8 +47,9 @@ COMPILED = [
 ]
 # Not proxy/observe/record.py nor meter.py: their Observer is subclassed by Python code (the
 # tracing, the log line, the tests' observers), which a compiled class forbids. Not the handler:
-# it awaits in exception handlers (docs/architecture.md). The exchange and the service are not
-# tried yet.
+# it awaits in exception handlers (docs/architecture.md). Not the exchange: its Tickets subclass
+# tuple, which mypyc cannot compile. Not the service: 1.4 % fewer instructions per pass-through,
+# and the tests replace its health probe on the class, which a compiled class forbids.
 # Not proxy/request/passthrough.py: its ExactHead subclasses aiohttp's StreamResponse, which
 # mypyc compiles into a class whose instances aiohttp's own __init__ then fails on
 # (SystemError). And mypyc cannot subclass ConnectionResetError, so ClientGone is in
