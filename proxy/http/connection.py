@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import select
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import IntEnum
 from typing import Final, cast
 
@@ -42,6 +42,11 @@ _CHUNKED_END = 4  # a chunked body and a head both end in CRLF CRLF after a visi
 # Request body bytes handed to the transport at a time: past its high-water mark the rest waits
 # for ``resume_writing``, so an upload to a slow reader holds about this much in the transport.
 WRITE_PIECE = 64 * 1024
+# A kept-alive connection the server closes sooner than this after its answer ended was not kept
+# alive: the server closes after every answer, whatever its headers said (llama.cpp's
+# llama-server says ``Keep-Alive: timeout=5`` and closes each stream's connection). Well below
+# any keep-alive timeout a server sets (uvicorn 5 s, gunicorn 2 s, nginx 75 s).
+EARLY_CLOSE = 1.0
 
 
 class ConnectionState(IntEnum):
@@ -78,9 +83,15 @@ class _Beyond(Exception):
 class UpstreamConnection(asyncio.Protocol):
     """One keep-alive socket to one origin (``key``: host, port, TLS name)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int, str | None]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        key: tuple[str, int, str | None],
+        closed_early: Callable[[tuple[str, int, str | None]], None] | None = None,
+    ) -> None:
         self.loop = loop
         self.key = key
+        self.closed_early = closed_early  # told when the server closes it just after an answer
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
@@ -186,6 +197,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._closed_by_server()
         self._enter_closed()
         if self.response is not None:
             self.response.on_close(clean=exc is None)
@@ -193,8 +205,20 @@ class UpstreamConnection(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         # The server is done with this connection: never hand it out again, whatever the
         # response in flight still delivers. Narrows the keep-alive race to the wire's delay.
+        self._closed_by_server()
         self._enter_closed()
         return None  # close our side too
+
+    def _closed_by_server(self) -> None:
+        """Pooled, and closed by the server (an abort here enters ``CLOSED`` first) within
+        ``EARLY_CLOSE`` of its answer's end: the pool is told."""
+        if (
+            self.state == IDLE
+            and self.idle_since
+            and self.closed_early is not None
+            and self.loop.time() - self.idle_since < EARLY_CLOSE
+        ):
+            self.closed_early(self.key)
 
     def data_received(self, data: bytes) -> None:
         response = self.response

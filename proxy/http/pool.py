@@ -5,7 +5,10 @@ A request is sent once: a failure is the caller's to retry or not (``retry_on``)
 never repeats one behind its back, with one exception: a safe request (GET, HEAD, OPTIONS,
 TRACE) on a reused connection that fails before any byte of an answer is sent once more on a
 fresh connection, as nginx and Go do (RFC 9110 §9.2.2): the server had closed that connection
-as the request went out. Connections to one origin are opened at most ``max_connecting`` at a
+as the request went out. An origin seen closing connections just after their answers while
+saying keep-alive (``EARLY_CLOSE``) gets only connections that have stayed open that long, until
+one does: the next request would often go out on a connection the server is closing, and a POST
+there is lost. Connections to one origin are opened at most ``max_connecting`` at a
 time; the rest wait in line for a freed turn or a connection released meanwhile. Failures are
 ``proxy.http.errors``' tree, under ``HTTPClientError``.
 """
@@ -21,7 +24,12 @@ from collections.abc import Mapping
 from multidict import CIMultiDict
 
 from proxy.core import Origin, parse_origin
-from proxy.http.connection import ConnectionState, UpstreamConnection, request_head
+from proxy.http.connection import (
+    EARLY_CLOSE,
+    ConnectionState,
+    UpstreamConnection,
+    request_head,
+)
 from proxy.http.errors import ClientClosed, ConnectFailed, ConnectTimeout, Disconnected
 from proxy.http.response import UpstreamResponse
 from proxy.observe import log_event
@@ -58,6 +66,8 @@ class ConnectionPool:
         self.connecting: dict[Key, int] = {}  # connects in progress per origin
         self._turns: dict[Key, deque[asyncio.Future[None]]] = {}  # waiting to connect, FIFO
         self.resent = 0  # safe requests sent once more after a reused connection failed
+        # Origins seen closing kept-alive connections within EARLY_CLOSE of an answer's end.
+        self.closers: set[Key] = set()
         self._origins: dict[str, Origin] = {}
         self._tls: ssl.SSLContext | None = None
         self._closed = False
@@ -108,6 +118,8 @@ class ConnectionPool:
                 await response.wait_head(first_byte if first_byte is not None else 86400.0)
             except Disconnected:
                 self._drop(connection)
+                if reused and not connection.answered:
+                    self._check_young(connection)
                 if not reused or connection.answered or method not in RESENDABLE:
                     raise
                 self.resent += 1
@@ -148,6 +160,8 @@ class ConnectionPool:
         if not idle:
             return None
         now = asyncio.get_running_loop().time()
+        if key in self.closers:
+            return self._take_settled(key, idle, now)
         while idle:
             connection = idle.pop()
             if now - connection.idle_since > self.keepalive or connection.stale():
@@ -155,6 +169,44 @@ class ConnectionPool:
                 continue
             return connection
         return None
+
+    def _take_settled(
+        self, key: Key, idle: list[UpstreamConnection], now: float
+    ) -> UpstreamConnection | None:
+        """For an origin that closes connections after their answers: the most recently pooled
+        connection that has stayed open ``EARLY_CLOSE`` since its answer; younger ones wait in
+        the pool (their server's close is seen there), the unfit are closed. One taken shows
+        the origin keeps connections alive again."""
+        settled = now - EARLY_CLOSE
+        i = len(idle)
+        while i:
+            i -= 1
+            connection = idle[i]
+            if now - connection.idle_since > self.keepalive or connection.stale():
+                del idle[i]
+                connection.abort()
+            elif connection.idle_since <= settled:
+                del idle[i]
+                self.closers.discard(key)
+                return connection
+        return None
+
+    def _closed_early(self, key: Key) -> None:
+        """A pooled connection to ``key`` was closed by its server just after its answer."""
+        if key not in self.closers:
+            self.closers.add(key)
+            log_event(
+                "upstream closes kept-alive connections",
+                host=key[0],
+                port=key[1],
+                reused_after=EARLY_CLOSE,
+            )
+
+    def _check_young(self, connection: UpstreamConnection) -> None:
+        """A reused connection failed before any byte of an answer: if its answer before had
+        ended within ``EARLY_CLOSE``, its server closed it just after that answer."""
+        if asyncio.get_running_loop().time() - connection.idle_since < EARLY_CLOSE:
+            self._closed_early(connection.key)
 
     async def _open(self, key: Key, origin: Origin, fresh: bool) -> tuple[UpstreamConnection, bool]:
         """In line for this origin's connects (FIFO): an idle connection released meanwhile,
@@ -226,7 +278,7 @@ class ConnectionPool:
         context = self._context() if origin.tls else None
         try:
             _, protocol = await loop.create_connection(
-                lambda: UpstreamConnection(loop, key),
+                lambda: UpstreamConnection(loop, key, self._closed_early),
                 host,
                 port,
                 ssl=context,

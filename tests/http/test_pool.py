@@ -17,7 +17,13 @@ from proxy.http import (
     Disconnected,
     UpstreamResponse,
 )
-from proxy.http.connection import WRITE_PIECE, ConnectionState, UpstreamConnection, _crlf_after_end
+from proxy.http.connection import (
+    EARLY_CLOSE,
+    WRITE_PIECE,
+    ConnectionState,
+    UpstreamConnection,
+    _crlf_after_end,
+)
 from proxy.http.errors import BadResponse, ConnectTimeout, ResponseTimeout
 from proxy.http.response import Mode, ResponseState
 
@@ -843,6 +849,87 @@ async def test_a_pooled_connection_whose_fin_is_already_queued_is_not_reused(
         assert body == b"ok", i
     assert (raw.connections, pool.resent) == (20, 0)  # never reused, never resent
     assert_nothing_held(pool)
+
+
+def closing_late(*, after: float, kept: Callable[[int], bool] = lambda n: False) -> Handler:
+    """A server that says keep-alive and closes each connection ``after`` seconds after its
+    answer, reading nothing more (llama-server's HTTP thread, slow to close on a busy machine);
+    connection ``n`` is kept alive if ``kept(n)``."""
+    answer = b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5, max=100\r\nContent-Length: 2\r\n\r\nok"
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+            if not kept(n):
+                await asyncio.sleep(after)
+                return  # Raw closes the connection
+
+    return handler
+
+
+async def test_an_origin_closing_connections_just_after_answers_gets_no_young_one(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    """Its FIN comes after the next request could go out on the connection: once the pool has
+    seen one such close, it reuses none of that origin's connections younger than
+    ``EARLY_CLOSE``, so POSTs sent right after each answer all go on fresh connections."""
+    raw, url = await serve(closing_late(after=0.05))
+    key = ("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
+    response = await post(pool, url)
+    assert await response.read(LIMIT) == b"ok"
+    pool.release(response)
+    await wait_until(lambda: key in pool.closers)  # the pooled connection closed 50 ms after
+    for i in range(20):
+        response = await post(pool, url)  # right after the last answer: no time to close
+        assert await response.read(LIMIT) == b"ok", i
+        pool.release(response)
+    assert (raw.connections, pool.resent) == (21, 0)
+    assert_nothing_held(pool)
+
+
+async def test_a_post_lost_on_a_connection_closed_just_after_its_answer_marks_the_origin(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    """The race itself: the request went out before the server's FIN came. It fails (a POST
+    is not sent again) and the origin is marked: the next one goes on a fresh connection."""
+    seen: list[bytes] = []
+    raw, url = await serve(dropping_the_second_request(seen))
+    await fetch(pool, url)
+    with pytest.raises(Disconnected):
+        await post(pool, url)
+    assert pool.closers == {("127.0.0.1", int(url.rsplit(":", 1)[1]), None)}
+    _, body = await fetch(pool, url)
+    assert (body, raw.connections) == (b"ok", 2)
+
+
+async def test_an_origin_seen_closing_early_is_reused_again_once_a_connection_stays_open(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    """Only its first connection closes after the answer; later ones are kept alive. A
+    connection that has stayed open ``EARLY_CLOSE`` is reused, and the origin's mark goes."""
+    raw, url = await serve(closing_late(after=0.0, kept=lambda n: n > 1))
+    key = ("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
+    await fetch(pool, url)
+    await wait_until(lambda: key in pool.closers)
+    await fetch(pool, url)  # connection 2
+    await fetch(pool, url)  # connection 3: 2 is too young to trust
+    assert raw.connections == 3
+    await asyncio.sleep(EARLY_CLOSE + 0.1)  # both stay open: settled
+    for _ in range(3):
+        await fetch(pool, url)  # a settled one, then the same one right away: unmarked
+    assert (raw.connections, pool.closers) == (3, set())
+
+
+async def test_an_origin_keeping_connections_alive_is_never_marked(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    raw, url = await serve(closing_late(after=0.0, kept=lambda n: True))
+    for _ in range(5):
+        await fetch(pool, url)
+    await pool.close()  # its own closes say nothing of the server
+    assert (raw.connections, pool.closers) == (1, set())
 
 
 # --- the connection's and the response's states ----------------------------------------------
