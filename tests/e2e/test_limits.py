@@ -22,6 +22,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.config.models import ClientTimeouts, Config, Listen, Route, single_upstream_config
+from proxy.server.connection import EveryPath, direct_route
 from proxy.server.process import Server
 from tests.support.rawhttp import parse_raw
 from tests.support.servers import Servers, serving
@@ -479,6 +480,59 @@ async def test_expect_is_never_forwarded(fake: Fake, n: int) -> None:
     assert len(children) == n
     for child in children:
         assert "Expect" not in child.headers
+
+
+@pytest.mark.parametrize("expect", [False, True], ids=["plain", "expect"])
+async def test_the_proxys_requests_skip_the_router_but_for_one_with_expect(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, expect: bool
+) -> None:
+    """The proxy app's one route is reached without aiohttp's router
+    (``proxy.server.connection.direct_route``), the app's ``on_response_prepare`` still run; a
+    request with ``Expect`` goes through the app, for its ``100 Continue``."""
+    routed: list[str] = []  # the clients' requests the router saw (the fake's have its host)
+    resolve = web.UrlDispatcher.resolve
+
+    async def counted(self: web.UrlDispatcher, request: web.Request) -> Any:
+        if request.host == "x":
+            routed.append(request.path)
+        return await resolve(self, request)
+
+    monkeypatch.setattr(web.UrlDispatcher, "resolve", counted)
+    headers = ("Expect: 100-continue",) if expect else ()
+    async with running(fake) as server:
+        for n in (1, 2):
+            body: dict[str, Any] = {"messages": [], "n": n}
+            answer = await exchange(server.proxy_port, json_request(CHAT, body, *headers))
+            assert answer.status == 200
+            assert len(orjson.loads(answer.body)["choices"]) == n
+            # The app's on_response_prepare ran: the proxy's Server header, but on a pass-through
+            server_header = UPSTREAM_SERVER if n == 1 else "n-proxy"
+            assert answer.headers["Server"] == server_header
+    assert routed == ([CHAT, CHAT] if expect else [])
+
+
+def test_only_an_app_of_one_every_path_route_without_middleware_is_routed_directly() -> None:
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        return await handler(request)  # type: ignore[no-any-return]
+
+    def app(*middlewares: Any, every: bool = True) -> web.Application:
+        made = web.Application(middlewares=middlewares)
+        if every:
+            resource = EveryPath("/")
+            made.router.register_resource(resource)
+            resource.add_route("*", handle)
+        else:
+            made.router.add_get("/livez", handle)  # as the admin app's routes
+        return made
+
+    assert direct_route(app(), handle) is not None
+    assert direct_route(app(middleware), handle) is None  # a middleware must see each request
+    assert direct_route(app(every=False), handle) is None
+    assert direct_route(None, handle) is None
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ import aiohttp.web_runner
 import aiohttp.web_server
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 PACKAGE = Path(__file__).resolve().parents[2] / "proxy"
 
@@ -54,6 +55,7 @@ AIOHTTP_INTERNALS = frozenset(
 PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     aiohttp.web_protocol.RequestHandler: (
         "_messages", "_request_in_progress", "_force_close", "_loop", "_current_request",
+        "_request_handler",
     ),
     aiohttp.web_runner.BaseSite: ("_runner", "_backlog", "_server"),
     web.StreamResponse: ("_write_headers",),
@@ -63,7 +65,11 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     aiohttp.http_writer.StreamWriter: ("chunked", "send_headers"),
     aiohttp.base_protocol.BaseProtocol: ("writing_paused",),
 }  # fmt: skip
-INSTANCE_MEMBERS = {web.StreamResponse: ("_req",), aiohttp.web_server.Server: ("_kwargs",)}
+INSTANCE_MEMBERS = {
+    web.StreamResponse: ("_req",),
+    aiohttp.web_server.Server: ("_kwargs",),
+    web.Request: ("_match_info",),
+}
 MEMBERS = frozenset(m for ms in (*PRIVATE_MEMBERS.values(), *INSTANCE_MEMBERS.values()) for m in ms)
 
 Sources = Mapping[str, str]  # module name -> its source
@@ -297,6 +303,7 @@ async def test_each_private_aiohttp_attribute_the_server_reads_is_still_set() ->
     made = {
         web.StreamResponse: web.StreamResponse(),
         aiohttp.web_server.Server: web.Server(nothing),
+        web.Request: make_mocked_request("GET", "/"),
     }
     for owner, members in INSTANCE_MEMBERS.items():
         for member in members:
