@@ -35,6 +35,7 @@ from proxy.core import (
 from proxy.http import HTTPClientError
 from proxy.observe import ChildRecord, RequestRecord
 from proxy.request.mailbox import Mailbox
+from proxy.request.passthrough import WholeAnswer
 from proxy.request.sink import client_sink
 from proxy.request.writer import merge
 from proxy.upstream import Exchange, Ticket, Tickets, UpstreamRequest, Upstreams, upstream_error
@@ -162,7 +163,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
     record = fanout.record
     record.usage, record.response_id, record.response_model = body_facts(stitched)
     record.finish_reasons = finish_reasons(stitched)
-    return web.Response(
+    return WholeAnswer(
         body=orjson.dumps(stitched),
         content_type="application/json",
         headers={"X-Request-Id": plan.parent_id},

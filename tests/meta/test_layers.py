@@ -59,6 +59,7 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     ),
     aiohttp.web_runner.BaseSite: ("_runner", "_backlog", "_server"),
     web.StreamResponse: ("_write_headers",),
+    web.Request: ("_prepare_hook",),
     web.PlainResource: ("_match",),
     # The concrete writer behind ``request.writer`` (an AbstractStreamWriter has neither) and
     # the handler's flow control, read by the client sink.
@@ -66,7 +67,7 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     aiohttp.base_protocol.BaseProtocol: ("writing_paused",),
 }  # fmt: skip
 INSTANCE_MEMBERS = {
-    web.StreamResponse: ("_req",),
+    web.StreamResponse: ("_req", "_keep_alive", "_eof_sent", "_body_length"),
     aiohttp.web_server.Server: ("_kwargs",),
     web.Request: ("_match_info",),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config.models import single_upstream_config
+from proxy.request.passthrough import WholeAnswer
 from proxy.server.app import IN_FLIGHT
 from tests.support.rawupstream import RawUpstream, exchange
 from tests.support.servers import Backend, Proxy, Servers
@@ -237,3 +239,91 @@ async def proxy_idle(proxy: Proxy) -> None:
     """Until the request's handler ended (its log line is written as it ends)."""
     async with asyncio.timeout(30):
         await proxy.app[IN_FLIGHT].wait_idle()
+
+
+# --- a whole answer leaves as aiohttp's own Response would -------------------------------------
+
+HOOKED = "X-Prepared"  # set by the app's on_response_prepare, as the proxy's Server header is
+
+
+@pytest.fixture
+async def both_answers() -> AsyncIterator[int]:
+    """An app answering ``/{whole|aiohttp}/{status}/{body}``: a ``WholeAnswer`` or aiohttp's own
+    ``web.Response``, with the same status, headers and body; its port."""
+    bodies = {"empty": (b"", {}), "typed": (b'{"a":1}', {"Content-Type": "application/json"}),
+              "bare": (b"x" * 300, {}), "served": (b"ok", {"Server": "upstream/1.0"})}  # fmt: skip
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        kind, status, name = (
+            request.match_info["kind"],
+            int(request.match_info["status"]),
+            (request.match_info["body"]),
+        )
+        body, headers = bodies[name]
+        made = WholeAnswer if kind == "whole" else web.Response
+        return made(status=status, body=body, headers={"X-Upstream": "yes", **headers})
+
+    async def hook(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[HOOKED] = response.headers.get("Content-Length", "none")
+
+    app = web.Application()
+    app.router.add_route("*", "/{kind}/{status}/{body}", answer)
+    app.on_response_prepare.append(hook)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    assert runner.addresses
+    yield int(runner.addresses[0][1])
+    await runner.cleanup()
+
+
+async def _kept_or_not(port: int, request: bytes, closing: bytes) -> tuple[bytes, bytes]:
+    """The answer to ``request``, then what came after it on that connection when ``closing``
+    (a request that asks for the close) was sent: its answer if the server kept the
+    connection, else nothing."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        async with asyncio.timeout(30):  # a bound, not a timing assertion
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(
+                line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ))  # fmt: skip
+            first = head + await reader.readexactly(length)
+            try:
+                writer.write(closing)
+                after = await reader.read()  # until the server's close
+            except ConnectionError:
+                after = b""
+            return first, after
+    finally:
+        writer.close()
+
+
+def _undated(answer: bytes) -> bytes:
+    return re.sub(rb"\r\nDate: [^\r]*", b"\r\nDate: -", answer)
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+@pytest.mark.parametrize("connection", [None, "close", "keep-alive"])
+@pytest.mark.parametrize("body", ["empty", "typed", "bare", "served"])
+@pytest.mark.parametrize("status", [200, 404, 503])
+async def test_a_whole_answer_leaves_byte_for_byte_as_aiohttps_response_would(
+    both_answers: int, version: str, connection: str | None, body: str, status: int
+) -> None:
+    """Same head (the date aside) and body, and the connection kept or closed alike, whatever
+    the request's HTTP version and Connection header."""
+    got = {}
+    for kind in ("whole", "aiohttp"):
+        request = f"GET /{kind}/{status}/{body} HTTP/{version}\r\nHost: x\r\n"
+        closing = (request + "Connection: close\r\n\r\n").encode()
+        if connection is not None:
+            request += f"Connection: {connection}\r\n"
+        first, after = await _kept_or_not(both_answers, (request + "\r\n").encode(), closing)
+        got[kind] = (_undated(first), _undated(after))
+    assert got["whole"] == got["aiohttp"]
+    first, after = got["whole"]
+    assert f" {status} ".encode() in first.split(b"\r\n", 1)[0]
+    assert f"\r\n{HOOKED}: ".encode() in first  # the app's hook ran before the head was written
