@@ -2,8 +2,8 @@
 (``max_connections``), a deadline for request headers (``client_timeouts.headers``), a prompt
 400 for HTTP/0.9, and OpenAI error bodies on the error pages aiohttp writes itself
 (``ErrorPages``, the admin listener's connections too); a request its parser refuses is counted
-and logged short. The one module, with ``proxy.request.passthrough``, that uses aiohttp's
-private members.
+and logged short; the proxy app's one route called without aiohttp's router. The one module,
+with ``proxy.request.passthrough``, that uses aiohttp's private members.
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ def _peer(transport: asyncio.BaseTransport) -> str | None:
 
 
 class Listener(web.BaseSite):
-    """A TCP listener whose connections ``connection(server, **options)`` makes."""
+    """A TCP listener whose connections ``connection(server, **options)`` makes; the proxy
+    app's requests reach its one route without the router (``direct_route``)."""
 
     __slots__ = ("_connection", "_host", "_port", "_reuse_port")
 
