@@ -8,7 +8,7 @@ import re
 
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
-from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.helpers import must_be_empty_body, rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion10, HttpVersion11
 from aiohttp.http_writer import _serialize_headers
 
@@ -65,7 +65,7 @@ async def _relay(
         record.bytes_out = len(data)
         if record.route != "other" and 200 <= status < 300:
             record.tail = data
-        return (WholeAnswer if whole(status) else web.Response)(
+        return WholeAnswer(
             status=status,
             reason=upstream_response.reason,
             headers=response_headers(upstream_response.headers),
@@ -97,24 +97,25 @@ async def _relay(
     return response
 
 
-def whole(status: int) -> bool:
-    """Whether an answer with this status has a body to send (``WholeAnswer``): not an interim
-    one, nor a 204 or 304."""
-    return status >= 200 and status != 204 and status != 304
-
-
 class WholeAnswer(web.Response):
-    """An answer with its whole body in hand (``whole`` status; never a HEAD's): head and body
-    leave in one write as aiohttp prepares it. aiohttp's own steps (prepare, then write_eof,
+    """An answer with its whole body in hand: head and body leave in one write as aiohttp
+    prepares it. aiohttp's own steps (prepare, then write_eof,
     each several coroutines deep) cost 5 % of a pass-through request's instructions. The head
     gets what those steps add (``Content-Length``, a ``Content-Type`` for a body without one,
     ``Date``, ``Server``, ``Connection`` as the request's keep-alive says), then the app's
-    ``on_response_prepare``; aiohttp's serialiser writes it, refusing a control character.
-    tests/meta/test_layers.py checks the internals it sets."""
+    ``on_response_prepare``; aiohttp's serialiser writes it, refusing a control character. An
+    answer that must have no body (to a HEAD or a CONNECT, a 1xx, 204 or 304) takes aiohttp's
+    steps. tests/meta/test_layers.py checks the internals it sets."""
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         body = self.body
-        if self.prepared or not isinstance(body, bytes) or self.cookies or self.compression:
+        if (
+            self.prepared
+            or not isinstance(body, bytes)
+            or self.cookies
+            or self.compression
+            or must_be_empty_body(request.method, self.status)
+        ):
             return await super().prepare(request)
         headers = self.headers
         headers[hdrs.CONTENT_LENGTH] = str(len(body))

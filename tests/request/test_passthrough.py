@@ -278,16 +278,18 @@ async def both_answers() -> AsyncIterator[int]:
     await runner.cleanup()
 
 
-async def _kept_or_not(port: int, request: bytes, closing: bytes) -> tuple[bytes, bytes]:
-    """The answer to ``request``, then what came after it on that connection when ``closing``
-    (a request that asks for the close) was sent: its answer if the server kept the
-    connection, else nothing."""
+async def _kept_or_not(
+    port: int, request: bytes, closing: bytes, bodiless: bool
+) -> tuple[bytes, bytes]:
+    """The answer to ``request`` (``bodiless``: its head alone), then what came after it on
+    that connection when ``closing`` (a request that asks for the close) was sent: its answer
+    if the server kept the connection, else nothing."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         async with asyncio.timeout(30):  # a bound, not a timing assertion
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(
+            length = 0 if bodiless else int(next(
                 line.split(b":", 1)[1] for line in head.split(b"\r\n")
                 if line.lower().startswith(b"content-length:")
             ))  # fmt: skip
@@ -309,19 +311,23 @@ def _undated(answer: bytes) -> bytes:
 @pytest.mark.parametrize("version", ["1.1", "1.0"])
 @pytest.mark.parametrize("connection", [None, "close", "keep-alive"])
 @pytest.mark.parametrize("body", ["empty", "typed", "bare", "served"])
-@pytest.mark.parametrize("status", [200, 404, 503])
+@pytest.mark.parametrize("status", [200, 204, 304, 404, 503])
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
 async def test_a_whole_answer_leaves_byte_for_byte_as_aiohttps_response_would(
-    both_answers: int, version: str, connection: str | None, body: str, status: int
+    both_answers: int, version: str, connection: str | None, body: str, status: int, method: str
 ) -> None:
     """Same head (the date aside) and body, and the connection kept or closed alike, whatever
-    the request's HTTP version and Connection header."""
+    the request's HTTP version and Connection header; an answer that must have no body (to a
+    HEAD, a 204 or 304) as aiohttp writes it."""
+    bodiless = method == "HEAD" or status in (204, 304)
     got = {}
     for kind in ("whole", "aiohttp"):
-        request = f"GET /{kind}/{status}/{body} HTTP/{version}\r\nHost: x\r\n"
+        request = f"{method} /{kind}/{status}/{body} HTTP/{version}\r\nHost: x\r\n"
         closing = (request + "Connection: close\r\n\r\n").encode()
         if connection is not None:
             request += f"Connection: {connection}\r\n"
-        first, after = await _kept_or_not(both_answers, (request + "\r\n").encode(), closing)
+        sent = (request + "\r\n").encode()
+        first, after = await _kept_or_not(both_answers, sent, closing, bodiless)
         got[kind] = (_undated(first), _undated(after))
     assert got["whole"] == got["aiohttp"]
     first, after = got["whole"]
