@@ -38,6 +38,7 @@ CROSSED = {"server", "request", "upstream", "http", "core", "observe"}
 # The request's await chain above the stream's writer: each wake-up of the writer resumes these
 # frames (that is how an await chain runs), though none of them is called per chunk.
 AWAIT_CHAIN = {
+    ("proxy.server.connection", "direct_route.<locals>.handle"),  # the app's one route
     ("proxy.server.generations", "Generations.handle"),
     ("proxy.request.handler", "Handler.handle"),
     ("proxy.request.handler", "Handler._dispatch"),
