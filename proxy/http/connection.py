@@ -209,16 +209,16 @@ class UpstreamConnection(asyncio.Protocol):
         self._enter_closed()
         return None  # close our side too
 
+    def just_answered(self, now: float) -> bool:
+        """Whether its last answer ended (and it was pooled) less than ``EARLY_CLOSE`` ago."""
+        return self.idle_since > 0.0 and now - self.idle_since < EARLY_CLOSE
+
     def _closed_by_server(self) -> None:
         """Pooled, and closed by the server (an abort here enters ``CLOSED`` first) within
         ``EARLY_CLOSE`` of its answer's end: the pool is told."""
-        if (
-            self.state == IDLE
-            and self.idle_since
-            and self.closed_early is not None
-            and self.loop.time() - self.idle_since < EARLY_CLOSE
-        ):
-            self.closed_early(self.key)
+        closed_early = self.closed_early
+        if self.state == IDLE and closed_early is not None and self.just_answered(self.loop.time()):
+            closed_early(self.key)
 
     def data_received(self, data: bytes) -> None:
         response = self.response

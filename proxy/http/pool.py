@@ -118,8 +118,13 @@ class ConnectionPool:
                 await response.wait_head(first_byte if first_byte is not None else 86400.0)
             except Disconnected:
                 self._drop(connection)
-                if reused and not connection.answered:
-                    self._check_young(connection)
+                if (
+                    reused
+                    and not connection.answered
+                    and connection.just_answered(connection.loop.time())
+                ):
+                    # Its server closed it just after the answer before: as a close seen idle.
+                    self._closed_early(connection.key)
                 if not reused or connection.answered or method not in RESENDABLE:
                     raise
                 self.resent += 1
@@ -164,7 +169,7 @@ class ConnectionPool:
             return self._take_settled(key, idle, now)
         while idle:
             connection = idle.pop()
-            if now - connection.idle_since > self.keepalive or connection.stale():
+            if self._unfit(connection, now):
                 connection.abort()
                 continue
             return connection
@@ -177,19 +182,22 @@ class ConnectionPool:
         connection that has stayed open ``EARLY_CLOSE`` since its answer; younger ones wait in
         the pool (their server's close is seen there), the unfit are closed. One taken shows
         the origin keeps connections alive again."""
-        settled = now - EARLY_CLOSE
         i = len(idle)
         while i:
             i -= 1
             connection = idle[i]
-            if now - connection.idle_since > self.keepalive or connection.stale():
+            if self._unfit(connection, now):
                 del idle[i]
                 connection.abort()
-            elif connection.idle_since <= settled:
+            elif not connection.just_answered(now):
                 del idle[i]
                 self.closers.discard(key)
                 return connection
         return None
+
+    def _unfit(self, connection: UpstreamConnection, now: float) -> bool:
+        """Idle past ``keepalive``, or closed or readable (``stale``): closed, never reused."""
+        return now - connection.idle_since > self.keepalive or connection.stale()
 
     def _closed_early(self, key: Key) -> None:
         """A pooled connection to ``key`` was closed by its server just after its answer."""
@@ -201,12 +209,6 @@ class ConnectionPool:
                 port=key[1],
                 reused_after=EARLY_CLOSE,
             )
-
-    def _check_young(self, connection: UpstreamConnection) -> None:
-        """A reused connection failed before any byte of an answer: if its answer before had
-        ended within ``EARLY_CLOSE``, its server closed it just after that answer."""
-        if asyncio.get_running_loop().time() - connection.idle_since < EARLY_CLOSE:
-            self._closed_early(connection.key)
 
     async def _open(self, key: Key, origin: Origin, fresh: bool) -> tuple[UpstreamConnection, bool]:
         """In line for this origin's connects (FIFO): an idle connection released meanwhile,
