@@ -1,7 +1,10 @@
 """The 20-line aiohttp forwarder, a contender: what a plain aiohttp reverse proxy costs. ``--lean``:
-the same on n-proxy's own upstream client, bodies read whole (the floor under n-proxy)."""
+the same on n-proxy's own upstream client, bodies read whole (aiohttp's server and that client).
+``--floor``: that client behind a bare httptools protocol, no server framework at all: the least
+any Python proxy on n-proxy's client pays per request."""
 
 import argparse
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -51,6 +54,79 @@ def build_lean(upstream: str) -> web.Application:
     return _app(forward, ConnectionPool)
 
 
+class Floor(asyncio.Protocol):
+    """One client connection, parsed by httptools; each request forwarded whole on n-proxy's
+    pool, answered in one write, in the order the requests came (``_forward`` waits for the one
+    before it)."""
+
+    def __init__(self, pool: Any, upstream: str) -> None:
+        import httptools
+
+        self.pool, self.upstream = pool, upstream
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url, self.headers, self.body = b"", dict[str, str](), bytearray()
+        self.last: asyncio.Task[None] | None = None  # the answer before the next one's
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except Exception:  # httptools' parse errors: a 400, then the connection is closed
+            if self.transport is not None:
+                self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                self.transport.close()
+
+    def on_message_begin(self) -> None:
+        self.url, self.headers, self.body = b"", {}, bytearray()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.decode().lower() not in HOP:
+            self.headers[name.decode()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        method, keep = self.parser.get_method().decode(), self.parser.should_keep_alive()
+        sent = (method, self.url.decode(), self.headers, bytes(self.body))
+        self.last = asyncio.get_running_loop().create_task(self._forward(self.last, keep, *sent))
+
+    async def _forward(self, before: Any, keep: bool, *sent: Any) -> None:
+        answer = await self.pool.request(self.upstream, *sent, connect=5.0, first_byte=60.0,
+                                         idle=60.0)  # fmt: skip
+        try:
+            body = await answer.read(1 << 26)
+        finally:
+            self.pool.release(answer)
+        head = [f"HTTP/1.1 {answer.status} {answer.reason}"]
+        head += [f"{k}: {v}" for k, v in answer.headers.items() if k.lower() not in HOP]
+        head += [f"Content-Length: {len(body)}", *(["Connection: close"] * (not keep)), "", ""]
+        if before is not None:
+            await before
+        if self.transport is not None:
+            self.transport.write("\r\n".join(head).encode("latin-1") + body)
+            if not keep:
+                self.transport.close()
+
+
+async def serve_floor(upstream: str, port: int) -> None:
+    from proxy.http import ConnectionPool
+
+    pool = ConnectionPool()
+    loop = asyncio.get_running_loop()
+    await loop.create_server(lambda: Floor(pool, upstream), "127.0.0.1", port, backlog=4096)
+    await asyncio.Event().wait()  # until killed
+
+
 def _app(forward: Any, client: Any) -> web.Application:
     """Every path to ``forward``; ``client()`` made at start-up as ``app["client"]``, closed at
     the end (aiohttp's session and n-proxy's pool both have an async ``close``)."""
@@ -71,8 +147,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--lean", action="store_true", help="n-proxy's client, whole bodies")
+    parser.add_argument("--floor", action="store_true", help="that behind httptools alone")
     args = parser.parse_args()
     on_uvloop()
+    if args.floor:
+        asyncio.run(serve_floor(args.upstream, args.port))
+        return
     app = (build_lean if args.lean else build)(args.upstream)
     web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None, backlog=4096)
 

@@ -126,12 +126,15 @@ def start_proxy(
     return fleet.launch(name, argv, env=env, cwd=checkout, tree=workers > 1)
 
 
-def start_forwarder(fleet: Fleet, upstream: Server, *, lean: bool = False) -> Server:
-    """The 20-line aiohttp forwarder (``bench/forwarder.py``), plain aiohttp; ``lean``: the same
-    forwarder on n-proxy's own upstream client (``--lean``)."""
+FORWARDERS = {"": "aiohttp forwarder", "lean": "lean forwarder", "floor": "httptools floor"}
+
+
+def start_forwarder(fleet: Fleet, upstream: Server, kind: str = "") -> Server:
+    """The 20-line aiohttp forwarder (``bench/forwarder.py``), plain aiohttp; ``kind`` "lean":
+    the same forwarder on n-proxy's own upstream client (``--lean``); "floor": that client behind
+    a bare httptools protocol (``--floor``)."""
     argv = [sys.executable, "-m", "bench.forwarder", "--upstream", upstream.url]
-    name = "lean forwarder" if lean else "aiohttp forwarder"
-    return fleet.launch(name, argv + ["--lean"] * lean)
+    return fleet.launch(FORWARDERS[kind], argv + [f"--{kind}"] * bool(kind))
 
 
 def start_pacer(fleet: Fleet, step: float, name: str, kind: str = "native") -> Server:

@@ -1,8 +1,8 @@
 """n=1 pass-through, non-streaming, at fixed concurrency: every contender in each round, direct to
 the upstream as the limit. ``passthrough`` runs in front of the demo backend; ``wire`` in front of
 a canned upstream that costs next to nothing (nginx's ``return``, else ``python -m bench.pacer``),
-with the lean forwarder and n-proxy fan-out n=4 too. SGLang's Rust gateways (sglang-router, smg)
-run in both, when installed. ``measure`` is every closed loop's."""
+with the lean forwarder, the httptools floor and n-proxy fan-out n=4 too. SGLang's Rust gateways
+(sglang-router, smg) run in both, when installed. ``measure`` is every closed loop's."""
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,7 +22,8 @@ from bench.workload import HEADERS, Request, chat_request
 
 DIRECT = "direct"
 FORWARDER = "aiohttp forwarder"
-LEAN = "lean forwarder"  # the aiohttp forwarder on n-proxy's own client: the floor under n-proxy
+LEAN = "lean forwarder"  # the aiohttp forwarder on n-proxy's own client: aiohttp's server and it
+FLOOR = "httptools floor"  # n-proxy's client behind a bare httptools protocol: no server framework
 FANOUT_N = 4  # wire: each n-proxy a second time, as a contender sent n = FANOUT_N
 FANOUT = f"{PROXY} n={FANOUT_N}"
 HEADLINE = 16  # the concurrency the goals are stated at
@@ -160,7 +161,8 @@ def baseline_table(summary: Sequence[Row]) -> list[str]:
 
 def _run(ctx: Context, upstream: Server, wire: bool = False) -> Row:
     """Every contender in front of ``upstream``: the demo backend, with n-proxy --workers and
-    LiteLLM, or (``wire``) the canned upstream, with the lean forwarder and the fan-out too."""
+    LiteLLM, or (``wire``) the canned upstream, with the lean forwarder, the httptools floor and
+    the fan-out too."""
     fleet, work, tools, count = ctx.fleet, ctx.work, ctx.tools, ctx.options.workers
     contenders = {DIRECT: upstream}
     if tools.nginx:
@@ -168,7 +170,9 @@ def _run(ctx: Context, upstream: Server, wire: bool = False) -> Row:
     if ctx.wants("forwarder"):
         contenders[FORWARDER] = stack.start_forwarder(fleet, upstream)
     if wire and ctx.wants("lean"):
-        contenders[LEAN] = stack.start_forwarder(fleet, upstream, lean=True)
+        contenders[LEAN] = stack.start_forwarder(fleet, upstream, "lean")
+    if wire and ctx.wants("floor"):
+        contenders[FLOOR] = stack.start_forwarder(fleet, upstream, "floor")
     proxies = ctx.proxies(upstream.url)
     fanouts = {f"{label} n={FANOUT_N}": server for label, server in proxies.items()} if wire else {}
     contenders |= proxies | fanouts
@@ -179,7 +183,7 @@ def _run(ctx: Context, upstream: Server, wire: bool = False) -> Row:
         contenders["litellm"] = stack.start_litellm(fleet, work, tools.litellm, upstream)
     for kind, binary in tools.gateways.items():
         contenders[kind] = stack.start_gateway(fleet, kind, binary, upstream)
-    up = ctx.ready(contenders, {"nginx", FORWARDER, LEAN, workers, "litellm", *GATEWAYS})
+    up = ctx.ready(contenders, {"nginx", FORWARDER, LEAN, FLOOR, workers, "litellm", *GATEWAYS})
     data = measure(ctx, up, lambda name, case: chat_request(FANOUT_N if name in fanouts else 1))
     return {"upstream": upstream.name, **data, "summary": summarize(data["runs"])}
 
@@ -209,6 +213,12 @@ def _render(data: Row) -> list[str]:
         ("n-proxy pass-through CPU/req over nginx's", cpu(PROXY, "nginx")),
         ("n-proxy pass-through CPU/req over the lean forwarder's", cpu(PROXY, LEAN)),
         ("lean forwarder req/s over the aiohttp forwarder's", rps(LEAN, FORWARDER)),
+        ("n-proxy pass-through CPU/req over the httptools floor's", cpu(PROXY, FLOOR)),
+        ("lean forwarder CPU/req over the httptools floor's", cpu(LEAN, FLOOR)),
+        *[
+            (f"httptools floor CPU/req over sglang-router's (c={c})", cpu(FLOOR, SGL, c=c))
+            for c in levels
+        ],
         ("n-proxy req/s over nginx's", rps(PROXY, "nginx")),
         (f"fan-out n={n} CPU per child over pass-through CPU/req", cpu(FANOUT, PROXY, n)),
         (f"fan-out n={n} CPU per child over the forwarder's CPU/req", cpu(FANOUT, FORWARDER, n)),

@@ -120,7 +120,14 @@ def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: Bench
     results = bench_env.smoke(tmp_path, "wire")
     data = results["wire"]
     served = {row["target"]: row for row in data["runs"]}
-    expected = {"direct", "aiohttp forwarder", "lean forwarder", "n-proxy", "n-proxy n=4"}
+    expected = {
+        "direct",
+        "aiohttp forwarder",
+        "lean forwarder",
+        "httptools floor",
+        "n-proxy",
+        "n-proxy n=4",
+    }
     assert expected <= set(served) <= expected | INSTALLED
     for name, row in served.items():
         assert row["requests"] > 0, name
