@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import logging
+import random
 import re
 import warnings
 from collections.abc import Iterator
@@ -47,6 +48,23 @@ def setup(fmt: str, out: io.StringIO) -> None:
     log.setup_logging(fmt)
     assert log._direct is not None
     log._direct[0].setStream(out)
+
+
+def test_times_in_the_line_are_milliseconds_to_the_microsecond() -> None:
+    """``_ms`` and the JSON line's ``ts`` round with integers, not to digits: the same value as
+    ``round(x, 3)`` but where a half microsecond falls, never more than three decimals."""
+    rng = random.Random(38)
+    samples = [0.0, 1e-7, 0.0004996, 0.001, 0.1234565, 59.9999996, 3600.000001]
+    samples += [rng.uniform(0, 120) for _ in range(2000)] + [
+        rng.expovariate(1e4) for _ in range(2000)
+    ]
+    for seconds in samples:
+        ms = log._ms(seconds)
+        assert abs(ms - round(seconds * 1000, 3)) <= 0.001 + 1e-9, seconds
+        assert abs(ms - seconds * 1000) <= 0.0005 + 1e-9, seconds
+        assert len(repr(ms).partition(".")[2]) <= 3, (seconds, ms)
+    line = json.loads(log._JsonFormatter().line(1733400000.1234567, "info", "request", {}))
+    assert line["ts"] == 1733400000.123
 
 
 def test_json_request_line_holds_its_fields(stream: io.StringIO) -> None:
