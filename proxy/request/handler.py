@@ -188,15 +188,15 @@ class Handler:
     async def _read_body(self, request: web.Request) -> bytes | web.StreamResponse:
         """The whole request body, or the answer that ends the request instead (413, 408)."""
         config = self.config
+        content = request.content
         try:
-            if request.content.is_eof():  # the whole body came with the head: nothing to wait for
-                return await request.read()
+            if content.is_eof():  # the whole body came with the head: taken as it lies
+                body = content.read_nowait()
+                return body if len(body) <= config.max_body_bytes else _too_large(config)
             async with asyncio.timeout(config.client_timeouts.body):
                 return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(
-                BodyTooLarge(f"request body is larger than {config.max_body_bytes} bytes")
-            )
+        except web.HTTPRequestEntityTooLarge:  # request.read()'s cap: the app's client_max_size
+            return _too_large(config)
         except HttpProcessingError as exc:  # its framing is broken: a bad chunk size, say
             self.client_errors.record(kind_of(exc), type(exc).__name__, request.remote)
             message = f"malformed request body: {exc.message[:200]}"
@@ -265,6 +265,12 @@ class Handler:
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
         return parsed if isinstance(parsed, dict) else None
+
+
+def _too_large(config: Config) -> web.Response:
+    return error_response(
+        BodyTooLarge(f"request body is larger than {config.max_body_bytes} bytes")
+    )
 
 
 async def _answer_and_close(request: web.Request, exc: ProxyError) -> web.Response:

@@ -270,6 +270,25 @@ async def test_fanout_inflates_the_body_and_children_get_plain_json(
         assert "Content-Encoding" not in child.headers
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/embeddings"])
+async def test_a_body_that_came_with_its_head_is_capped_at_max_body_bytes_exactly(
+    fake: Fake, path: str
+) -> None:
+    """A small body arrives in the head's packet and is taken as it lies, not read: the cap
+    holds there too, at the byte, on a fan-out path and a passed-through one alike."""
+    limit = 64
+    at_limit = b'{"n": 2, "messages": [], "pad": "' + b"x" * (limit - 35) + b'"}'
+    assert len(at_limit) == limit
+    async with running(fake, max_body_bytes=limit) as server:
+        over = await exchange(server.proxy_port, json_request(path, at_limit + b" "))
+        assert over.status == 413
+        assert f"larger than {limit} bytes" in over.error()["message"]
+        assert fake.seen == []
+        whole = await exchange(server.proxy_port, json_request(path, at_limit))
+        assert whole.status == 200
+    assert {s.path for s in fake.seen} == {path}  # the body at the limit went upstream
+
+
 async def test_gzip_bomb_on_a_fanout_path_is_413_and_never_inflated_whole(fake: Fake) -> None:
     bomb = gzip.compress(b'{"n": 2, "pad": "' + b"0" * (32 << 20) + b'"}')
     async with running(fake, max_body_bytes=1 << 20) as server:
