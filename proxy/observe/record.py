@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from time import perf_counter  # not loop.time(): uvloop's has millisecond steps
 from typing import TYPE_CHECKING, Any
 
+from mypy_extensions import mypyc_attr
+
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the tracing, the log line, the tests' own
 class Observer:
     """What watches requests: one method per step, each called once the record holds the step's
     facts. Every method does nothing here; only those a subclass overrides are called."""

@@ -121,7 +121,8 @@ class Fanout:
         return self.upstreams.exchange(ticket, request, self.children[pos])
 
     async def cancel(self, tasks: Sequence[asyncio.Future[Any]]) -> None:
-        self.record.aborted += await _cancel_all(tasks)
+        aborted = await _cancel_all(tasks)  # not `+= await`: mypyc fails on it (a record's
+        self.record.aborted += aborted  # attribute read, then held across the suspension)
 
 
 async def respond_json(fanout: Fanout) -> web.Response:

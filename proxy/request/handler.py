@@ -199,13 +199,14 @@ class Handler:
             return _too_large(config)
         except HttpProcessingError as exc:  # its framing is broken: a bad chunk size, say
             self.client_errors.record(kind_of(exc), type(exc).__name__, request.remote)
-            message = f"malformed request body: {exc.message[:200]}"
-            return await _answer_and_close(request, InvalidRequest(message))
+            refused: ProxyError = InvalidRequest(f"malformed request body: {exc.message[:200]}")
         except TimeoutError:
             seconds = config.client_timeouts.body
             self.metrics.client_timeouts.labels("body").inc()
-            message = f"request body not received within {seconds} s"
-            return await _answer_and_close(request, RequestTimeout(message))
+            refused = RequestTimeout(f"request body not received within {seconds} s")
+        # Answered after the handler, not in it: compiled, a handler must not suspend
+        # (docs/architecture.md#working-on-a-compiled-module).
+        return await _answer_and_close(request, refused)
 
     def _decide(
         self, request: web.Request, endpoint: Endpoint | None, body: bytes, record: RequestRecord
