@@ -37,12 +37,9 @@ CHILDREN = 3
 CROSSED = {"server", "request", "upstream", "http", "core", "observe"}
 # The request's await chain above the stream's writer: each wake-up of the writer resumes these
 # frames (that is how an await chain runs), though none of them is called per chunk.
-AWAIT_CHAIN = {
+AWAIT_CHAIN = {  # the handler's own frames are compiled (setup.py): only these two are Python
     ("proxy.server.connection", "direct_route.<locals>.handle"),  # the app's one route
     ("proxy.server.generations", "Generations.handle"),
-    ("proxy.request.handler", "Handler.handle"),
-    ("proxy.request.handler", "Handler._dispatch"),
-    ("proxy.request.handler", "Handler._fan_out"),
 }
 # Into the upstream layer, per request and per child (dunder methods are the ``async with`` of
 # the object an entry returned, not entries of their own).
