@@ -89,8 +89,9 @@ class Floor(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.decode().lower() not in HOP:
-            self.headers[name.decode()] = value.decode("latin-1")
+        key = name.decode()
+        if key.lower() not in HOP:
+            self.headers[key] = value.decode("latin-1")
 
     def on_body(self, body: bytes) -> None:
         self.body += body
