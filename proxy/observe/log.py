@@ -154,13 +154,10 @@ def log_enabled() -> bool:
     return logger.isEnabledFor(logging.INFO)
 
 
-def log_request(**fields: Any) -> None:
+def log_request(fields: dict[str, Any]) -> None:
     """The per-request line (its fields are listed in docs/operating.md#logs)."""
-    if logger.isEnabledFor(logging.INFO):
-        _request_line(fields)
-
-
-def _request_line(fields: dict[str, Any]) -> None:
+    if not logger.isEnabledFor(logging.INFO):
+        return
     direct = _direct
     handlers = logger.handlers
     if direct is not None and len(handlers) == 1 and handlers[0] is direct[0]:
@@ -182,7 +179,7 @@ class RequestLine(Observer):
         usage = record.usage
         first_chunk = record.first_chunk
         headers = record.headers
-        _request_line({
+        log_request({
             "request_id": record.request_id or logged_id(headers),
             "trace_id": record.trace_id or _incoming_trace_id(headers),
             "client": record.client,

@@ -69,7 +69,8 @@ def test_times_in_the_line_are_milliseconds_to_the_microsecond() -> None:
 
 def test_json_request_line_holds_its_fields(stream: io.StringIO) -> None:
     setup("json", stream)
-    log.log_request(request_id="r1", status=200, duration_ms=0.123)  # outside a loop: at once
+    # Outside a loop: written at once.
+    log.log_request({"request_id": "r1", "status": 200, "duration_ms": 0.123})
     log.log_event("started", port=8080)  # through logging, as every other event
     request, event = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert {k: request[k] for k in ("level", "msg", "request_id", "status", "duration_ms")} == {
@@ -84,7 +85,7 @@ def test_json_request_line_holds_its_fields(stream: io.StringIO) -> None:
 
 def test_text_request_line_reads_like_logging_s_own(stream: io.StringIO) -> None:
     setup("text", stream)
-    log.log_request(request_id="r1", status=200)
+    log.log_request({"request_id": "r1", "status": 200})
     log.log_event("started", port=8080)
     stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
     request, event = stream.getvalue().splitlines()
@@ -98,7 +99,7 @@ def test_another_handler_gets_the_request_line_through_logging(stream: io.String
     extra = logging.Handler()
     extra.emit = records.append  # type: ignore[method-assign,assignment]
     log.logger.addHandler(extra)
-    log.log_request(request_id="r2", status=404)
+    log.log_request({"request_id": "r2", "status": 404})
     assert [r.getMessage() for r in records] == ["request"]
     assert records[0].fields == {"request_id": "r2", "status": 404}  # type: ignore[attr-defined]
     assert json.loads(stream.getvalue())["request_id"] == "r2"
@@ -157,10 +158,10 @@ FORGED = "\n2030-01-01 00:00:00,000 info request request_id=admin status=200"
 
 def test_text_format_escapes_what_a_client_chose(stream: io.StringIO) -> None:
     setup("text", stream)
-    log.log_request(
-        path="/v1/models" + FORGED, model="m x=1", request_id='r"1\\', status=200, n=1,
-        replica="\u2028\x1b[31m", upstream="",
-    )  # fmt: skip
+    log.log_request({
+        "path": "/v1/models" + FORGED, "model": "m x=1", "request_id": 'r"1\\', "status": 200,
+        "n": 1, "replica": "\u2028\x1b[31m", "upstream": "",
+    })  # fmt: skip
     log.log_event("event" + FORGED, field="\r\t")
     request, event = stream.getvalue().splitlines()  # two records, two lines
     assert re.fullmatch(
@@ -186,7 +187,7 @@ def test_log_level_gates_the_request_line(
     assert log._direct is not None
     log._direct[0].setStream(stream)
     assert log.log_enabled() is requests_logged
-    log.log_request(request_id="r")
+    log.log_request({"request_id": "r"})
     logging.getLogger("aiohttp.server").warning("a warning")
     assert [line["msg"] for line in parsed(stream)] == ["request"] * requests_logged + ["a warning"]
 
