@@ -50,8 +50,11 @@ COMPILED = [
     "proxy/request/handler.py",
     "proxy/observe/record.py",
     "proxy/observe/meter.py",
+    # The request's log line, built from its record: 1.6 % fewer instructions per pass-through.
+    "proxy/observe/line.py",
 ]
-# Not proxy/observe/log.py: its handler and formatters subclass the logging module's classes.
+# Not proxy/observe/log.py: its handler and formatters subclass the logging module's classes
+# (the request line it writes is proxy/observe/line.py's).
 # Not the exchange: its Tickets subclass tuple, which mypyc cannot compile. Not the service:
 # 1.4 % fewer instructions per pass-through, and the tests replace its health probe on the
 # class, which a compiled class forbids.

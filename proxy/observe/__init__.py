@@ -4,7 +4,8 @@ census of what it holds.
 
 from proxy.observe.census import Census, UpstreamCensus
 from proxy.observe.clienterrors import ClientErrors, kind_of, lacks_version
-from proxy.observe.log import LEVELS, RequestLine, log_event, logger, setup_logging
+from proxy.observe.line import RequestLine
+from proxy.observe.log import LEVELS, log_event, logger, setup_logging
 from proxy.observe.meter import RequestMetrics
 from proxy.observe.metrics import MULTIPROCESS, Metrics
 from proxy.observe.record import ChildRecord, LargeRequest, Observer, Observers, RequestRecord

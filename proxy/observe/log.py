@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import time
-from collections.abc import Mapping
-from itertools import count
 from typing import Any, Literal
 
 import orjson
-
-from proxy.observe.record import Observer, RequestRecord
 
 logger = logging.getLogger("n_proxy")
 LEVELS = ("debug", "info", "warning", "error")
@@ -167,66 +162,6 @@ def log_request(fields: dict[str, Any]) -> None:
         handler.add(formatter.line(time.time(), "info", "request", fields))
     else:
         logger.info("request", extra={"fields": fields})
-
-
-class RequestLine(Observer):
-    """The request's line at its end, from its record: ids, where it went, sizes, times, tokens
-    (fields in the README, Operating)."""
-
-    def ended(self, record: RequestRecord) -> None:
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        usage = record.usage
-        first_chunk = record.first_chunk
-        headers = record.headers
-        log_request({
-            "request_id": record.request_id or logged_id(headers),
-            "trace_id": record.trace_id or _incoming_trace_id(headers),
-            "client": record.client,
-            "method": record.method,
-            "path": record.path,
-            "route": record.route,
-            "model": record.model,
-            "upstream": record.upstream,
-            "replica": record.replicas(),
-            "n": record.n,
-            "children": len(record.children) if record.fanned_out else 0,
-            "children_aborted": record.aborted,
-            "retries": record.retries,
-            "status": record.status,
-            "bytes_in": record.bytes_in,
-            "bytes_out": record.bytes_out,
-            "duration_ms": _ms(record.ended_at - record.started),
-            "ttft_ms": _ms(first_chunk) if first_chunk is not None else None,
-            "prompt_tokens": usage.get("prompt_tokens") if usage else None,
-            "completion_tokens": usage.get("completion_tokens") if usage else None,
-        })  # fmt: skip
-
-
-def _ms(seconds: float) -> float:
-    """Milliseconds to the microsecond: ``round(seconds * 1000, 3)`` at a third of its cost
-    (a float rounded to digits goes through its decimal string)."""
-    return round(seconds * 1e6) / 1000
-
-
-# The line's request id when the client sent none: unique per process, cheap per request.
-_ID_PREFIX = os.urandom(6).hex()
-_ids = count(1)
-
-
-def logged_id(headers: Mapping[str, str]) -> str:
-    """The client's id, else one of the proxy's own (never sent upstream: a pass-through sends
-    exactly the client's request)."""
-    incoming = headers.get("X-Request-Id")
-    return incoming[:200] if incoming is not None else f"{_ID_PREFIX}-{next(_ids):x}"
-
-
-def _incoming_trace_id(headers: Mapping[str, str]) -> str | None:
-    """The client's W3C trace id, logged even with tracing off, for finding the request."""
-    parent = headers.get("traceparent")
-    if parent is None or len(parent) < 55 or parent[2] != "-":
-        return None
-    return parent[3:35]
 
 
 def log_event(message: str, level: Level = "info", /, **fields: Any) -> None:

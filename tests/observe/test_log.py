@@ -23,6 +23,7 @@ from proxy.cli import _config, _parser
 from proxy.config.models import ClientTimeouts, Listen, single_upstream_config
 from proxy.observe import log
 from proxy.observe.clienterrors import LINES_PER_SECOND
+from proxy.observe.line import ms as line_ms
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
 from proxy.server.process import Server
 from tests.support.servers import Backend
@@ -51,15 +52,16 @@ def setup(fmt: str, out: io.StringIO) -> None:
 
 
 def test_times_in_the_line_are_milliseconds_to_the_microsecond() -> None:
-    """``_ms`` and the JSON line's ``ts`` round with integers, not to digits: the same value as
-    ``round(x, 3)`` but where a half microsecond falls, never more than three decimals."""
+    """The line's times (``proxy.observe.line.ms``) and the JSON line's ``ts`` round with
+    integers, not to digits: the same value as ``round(x, 3)`` but where a half microsecond
+    falls, never more than three decimals."""
     rng = random.Random(38)
     samples = [0.0, 1e-7, 0.0004996, 0.001, 0.1234565, 59.9999996, 3600.000001]
     samples += [rng.uniform(0, 120) for _ in range(2000)] + [
         rng.expovariate(1e4) for _ in range(2000)
     ]
     for seconds in samples:
-        ms = log._ms(seconds)
+        ms = line_ms(seconds)
         assert abs(ms - round(seconds * 1000, 3)) <= 0.001 + 1e-9, seconds
         assert abs(ms - seconds * 1000) <= 0.0005 + 1e-9, seconds
         assert len(repr(ms).partition(".")[2]) <= 3, (seconds, ms)
