@@ -46,24 +46,30 @@ from proxy.upstream import Upstreams
 
 
 class Requests:
-    """A count of requests being handled, and a wait until there are none."""
+    """A count of requests being handled, and a wait until there are none. The event is
+    touched only while someone waits: a request pays for two integer steps alone."""
 
     def __init__(self) -> None:
         self.requests = 0
+        self._waiting = 0
         self._idle = asyncio.Event()
-        self._idle.set()
 
     def enter(self) -> None:
         self.requests += 1
-        self._idle.clear()
 
     def leave(self) -> None:
         self.requests -= 1
-        if self.requests == 0:
+        if self.requests == 0 and self._waiting:
             self._idle.set()
 
     async def wait_idle(self) -> None:
-        await self._idle.wait()
+        self._waiting += 1
+        try:
+            while self.requests:
+                self._idle.clear()
+                await self._idle.wait()
+        finally:
+            self._waiting -= 1
 
 
 class InFlight(Requests):
