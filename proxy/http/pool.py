@@ -164,7 +164,7 @@ class ConnectionPool:
         idle = self._idle.get(key)
         if not idle:
             return None
-        now = asyncio.get_running_loop().time()
+        now = idle[-1].loop.time()  # not asyncio.get_running_loop(): a getpid(2) per call on 3.11
         if key in self.closers:
             return self._take_settled(key, idle, now)
         while idle:
@@ -313,7 +313,7 @@ class ConnectionPool:
         ):
             pool = self._idle.setdefault(connection.key, [])
             if len(pool) < self.max_idle_per_origin:
-                connection.park(asyncio.get_running_loop().time())
+                connection.park(connection.loop.time())
                 pool.append(connection)
                 if connection.key in self._turns:
                     self._pass_turn(connection.key)  # the first in line takes it
