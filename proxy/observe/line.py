@@ -1,20 +1,79 @@
 """The per-request log line, built from the request's record (its fields are listed in
-docs/operating.md#logs); compiled, as every request pays for it. Writing it is
-``proxy.observe.log``'s.
+docs/operating.md#logs), and the JSON line every log record becomes; compiled, as every request
+pays for them. The handler that writes them and the text format are ``proxy.observe.log``'s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from itertools import count
 from typing import Any
 
-from proxy.observe.log import log_request, logger
+import orjson
+
 from proxy.observe.record import Observer, RequestRecord
 
+logger = logging.getLogger("n_proxy")
 _INFO = logging.INFO
+Format = Callable[[float, str, str, dict[str, Any]], str]  # (created, level, message, fields)
+
+
+class Direct:
+    """The proxy's own handler and its format, set by ``proxy.observe.log.setup_logging``:
+    while it is the logger's only handler, a request line is handed to it at once, without a
+    ``LogRecord`` and its caller lookup."""
+
+    def __init__(self, handler: Any, line: Format) -> None:
+        self.handler = handler  # proxy.observe.log's _BatchingHandler: add(line) writes a line
+        self.line = line  # the format's line: json_line, or the text formatter's
+        self.json = line is json_line
+
+    def write(self, fields: dict[str, Any]) -> None:
+        created = time.time()
+        if self.json:
+            # json_line's object, spliced rather than merged into a copy of the fields: the
+            # request line's names are its own, none of them "ts", "level" or "msg".
+            head = b'{"ts":' + orjson.dumps(round(created * 1000) / 1000) + _REQUEST
+            body = orjson.dumps(fields, default=str)  # default: as json_line's
+            self.handler.add((head + (b"," + body[1:] if len(body) > 2 else b"}")).decode())
+        else:
+            self.handler.add(self.line(created, "info", "request", fields))
+
+
+_REQUEST = b',"level":"info","msg":"request"'
+
+
+_direct: Direct | None = None
+
+
+def write_directly(direct: Direct | None) -> None:
+    global _direct
+    _direct = direct
+
+
+def log_request(fields: dict[str, Any]) -> None:
+    """The per-request line (its fields are listed in docs/operating.md#logs)."""
+    if logger.isEnabledFor(_INFO):
+        _write(fields)
+
+
+def _write(fields: dict[str, Any]) -> None:
+    direct = _direct
+    handlers = logger.handlers
+    if direct is not None and len(handlers) == 1 and direct.handler is handlers[0]:
+        direct.write(fields)
+    else:
+        logger.info("request", extra={"fields": fields})
+
+
+def json_line(created: float, level: str, message: str, fields: dict[str, Any]) -> str:
+    line: dict[str, Any] = {"ts": round(created * 1000) / 1000, "level": level, "msg": message}
+    line.update(fields)
+    # default: an odd value in a library's fields must not lose the line
+    return orjson.dumps(line, default=str).decode()
 
 
 class RequestLine(Observer):
@@ -22,9 +81,8 @@ class RequestLine(Observer):
     (fields in the README, Operating)."""
 
     def ended(self, record: RequestRecord) -> None:
-        if not logger.isEnabledFor(_INFO):
-            return
-        log_request(request_fields(record))
+        if logger.isEnabledFor(_INFO):
+            _write(request_fields(record))
 
 
 def request_fields(record: RequestRecord) -> dict[str, Any]:
@@ -62,7 +120,7 @@ def ms(seconds: float) -> float:
 
 
 # The line's request id when the client sent none: unique per process, cheap per request.
-_ID_PREFIX = os.urandom(6).hex()
+_ID_PREFIX = os.urandom(6).hex() + "-"
 _ids = count(1)
 
 
@@ -70,7 +128,9 @@ def logged_id(headers: Mapping[str, str]) -> str:
     """The client's id, else one of the proxy's own (never sent upstream: a pass-through sends
     exactly the client's request)."""
     incoming = headers.get("X-Request-Id")
-    return incoming[:200] if incoming is not None else f"{_ID_PREFIX}-{next(_ids):x}"
+    if incoming is not None:
+        return incoming[:200]
+    return _ID_PREFIX + format(next(_ids), "x")  # an f-string compiles to two str.format calls
 
 
 def _incoming_trace_id(headers: Mapping[str, str]) -> str | None:

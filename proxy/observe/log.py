@@ -13,7 +13,8 @@ import sys
 import time
 from typing import Any, Literal
 
-import orjson
+from proxy.observe.line import Direct, json_line, write_directly
+from proxy.observe.line import log_request as log_request  # the request line's one entry
 
 logger = logging.getLogger("n_proxy")
 LEVELS = ("debug", "info", "warning", "error")
@@ -40,10 +41,7 @@ class _Formatter(logging.Formatter):
 
 class _JsonFormatter(_Formatter):
     def line(self, created: float, level: str, message: str, fields: dict[str, Any]) -> str:
-        return orjson.dumps(
-            {"ts": round(created * 1000) / 1000, "level": level, "msg": message, **fields},
-            default=str,  # an odd value in a library's fields must not lose the line
-        ).decode()
+        return json_line(created, level, message, fields)
 
 
 class _TextFormatter(_Formatter):
@@ -123,17 +121,13 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().flush()
 
 
-_direct: tuple[_BatchingHandler, _Formatter] | None = None
-
-
 def setup_logging(fmt: str, level: str = "info") -> None:
     """Our handler for the proxy's logger and for the root logger, so every library's records
     (aiohttp's, asyncio's, ``warnings``) come out in the same format; ``level`` for all."""
-    global _direct
     handler = _BatchingHandler()
     formatter = _JsonFormatter() if fmt == "json" else _TextFormatter()
     handler.setFormatter(formatter)
-    _direct = (handler, formatter)
+    write_directly(Direct(handler, json_line if fmt == "json" else formatter.line))
     number = logging.getLevelName(level.upper())
     logger.handlers[:] = [handler]
     logger.setLevel(number)
@@ -147,21 +141,6 @@ def setup_logging(fmt: str, level: str = "info") -> None:
 def log_enabled() -> bool:
     """Whether request lines are wanted (``--log-level`` info or debug)."""
     return logger.isEnabledFor(logging.INFO)
-
-
-def log_request(fields: dict[str, Any]) -> None:
-    """The per-request line (its fields are listed in docs/operating.md#logs)."""
-    if not logger.isEnabledFor(logging.INFO):
-        return
-    direct = _direct
-    handlers = logger.handlers
-    if direct is not None and len(handlers) == 1 and handlers[0] is direct[0]:
-        # Our own handler alone: the line straight to it, without a LogRecord and its
-        # caller lookup (a third of the proxy's own Python time per pass-through request).
-        handler, formatter = direct
-        handler.add(formatter.line(time.time(), "info", "request", fields))
-    else:
-        logger.info("request", extra={"fields": fields})
 
 
 def log_event(message: str, level: Level = "info", /, **fields: Any) -> None:

@@ -21,9 +21,9 @@ from yarl import URL
 
 from proxy.cli import _config, _parser
 from proxy.config.models import ClientTimeouts, Listen, single_upstream_config
+from proxy.observe import line as request_line
 from proxy.observe import log
 from proxy.observe.clienterrors import LINES_PER_SECOND
-from proxy.observe.line import ms as line_ms
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
 from proxy.server.process import Server
 from tests.support.servers import Backend
@@ -36,19 +36,20 @@ WITHIN = 30.0  # seconds any one wait may take
 def stream() -> Iterator[io.StringIO]:
     """setup_logging takes the root logger too: pytest's own capture handler is put back."""
     root = logging.getLogger()
-    saved = (log.logger.handlers[:], log.logger.level, log.logger.propagate, log._direct)
+    saved = (log.logger.handlers[:], log.logger.level, log.logger.propagate, request_line._direct)
     saved_root = (root.handlers[:], root.level)
     out = io.StringIO()
     yield out
-    log.logger.handlers[:], log.logger.level, log.logger.propagate, log._direct = saved
+    log.logger.handlers[:], log.logger.level, log.logger.propagate, direct = saved
+    request_line.write_directly(direct)
     root.handlers[:], root.level = saved_root
     logging.captureWarnings(False)
 
 
 def setup(fmt: str, out: io.StringIO) -> None:
     log.setup_logging(fmt)
-    assert log._direct is not None
-    log._direct[0].setStream(out)
+    assert request_line._direct is not None
+    request_line._direct.handler.setStream(out)
 
 
 def test_times_in_the_line_are_milliseconds_to_the_microsecond() -> None:
@@ -61,12 +62,12 @@ def test_times_in_the_line_are_milliseconds_to_the_microsecond() -> None:
         rng.expovariate(1e4) for _ in range(2000)
     ]
     for seconds in samples:
-        ms = line_ms(seconds)
+        ms = request_line.ms(seconds)
         assert abs(ms - round(seconds * 1000, 3)) <= 0.001 + 1e-9, seconds
         assert abs(ms - seconds * 1000) <= 0.0005 + 1e-9, seconds
         assert len(repr(ms).partition(".")[2]) <= 3, (seconds, ms)
-    line = json.loads(log._JsonFormatter().line(1733400000.1234567, "info", "request", {}))
-    assert line["ts"] == 1733400000.123
+    stamped = json.loads(log._JsonFormatter().line(1733400000.1234567, "info", "request", {}))
+    assert stamped["ts"] == 1733400000.123
 
 
 def test_json_request_line_holds_its_fields(stream: io.StringIO) -> None:
@@ -83,6 +84,21 @@ def test_json_request_line_holds_its_fields(stream: io.StringIO) -> None:
     }  # fmt: skip
     assert isinstance(request["ts"], float)
     assert isinstance(event["ts"], float)
+
+
+def test_the_request_line_is_the_json_line_of_its_fields(stream: io.StringIO) -> None:
+    """The request line is spliced, not merged into a copy of its fields: byte for byte what
+    ``json_line`` makes of them, with no fields, odd values, and every field of a real line."""
+    setup("json", stream)
+    every = {"request_id": 'a\n"b', "trace_id": None, "n": 4, "duration_ms": 0.5, "x": object()}
+    cases: list[dict[str, Any]] = [{}, {"status": 200}, every]
+    for fields in cases:
+        log.log_request(fields)
+    written = stream.getvalue().splitlines()
+    assert len(written) == len(cases)
+    for fields, text in zip(cases, written, strict=True):
+        ts = json.loads(text)["ts"]
+        assert text == request_line.json_line(ts, "info", "request", fields)
 
 
 def test_text_request_line_reads_like_logging_s_own(stream: io.StringIO) -> None:
@@ -186,8 +202,8 @@ def test_log_level_gates_the_request_line(
     stream: io.StringIO, level: str, requests_logged: bool
 ) -> None:
     log.setup_logging("json", level)
-    assert log._direct is not None
-    log._direct[0].setStream(stream)
+    assert request_line._direct is not None
+    request_line._direct.handler.setStream(stream)
     assert log.log_enabled() is requests_logged
     log.log_request({"request_id": "r"})
     logging.getLogger("aiohttp.server").warning("a warning")
@@ -303,8 +319,8 @@ async def test_log_level_warning_drops_protocol_error_lines_but_counts_them(
     stream: io.StringIO, backend: Backend
 ) -> None:
     log.setup_logging("json", "warning")
-    assert log._direct is not None
-    log._direct[0].setStream(stream)
+    assert request_line._direct is not None
+    request_line._direct.handler.setStream(stream)
     server = await running_with_admin(backend)
     try:
         await send_raw(server.proxy_port, MALFORMED["header"])

@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from proxy.config.models import single_upstream_config
+from proxy.observe import line as request_line
 from proxy.observe import log
 from proxy.observe.tracing import Tracing, tracing_from_env, wanted
 from tests.support.servers import Backend, Servers, with_upstream
@@ -69,9 +70,9 @@ def exporter() -> InMemorySpanExporter:
 @pytest.fixture
 def lines() -> Iterator[list[dict[str, object]]]:
     """The request lines the proxy logs, parsed."""
-    saved = (log.logger.handlers[:], log.logger.level, log.logger.propagate, log._direct)
+    saved = (log.logger.handlers[:], log.logger.level, log.logger.propagate, request_line._direct)
     out: list[dict[str, object]] = []
-    log._direct = None
+    request_line.write_directly(None)
     log.logger.setLevel("INFO")
     log.logger.propagate = False
 
@@ -83,7 +84,8 @@ def lines() -> Iterator[list[dict[str, object]]]:
     handler.add = lambda line: out.append(json.loads(line))  # type: ignore[method-assign]
     log.logger.handlers[:] = [handler]
     yield out
-    log.logger.handlers[:], log.logger.level, log.logger.propagate, log._direct = saved
+    log.logger.handlers[:], log.logger.level, log.logger.propagate, direct = saved
+    request_line.write_directly(direct)
 
 
 @pytest.fixture
