@@ -26,7 +26,7 @@ import asyncio
 import select
 from collections.abc import Callable, Mapping
 from enum import IntEnum
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import httptools
 from multidict import CIMultiDict
@@ -109,6 +109,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._at_boundary = False
         self._unsent: memoryview | None = None  # request body bytes not handed to the transport
         self._writing_paused = False  # the transport's buffer is past its high-water mark
+        self._poller: Any = None  # its socket's select.poll, made at its first reuse (``stale``)
 
     def __repr__(self) -> str:
         return f"<UpstreamConnection {self.key} {ConnectionState(self.state).name}>"
@@ -182,13 +183,15 @@ class UpstreamConnection(asyncio.Protocol):
         """Whether this idle connection is unfit to reuse: closed, or readable, with an EOF or
         bytes nobody asked for already in its socket that the loop has not read yet (the
         check urllib3 makes; TLS polls its raw socket). One ``poll`` with no wait."""
-        if self.state == CLOSED or self.transport is None:
+        if self.state == CLOSED or self.transport is None or self.transport.is_closing():
             return True
-        raw = self.transport.get_extra_info("socket")
-        if raw is None:
-            return False
-        poller = select.poll()
-        poller.register(raw.fileno(), select.POLLIN)
+        poller = self._poller
+        if poller is None:  # once per connection, not at every reuse: its socket is its own
+            raw = self.transport.get_extra_info("socket")
+            if raw is None:
+                return False
+            poller = self._poller = select.poll()
+            poller.register(raw.fileno(), select.POLLIN)
         return bool(poller.poll(0))  # POLLIN, POLLHUP or POLLERR: the server is done with it
 
     # ---- asyncio.Protocol

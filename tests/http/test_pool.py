@@ -342,6 +342,44 @@ async def test_pooled_connection_closed_while_idle_is_not_reused(
     assert raw.connections == 2
 
 
+async def test_a_connection_kept_through_reuses_still_sees_bytes_nobody_asked_for(
+    pool: ConnectionPool, serve: Serve
+) -> None:
+    """``stale`` makes its socket's poll once, at the first reuse, and polls it at each one
+    after: bytes the server sends unasked, and then its close, are still seen while the loop
+    has not read them (reading paused here, as between two of the loop's passes)."""
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    unasked = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        for _ in range(3):
+            await read_request(reader)
+            writer.write(ok)
+            await writer.drain()
+        await unasked.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        await writer.drain()
+        writer.close()
+
+    raw, url = await serve(handler)
+    for _ in range(3):  # the poll made at the first reuse serves the next ones
+        _, body = await fetch(pool, url)
+        assert body == b"ok"
+    assert raw.connections == 1
+    (connection,) = next(iter(pool._idle.values()))
+    assert connection._poller is not None
+    assert not connection.stale()
+    assert connection.transport is not None
+    connection.transport.pause_reading()
+    unasked.set()
+    for _ in range(500):  # bounded: until the bytes are in its socket
+        if connection.stale():
+            break
+        await asyncio.sleep(0.01)
+    assert connection.stale()
+    connection.transport.resume_reading()
+
+
 async def test_head_has_no_body_despite_its_length(pool: ConnectionPool, serve: Serve) -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n"
     _, url = await serve(answering(answer))
