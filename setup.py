@@ -51,7 +51,8 @@ COMPILED = [
     "proxy/observe/record.py",
     "proxy/observe/meter.py",
     "proxy/observe/catalog.py",  # the model label the meter gives every LLM answer
-    # The request's log line, built from its record: 1.6 % fewer instructions per pass-through.
+    # The request's log line, built from its record and written: 3.3 % fewer instructions per
+    # pass-through request.
     "proxy/observe/line.py",
 ]
 # Not proxy/observe/log.py: its handler and formatters subclass the logging module's classes
