@@ -19,6 +19,7 @@ from proxy.observe.record import Observer, RequestRecord
 logger = logging.getLogger("n_proxy")
 _INFO = logging.INFO
 Format = Callable[[float, str, str, dict[str, Any]], str]  # (created, level, message, fields)
+_REQUEST = b',"level":"info","msg":"request"'  # a request line's JSON after its ts
 
 
 class Direct:
@@ -41,9 +42,6 @@ class Direct:
             self.handler.add((head + (b"," + body[1:] if len(body) > 2 else b"}")).decode())
         else:
             self.handler.add(self.line(created, "info", "request", fields))
-
-
-_REQUEST = b',"level":"info","msg":"request"'
 
 
 _direct: Direct | None = None

@@ -90,6 +90,8 @@ def test_the_request_line_is_the_json_line_of_its_fields(stream: io.StringIO) ->
     """The request line is spliced, not merged into a copy of its fields: byte for byte what
     ``json_line`` makes of them, with no fields, odd values, and every field of a real line."""
     setup("json", stream)
+    assert request_line._direct is not None
+    assert request_line._direct.json  # the spliced path, not the formatter's
     every = {"request_id": 'a\n"b', "trace_id": None, "n": 4, "duration_ms": 0.5, "x": object()}
     cases: list[dict[str, Any]] = [{}, {"status": 200}, every]
     for fields in cases:
