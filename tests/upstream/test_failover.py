@@ -500,11 +500,13 @@ async def test_tries_reach_the_replica_spaced_by_the_backoff(
     status, _, _ = await post(http, proxy.url + CHAT, chat(2), "spaced")
     assert status == 503
     assert sorted(arrived) == ["0_spaced", "1_spaced"]
+    # The first child whose last try fails fails the request, and its sibling's wait is cut
+    # then: on a loaded machine the sibling's last tries may not have gone out yet.
+    assert max(len(times) for times in arrived.values()) == 3
     for times in arrived.values():
-        assert len(times) == 3
         gaps = [b - a for a, b in itertools.pairwise(times)]
-        assert 0.1 <= gaps[0] < 0.1 + WITHIN  # generous above: a loaded machine is slow
-        assert 0.2 <= gaps[1] < 0.2 + WITHIN
+        for gap, wait in zip(gaps, (0.1, 0.2), strict=False):
+            assert wait <= gap < wait + WITHIN  # generous above: a loaded machine is slow
 
 
 def answer_503_retry_after(value: str) -> Callable[[web.Request], Awaitable[web.Response]]:
