@@ -37,7 +37,7 @@ class Direct:
         if self.json:
             # json_line's object, spliced rather than merged into a copy of the fields: the
             # request line's names are its own, none of them "ts", "level" or "msg".
-            head = b'{"ts":' + orjson.dumps(round(created * 1000) / 1000) + _REQUEST
+            head = b'{"ts":' + orjson.dumps(_ts(created)) + _REQUEST
             body = orjson.dumps(fields, default=str)  # default: as json_line's
             self.handler.add((head + (b"," + body[1:] if len(body) > 2 else b"}")).decode())
         else:
@@ -68,7 +68,7 @@ def _write(fields: dict[str, Any]) -> None:
 
 
 def json_line(created: float, level: str, message: str, fields: dict[str, Any]) -> str:
-    line: dict[str, Any] = {"ts": round(created * 1000) / 1000, "level": level, "msg": message}
+    line: dict[str, Any] = {"ts": _ts(created), "level": level, "msg": message}
     line.update(fields)
     # default: an odd value in a library's fields must not lose the line
     return orjson.dumps(line, default=str).decode()
@@ -81,6 +81,11 @@ class RequestLine(Observer):
     def ended(self, record: RequestRecord) -> None:
         if logger.isEnabledFor(_INFO):
             _write(request_fields(record))
+
+
+def _ts(created: float) -> float:
+    """A JSON line's time: seconds to the millisecond, rounded with integers as ``ms``."""
+    return round(created * 1000) / 1000
 
 
 def request_fields(record: RequestRecord) -> dict[str, Any]:

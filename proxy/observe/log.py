@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from proxy.observe.line import Direct, json_line, write_directly
 from proxy.observe.line import log_request as log_request  # the request line's one entry
+from proxy.observe.line import logger as logger  # the proxy's logger, named there once
 
-logger = logging.getLogger("n_proxy")
 LEVELS = ("debug", "info", "warning", "error")
 Level = Literal["debug", "info", "warning", "error"]
 _NUMBERS: dict[str, int] = {name: logging.getLevelName(name.upper()) for name in LEVELS}
