@@ -72,7 +72,7 @@ class Place:
         self._line = line  # its client's standing in this line; None once released
         self.tab = tab  # counted there until released
         self.state: PlaceState = state
-        self.queued_at = now
+        self.queued_at = now  # the loop's time it joined the queue; 0.0 when held at once
 
     async def wait(self) -> None:
         """Until the slot is granted; on cancellation the place is released, whatever happened."""
@@ -175,7 +175,7 @@ class Slots:
         kept = standing is not None and standing.keep is not None
         if self.in_use >= self.capacity and self._queued >= self.max_queue and not kept:
             raise Overloaded("upstream is at its concurrency limit; retry shortly", retry_after=1)
-        now = asyncio.get_running_loop().time()
+        now = 0.0  # the loop's time, read once a child must wait: a place held at once needs none
         if standing is None:
             standing = self._lines[line] = _Line(line)
         places = []
@@ -192,6 +192,8 @@ class Slots:
                 standing.held += 1
                 places.append(Place(self, "held", standing, tab, now))
                 continue
+            if not now:
+                now = asyncio.get_running_loop().time()  # on Python 3.11, a getpid(2)
             if not self._queued:
                 self._quiet_since = now
                 self._owed = self.frees - self.grants
