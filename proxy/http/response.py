@@ -306,8 +306,11 @@ class UpstreamResponse:
 
     def finish(self) -> bool:
         """The caller is done with this response: its idle clock stops. Whether every body
-        byte was handed on, so that its connection may carry another request."""
+        byte was handed on, so that its connection may carry another request. The failure is
+        let go: its traceback holds the frames that raised it, which hold this response, a cycle
+        only the (rarely run, see proxy.server.memory) collector would break."""
         self._stop_idle()
+        self.error = None
         return self.state == COMPLETE
 
     # ---- head and timeouts

@@ -141,6 +141,11 @@ class ClientConnection(ErrorPages):
         self._admitted = False
         self._cap.leave()
         self._disarm()
+        if exc is not None:
+            # aiohttp sets the transport's error on the request's body. Its traceback holds the
+            # frames of the write that met it (an answer's head, say), which hold the request:
+            # a cycle only the (rarely run, see proxy.server.memory) collector would break.
+            exc.__traceback__ = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:

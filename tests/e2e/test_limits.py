@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import gzip
+import socket
+import struct
 import subprocess
 import sys
+import weakref
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,6 +27,7 @@ from multidict import CIMultiDict
 
 from proxy.config.models import ClientTimeouts, Config, Listen, Route, single_upstream_config
 from proxy.server.connection import EveryPath, direct_route
+from proxy.server.generations import Generations
 from proxy.server.process import Server
 from tests.support.rawhttp import parse_raw
 from tests.support.servers import Servers, serving
@@ -41,6 +46,7 @@ class Fake(RecordingUpstream):
         super().__init__()
         self.endless_sent = 0
         self.endless_gone = asyncio.Event()
+        self.endless_flowing = asyncio.Event()  # set at each chunk of an endless body written
 
     async def respond(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()  # the bytes as they came: never inflated
@@ -62,6 +68,7 @@ class Fake(RecordingUpstream):
                 while True:
                     await response.write(CHUNK)
                     self.endless_sent += len(CHUNK)
+                    self.endless_flowing.set()
             except ConnectionError:
                 return response  # the proxy hung up: what it must do
             finally:
@@ -622,3 +629,57 @@ async def test_every_response_the_proxy_writes_says_server_n_proxy(fake: Fake) -
         assert answer.headers.getall("Server") == [expected], name
         if answer.status >= 400:
             assert answer.error()["type"] == "invalid_request_error", name
+
+
+# --- a client that leaves ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "stream", "fake_body"),
+    [(1, True, "endless-sse"), (2, True, "endless-sse"), (2, False, "endless-json")],
+    ids=["pass-through", "fan-out-stream", "fan-out-json"],
+)
+@pytest.mark.parametrize("reset", [True, False], ids=["rst", "fin"])
+async def test_a_request_whose_client_left_is_freed_without_the_collector(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, n: int, stream: bool, fake_body: str, reset: bool
+) -> None:
+    """A client that leaves mid-request cancels its connection's task, and each failure's
+    traceback holds the frames it passed through. Nothing those frames hold may lead back to the
+    failure (an upstream response keeping the failure it raised did, and so did the request's
+    body keeping the transport's error), or the task, the request and the connection wait for
+    the cyclic collector, which the proxy runs rarely (``proxy.server.memory``)."""
+    held: list[weakref.ref[Any]] = []
+    handle = Generations.handle
+
+    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
+        held.extend((weakref.ref(request), weakref.ref(asyncio.current_task())))
+        return await handle(self, request)
+
+    monkeypatch.setattr(Generations, "handle", recorded)
+    body = orjson.dumps({"messages": [], "stream": stream, "n": n})
+    async with running(fake) as server:
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                fake.endless_gone.clear()
+                fake.endless_flowing.clear()
+                _, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+                writer.write(json_request(CHAT, body, f"X-Fake: {fake_body}"))
+                async with asyncio.timeout(20):
+                    await fake.endless_flowing.wait()  # the proxy is reading the stream
+                if reset:
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()  # closed at once: a reset, or a FIN
+                async with asyncio.timeout(20):
+                    await fake.endless_gone.wait()  # the proxy saw the client leave and hung up
+                for _ in range(1000):  # freed as soon as it is over: a moment, not a collection
+                    if all(ref() is None for ref in held):
+                        break
+                    await asyncio.sleep(0.01)
+                assert all(ref() is None for ref in held), "held until the collector runs"
+        finally:
+            gc.enable()
+    assert len(held) == 2 * 3
+    assert len(fake.seen) == 3 * n
