@@ -2,20 +2,26 @@
 (``max_connections``), a deadline for request headers (``client_timeouts.headers``), a prompt
 400 for HTTP/0.9, and OpenAI error bodies on the error pages aiohttp writes itself
 (``ErrorPages``, the admin listener's connections too); a request its parser refuses is counted
-and logged short; the proxy app's one route called without aiohttp's router. The one module,
-with ``proxy.request.passthrough``, that uses aiohttp's private members.
+and logged short; the proxy app's one route called without aiohttp's router, and a connection's
+requests handled in its own task, not in one more each. The one module, with
+``proxy.request.passthrough``, that uses aiohttp's private members.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import inspect
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, cast
 
 from aiohttp import hdrs, web
+from aiohttp.helpers import ceil_timeout
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_writer import StreamWriter
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import _PAYLOAD_ACCESS_ERROR, ERROR, RequestHandler, _ErrInfo
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
 from proxy.config import Config
@@ -53,6 +59,22 @@ _TIMEOUT_PAGE = error_page(408, RequestTimeout("request headers not received in 
 _HTTP09_PAGE = error_page(400, InvalidRequest("malformed request line: no HTTP version"))
 _FIRST_LINE = 8190  # bytes of a connection's first line looked at: aiohttp's max_line_size
 _MESSAGE = 300  # characters of the parser's message in a 400's body
+
+# The digest of aiohttp's own loop over a connection's requests that ClientConnection.start
+# copies: aiohttp 3.14.4's and 3.14.5's.
+_COPIED_START = "2e565fd40c8e04fb"
+
+
+def _copies_start() -> bool:
+    """Whether the installed aiohttp's ``RequestHandler.start`` is the one copied."""
+    try:
+        source = inspect.getsource(RequestHandler.start)
+    except (OSError, TypeError):  # no source to compare: its own loop serves
+        return False
+    return hashlib.sha256(source.encode()).hexdigest()[:16] == _COPIED_START
+
+
+COPIES_START = _copies_start()
 
 
 class ErrorPages(RequestHandler):
@@ -165,6 +187,101 @@ class ClientConnection(ErrorPages):
         request = self._current_request
         if isinstance(refused, HttpProcessingError) and request is not None:
             request.content.set_exception(refused)
+
+    if COPIES_START:  # over another aiohttp, its own loop: a task for each request
+
+        async def start(self) -> None:
+            """aiohttp's loop over the connection's requests (``RequestHandler.start``, as of
+            aiohttp 3.14.4), with each request handled in the connection's own task. aiohttp
+            makes a task for every request, to give each its own copy of the context variables
+            (its #3406); the proxy sets none, and a task made, scheduled, run and awaited is 3.5 %
+            of a pass-through's instructions. A client that leaves cancels this task
+            (``handler_cancellation``), as it cancelled the request's through it."""
+            loop = self._loop
+            manager = self._manager
+            factory = self._request_factory
+            assert manager is not None
+            assert factory is not None
+            while not self._force_close:
+                if not self._messages:
+                    try:
+                        self._waiter = loop.create_future()
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+                message, payload = self._messages.popleft()
+                if self._parser is not None:  # None only once the connection is lost
+                    self._parser.message_consumed()
+                if self._buffer_paused and len(self._messages) <= self._msg_queue_resume_size:
+                    self._resume_reading_if_drained()
+                manager.requests_count += 1
+                handler = self._request_handler
+                if isinstance(message, _ErrInfo):
+                    handler = self._make_error_handler(message)
+                    message = ERROR
+                assert handler is not None
+                # The connection's task passed, never named in a local: a cancelled request's
+                # traceback holds this frame, and a local naming the task would make a cycle
+                # that only the (rarely run, see proxy.server.memory) collector breaks.
+                request = factory(
+                    message,
+                    payload,
+                    self,
+                    StreamWriter(self, loop),
+                    self._task_handler or asyncio.current_task(loop),  # type: ignore[arg-type]
+                )
+                began = loop.time() if self._logging_enabled else None  # for an access log
+                try:
+                    try:
+                        response, reset = await self._handle_request(request, began, handler)
+                    except ConnectionError:
+                        break
+                    if reset:
+                        break
+                    self._keepalive = bool(response.keep_alive)
+                    if not payload.is_eof():
+                        await self._linger(payload)
+                    payload.set_exception(_PAYLOAD_ACCESS_ERROR)
+                except asyncio.CancelledError:
+                    self.force_close()
+                    raise
+                except Exception as exc:
+                    self.log_exception("Unhandled exception", exc_info=exc)
+                    self.force_close()
+                except BaseException:
+                    self.force_close()
+                    raise
+                finally:
+                    request._task = None  # type: ignore[assignment]  # no cycle through a traceback
+                if not self._keepalive or self._close or self._force_close:
+                    break
+                close_time = loop.time() + self._keepalive_timeout
+                self._next_keepalive_close_time = close_time
+                if self._keepalive_handle is None:
+                    self._keepalive_handle = loop.call_at(close_time, self._process_keepalive)
+            if not self._force_close:
+                self._task_handler = None
+                if self.transport is not None:
+                    self.transport.close()
+
+        async def _linger(self, payload: StreamReader) -> None:
+            """A body the handler left unread: read and dropped for up to ``lingering_time``, then
+            the connection closed if any is left (aiohttp's lingering close)."""
+            loop = self._loop
+            now = loop.time()
+            end = now + self._lingering_time
+            if not self._force_close and self._lingering_time:
+                try:
+                    while not payload.is_eof() and now < end:
+                        async with ceil_timeout(end - now):
+                            await payload.readany()
+                        now = loop.time()
+                except (TimeoutError, asyncio.CancelledError):
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise
+            if not payload.is_eof() and not self._force_close:
+                self.close()
 
     def _arm(self) -> None:
         self._header_timer = self._loop.call_later(self._cap.header_seconds, self._headers_late)

@@ -631,6 +631,89 @@ async def test_every_response_the_proxy_writes_says_server_n_proxy(fake: Fake) -
             assert answer.error()["type"] == "invalid_request_error", name
 
 
+# --- the connection's loop over its requests ----------------------------------------------------
+
+
+async def _answer_on(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes
+) -> Answer:
+    """One request on a kept-alive connection, its answer read by its length."""
+    writer.write(data)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+    answer = parse(head)
+    answer.body = await asyncio.wait_for(
+        reader.readexactly(int(answer.headers["Content-Length"])), 20
+    )
+    return answer
+
+
+async def test_a_connections_requests_are_handled_one_by_one_in_its_own_task(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No task is made per request (``ClientConnection.start``): each connection's requests run
+    in that connection's task, one after the other, pipelined ones in the order they came."""
+    handled: list[tuple[int, asyncio.Task[Any] | None]] = []
+    handle = Generations.handle
+
+    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
+        handled.append((int(request.headers["X-Nth"]), asyncio.current_task()))
+        return await handle(self, request)
+
+    monkeypatch.setattr(Generations, "handle", recorded)
+
+    def nth(k: int) -> bytes:
+        body = orjson.dumps({"messages": [], "n": 1 + k % 2})
+        return json_request(CHAT, body, f"X-Nth: {k}").replace(b"Connection: close\r\n", b"")
+
+    async with running(fake) as server:
+        connections = [await asyncio.open_connection("127.0.0.1", server.proxy_port) for _ in "ab"]
+        try:
+            for k, (reader, writer) in enumerate(connections * 2):
+                assert (await _answer_on(reader, writer, nth(k))).status == 200
+            reader, writer = connections[0]
+            writer.write(nth(4) + nth(5))  # pipelined: both in one write
+            for _ in range(2):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+                await reader.readexactly(int(parse(head).headers["Content-Length"]))
+        finally:
+            for _, writer in connections:
+                writer.close()
+    assert [k for k, _ in handled] == [0, 1, 2, 3, 4, 5]
+    tasks = [task for _, task in handled]
+    assert tasks[0] is tasks[2] is tasks[4] is tasks[5]
+    assert tasks[1] is tasks[3]
+    assert tasks[0] is not tasks[1]
+
+
+async def test_a_body_left_unread_is_drained_and_the_connection_serves_the_next_request(
+    fake: Fake,
+) -> None:
+    """A body past ``max_body_bytes`` that comes after its head is 413 once the cap is read; the
+    rest, sent after the answer, is read and dropped (aiohttp's lingering close), and the same
+    connection serves the next request."""
+    limit = 1000
+    async with running(fake, max_body_bytes=limit) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+        try:
+            body = b'{"pad": "' + b"x" * 4 * limit + b'"}'
+            head = json_request(CHAT, body)[: -len(body)].replace(b"Connection: close\r\n", b"")
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the head alone first: the body is read, not taken whole
+            over = await _answer_on(reader, writer, body[: 2 * limit])
+            assert over.status == 413
+            writer.write(body[2 * limit :])
+            again = json_request(CHAT, {"messages": [], "n": 2}).replace(
+                b"Connection: close\r\n", b""
+            )
+            whole = await _answer_on(reader, writer, again)
+            assert whole.status == 200
+            assert len(orjson.loads(whole.body)["choices"]) == 2
+        finally:
+            writer.close()
+    assert len(fake.seen) == 2
+
+
 # --- a client that leaves ---------------------------------------------------------------------
 
 
@@ -646,8 +729,9 @@ async def test_a_request_whose_client_left_is_freed_without_the_collector(
     """A client that leaves mid-request cancels its connection's task, and each failure's
     traceback holds the frames it passed through. Nothing those frames hold may lead back to the
     failure (an upstream response keeping the failure it raised did, and so did the request's
-    body keeping the transport's error), or the task, the request and the connection wait for
-    the cyclic collector, which the proxy runs rarely (``proxy.server.memory``)."""
+    body keeping the transport's error; a local of ``ClientConnection.start`` naming the
+    connection's task would), or the task, the request and the connection wait for the cyclic
+    collector, which the proxy runs rarely (``proxy.server.memory``)."""
     held: list[weakref.ref[Any]] = []
     handle = Generations.handle
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -32,6 +33,9 @@ import aiohttp.web_server
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from aiohttp.web_protocol import RequestHandler
+
+from proxy.server import connection
 
 PACKAGE = Path(__file__).resolve().parents[2] / "proxy"
 
@@ -56,6 +60,13 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     aiohttp.web_protocol.RequestHandler: (
         "_messages", "_request_in_progress", "_force_close", "_loop", "_current_request",
         "_request_handler",
+        # ClientConnection.start: aiohttp's loop over a connection's requests, without a task
+        # for each.
+        "_manager", "_request_factory", "_waiter", "_parser", "_buffer_paused",
+        "_msg_queue_resume_size", "_resume_reading_if_drained", "_make_error_handler",
+        "_handle_request", "_keepalive", "_close", "_keepalive_timeout",
+        "_next_keepalive_close_time", "_keepalive_handle", "_process_keepalive",
+        "_task_handler", "_lingering_time", "_logging_enabled",
     ),
     aiohttp.web_runner.BaseSite: ("_runner", "_backlog", "_server"),
     web.StreamResponse: ("_write_headers",),
@@ -69,7 +80,7 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
 INSTANCE_MEMBERS = {
     web.StreamResponse: ("_req", "_keep_alive", "_eof_sent", "_body_length"),
     aiohttp.web_server.Server: ("_kwargs",),
-    web.Request: ("_match_info",),
+    web.Request: ("_match_info", "_task"),
 }
 MEMBERS = frozenset(m for ms in (*PRIVATE_MEMBERS.values(), *INSTANCE_MEMBERS.values()) for m in ms)
 
@@ -309,6 +320,26 @@ async def test_each_private_aiohttp_attribute_the_server_reads_is_still_set() ->
     for owner, members in INSTANCE_MEMBERS.items():
         for member in members:
             assert hasattr(made[owner], member), f"{owner.__qualname__}().{member} is gone"
+
+
+def test_the_connections_loop_is_a_copy_of_the_installed_aiohttps() -> None:
+    """``ClientConnection.start`` copies aiohttp's loop over a connection's requests, less the
+    task it makes for each; over any other aiohttp, aiohttp's own loop serves. An upgrade that
+    changes that loop fails here: port the change to the copy, then its digest."""
+    assert connection.COPIES_START, "aiohttp's RequestHandler.start changed"
+    assert connection.ClientConnection.start is not RequestHandler.start
+
+
+def test_another_aiohttps_loop_is_left_to_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = inspect.getsource(RequestHandler.start)
+    monkeypatch.setattr(inspect, "getsource", lambda _: source.replace("while", "while  "))
+    assert not connection._copies_start()
+
+    def none(_: object) -> str:
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", none)
+    assert not connection._copies_start()
 
 
 def test_the_listed_modules_still_use_what_this_file_checks() -> None:

@@ -29,7 +29,7 @@ import pytest
 from proxy.config import Listen, single_upstream_config
 from proxy.devserver import DevConfig, start_devserver
 from proxy.http import stream_path_compiled
-from proxy.server import Server
+from proxy.server import Server, connection
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "proxy"
@@ -37,10 +37,12 @@ CHILDREN = 3
 CROSSED = {"server", "request", "upstream", "http", "core", "observe"}
 # The request's await chain above the stream's writer: each wake-up of the writer resumes these
 # frames (that is how an await chain runs), though none of them is called per chunk.
-AWAIT_CHAIN = {  # the handler's own frames are compiled (setup.py): only these two are Python
+AWAIT_CHAIN = {  # the handler's own frames are compiled (setup.py): only these are Python
     ("proxy.server.connection", "direct_route.<locals>.handle"),  # the app's one route
     ("proxy.server.generations", "Generations.handle"),
 }
+if connection.COPIES_START:  # the connection's loop awaits the handler in its own task
+    AWAIT_CHAIN.add(("proxy.server.connection", "ClientConnection.start"))
 # Into the upstream layer, per request and per child (dunder methods are the ``async with`` of
 # the object an entry returned, not entries of their own).
 ENTRIES = {
