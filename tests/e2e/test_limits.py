@@ -16,7 +16,7 @@ import subprocess
 import sys
 import weakref
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from proxy.server.connection import EveryPath, direct_route
 from proxy.server.generations import Generations
 from proxy.server.process import Server
 from tests.support.rawhttp import parse_raw
-from tests.support.servers import Servers, serving
+from tests.support.servers import Servers, serving, with_upstream
 from tests.support.upstreams import RecordingUpstream, Seen
 
 CHAT = "/v1/chat/completions"
@@ -47,11 +47,15 @@ class Fake(RecordingUpstream):
         self.endless_sent = 0
         self.endless_gone = asyncio.Event()
         self.endless_flowing = asyncio.Event()  # set at each chunk of an endless body written
+        self.holding = asyncio.Event()  # set as a request to hold comes
 
     async def respond(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()  # the bytes as they came: never inflated
         headers = {"Server": UPSTREAM_SERVER}
         fake = request.headers.get("X-Fake")
+        if fake == "hold":  # no answer until the fake stops
+            self.holding.set()
+            await asyncio.Event().wait()
         if fake == "long-content-length":
             return web.Response(body=b"{}" * 8, headers={**headers, "Content-Length": "16"})
         if fake in ("endless-json", "endless-sse"):
@@ -717,6 +721,20 @@ async def test_a_body_left_unread_is_drained_and_the_connection_serves_the_next_
 # --- a client that leaves ---------------------------------------------------------------------
 
 
+async def _soon(holds: Callable[[], bool]) -> bool:
+    """Whether ``holds()`` comes true within a moment (polled for up to 10 s)."""
+    for _ in range(1000):
+        if holds():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def _freed(held: list[weakref.ref[Any]]) -> bool:
+    """Whether every object ``held`` names goes within a moment (not a collection)."""
+    return await _soon(lambda: all(ref() is None for ref in held))
+
+
 @pytest.mark.parametrize(
     ("n", "stream", "fake_body"),
     [(1, True, "endless-sse"), (2, True, "endless-sse"), (2, False, "endless-json")],
@@ -758,12 +776,61 @@ async def test_a_request_whose_client_left_is_freed_without_the_collector(
                 writer.transport.abort()  # closed at once: a reset, or a FIN
                 async with asyncio.timeout(20):
                     await fake.endless_gone.wait()  # the proxy saw the client leave and hung up
-                for _ in range(1000):  # freed as soon as it is over: a moment, not a collection
-                    if all(ref() is None for ref in held):
-                        break
-                    await asyncio.sleep(0.01)
-                assert all(ref() is None for ref in held), "held until the collector runs"
+                assert await _freed(held), "held until the collector runs"
         finally:
             gc.enable()
     assert len(held) == 2 * 3
     assert len(fake.seen) == 3 * n
+
+
+@pytest.mark.parametrize("where", ["body", "head", "fan-out-head", "queued"])
+async def test_a_request_whose_client_left_early_is_freed_without_the_collector(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The same, for a client that leaves before any answer: mid-body, while the upstream has
+    not answered (one child, or two), or while its request waits for an upstream's slot."""
+    held: list[weakref.ref[Any]] = []
+    entered = asyncio.Event()
+    handle = Generations.handle
+
+    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
+        if "X-Holder" not in request.headers:  # not the request that takes the one slot
+            held.extend((weakref.ref(request), weakref.ref(asyncio.current_task())))
+            entered.set()
+        return await handle(self, request)
+
+    monkeypatch.setattr(Generations, "handle", recorded)
+    config = single_upstream_config(fake.url).model_copy(
+        update={"listen": Listen(host="127.0.0.1", port=0)}
+    )
+    async with serving(with_upstream(config, max_concurrency=1)) as server:
+        slots = server.upstreams.state(server.upstreams.config.upstreams[0]).slots
+        holder = None
+        if where == "queued":  # the one slot taken by a request the upstream never answers
+            holder = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+            holder[1].write(json_request(CHAT, {"messages": []}, "X-Fake: hold", "X-Holder: 1"))
+            async with asyncio.timeout(20):
+                await fake.holding.wait()
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                entered.clear()
+                fake.holding.clear()
+                _, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+                n = 2 if where == "fan-out-head" else 1
+                data = json_request(CHAT, {"messages": [], "n": n}, "X-Fake: hold")
+                writer.write(data[:-2] if where == "body" else data)
+                async with asyncio.timeout(20):
+                    await entered.wait()
+                    if where in ("head", "fan-out-head"):
+                        await fake.holding.wait()
+                if where == "queued":
+                    assert await _soon(lambda: slots.queued > 0)
+                writer.transport.abort()
+                assert await _freed(held), "held until the collector runs"
+        finally:
+            gc.enable()
+            if holder is not None:
+                holder[1].close()
+    assert len(held) == 2 * 3
