@@ -77,6 +77,14 @@ def _copies_start() -> bool:
 COPIES_START = _copies_start()
 
 
+def _cancelling() -> bool:
+    """Whether the running task is being cancelled, not only timed out. A function of its own,
+    so that no frame a cancellation's traceback holds names the task: that would be a cycle only
+    the (rarely run, see proxy.server.memory) collector breaks."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class ErrorPages(RequestHandler):
     """aiohttp's handler with OpenAI error bodies on the error pages it writes itself; a
     request its parser refused is the client's fault (``proxy.observe.clienterrors``): counted and
@@ -277,8 +285,7 @@ class ClientConnection(ErrorPages):
                             await payload.readany()
                         now = loop.time()
                 except (TimeoutError, asyncio.CancelledError):
-                    task = asyncio.current_task()
-                    if task is not None and task.cancelling():
+                    if _cancelling():
                         raise
             if not payload.is_eof() and not self._force_close:
                 self.close()

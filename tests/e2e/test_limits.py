@@ -834,3 +834,39 @@ async def test_a_request_whose_client_left_early_is_freed_without_the_collector(
             if holder is not None:
                 holder[1].close()
     assert len(held) == 2 * 3
+
+
+async def test_a_client_that_leaves_while_its_unread_body_is_drained_is_freed_without_the_collector(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that leaves while the proxy reads and drops the body it did not need (after a
+    413) cancels the drain; the connection's task and the request go at once all the same."""
+    held: list[weakref.ref[Any]] = []
+    handle = Generations.handle
+
+    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
+        held.extend((weakref.ref(request), weakref.ref(asyncio.current_task())))
+        return await handle(self, request)
+
+    monkeypatch.setattr(Generations, "handle", recorded)
+    limit = 1000
+    body = b'{"pad": "' + b"x" * 4 * limit + b'"}'
+    head = json_request(CHAT, body)[: -len(body)].replace(b"Connection: close\r\n", b"")
+    async with running(fake, max_body_bytes=limit) as server:
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+                writer.write(head)
+                await writer.drain()
+                over = await _answer_on(reader, writer, body[: 2 * limit])
+                assert over.status == 413  # the rest of the body is now read and dropped
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+                assert await _freed(held), "held until the collector runs"
+        finally:
+            gc.enable()
+    assert len(held) == 2 * 3
+    assert not fake.seen
