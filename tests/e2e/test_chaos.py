@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.client import leave
 from tests.support.ports import free_port
 from tests.support.rawhttp import parse_raw
 
@@ -114,20 +114,6 @@ def request(path: str, body: dict[str, Any]) -> tuple[bytes, bytes]:
         f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
     ).encode()
     return head, data
-
-
-async def leave(writer: asyncio.StreamWriter, rst: bool) -> None:
-    """RST: SO_LINGER 0, then close. FIN: shut our side down, then close."""
-    sock = writer.get_extra_info("socket")
-    if rst:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        writer.transport.abort()
-        return
-    with contextlib.suppress(OSError):
-        writer.write_eof()
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
 
 
 async def run_visit(port: int, visit: Visit) -> str | None:

@@ -10,13 +10,11 @@ import asyncio
 import contextlib
 import gc
 import gzip
-import socket
-import struct
 import subprocess
 import sys
 import weakref
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +27,7 @@ from proxy.config.models import ClientTimeouts, Config, Listen, Route, single_up
 from proxy.server.connection import EveryPath, direct_route
 from proxy.server.generations import Generations
 from proxy.server.process import Server
+from tests.support.client import leave
 from tests.support.rawhttp import parse_raw
 from tests.support.servers import Servers, serving, with_upstream
 from tests.support.upstreams import RecordingUpstream, Seen
@@ -735,14 +734,42 @@ async def _freed(held: list[weakref.ref[Any]]) -> bool:
     return await _soon(lambda: all(ref() is None for ref in held))
 
 
+def _watch(monkeypatch: pytest.MonkeyPatch) -> tuple[list[weakref.ref[Any]], asyncio.Event]:
+    """Each request the proxy handles (but one marked ``X-Holder``) and the task that handles
+    it, watched through weak references; the event is set as each is handled."""
+    held: list[weakref.ref[Any]] = []
+    entered = asyncio.Event()
+    handle = Generations.handle
+
+    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
+        if "X-Holder" not in request.headers:
+            held.extend((weakref.ref(request), weakref.ref(asyncio.current_task())))
+            entered.set()
+        return await handle(self, request)
+
+    monkeypatch.setattr(Generations, "handle", recorded)
+    return held, entered
+
+
+@contextlib.contextmanager
+def _collector_off() -> Iterator[None]:
+    """The cyclic collector off for the block, after one last collection."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize(
     ("n", "stream", "fake_body"),
     [(1, True, "endless-sse"), (2, True, "endless-sse"), (2, False, "endless-json")],
     ids=["pass-through", "fan-out-stream", "fan-out-json"],
 )
-@pytest.mark.parametrize("reset", [True, False], ids=["rst", "fin"])
+@pytest.mark.parametrize("rst", [True, False], ids=["rst", "fin"])
 async def test_a_request_whose_client_left_is_freed_without_the_collector(
-    fake: Fake, monkeypatch: pytest.MonkeyPatch, n: int, stream: bool, fake_body: str, reset: bool
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, n: int, stream: bool, fake_body: str, rst: bool
 ) -> None:
     """A client that leaves mid-request cancels its connection's task, and each failure's
     traceback holds the frames it passed through. Nothing those frames hold may lead back to the
@@ -750,19 +777,10 @@ async def test_a_request_whose_client_left_is_freed_without_the_collector(
     body keeping the transport's error; a local of ``ClientConnection.start`` naming the
     connection's task would), or the task, the request and the connection wait for the cyclic
     collector, which the proxy runs rarely (``proxy.server.memory``)."""
-    held: list[weakref.ref[Any]] = []
-    handle = Generations.handle
-
-    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
-        held.extend((weakref.ref(request), weakref.ref(asyncio.current_task())))
-        return await handle(self, request)
-
-    monkeypatch.setattr(Generations, "handle", recorded)
+    held, _ = _watch(monkeypatch)
     body = orjson.dumps({"messages": [], "stream": stream, "n": n})
     async with running(fake) as server:
-        gc.collect()
-        gc.disable()
-        try:
+        with _collector_off():
             for _ in range(3):
                 fake.endless_gone.clear()
                 fake.endless_flowing.clear()
@@ -770,15 +788,10 @@ async def test_a_request_whose_client_left_is_freed_without_the_collector(
                 writer.write(json_request(CHAT, body, f"X-Fake: {fake_body}"))
                 async with asyncio.timeout(20):
                     await fake.endless_flowing.wait()  # the proxy is reading the stream
-                if reset:
-                    sock = writer.get_extra_info("socket")
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.transport.abort()  # closed at once: a reset, or a FIN
+                await leave(writer, rst)
                 async with asyncio.timeout(20):
                     await fake.endless_gone.wait()  # the proxy saw the client leave and hung up
                 assert await _freed(held), "held until the collector runs"
-        finally:
-            gc.enable()
     assert len(held) == 2 * 3
     assert len(fake.seen) == 3 * n
 
@@ -789,17 +802,7 @@ async def test_a_request_whose_client_left_early_is_freed_without_the_collector(
 ) -> None:
     """The same, for a client that leaves before any answer: mid-body, while the upstream has
     not answered (one child, or two), or while its request waits for an upstream's slot."""
-    held: list[weakref.ref[Any]] = []
-    entered = asyncio.Event()
-    handle = Generations.handle
-
-    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
-        if "X-Holder" not in request.headers:  # not the request that takes the one slot
-            held.extend((weakref.ref(request), weakref.ref(asyncio.current_task())))
-            entered.set()
-        return await handle(self, request)
-
-    monkeypatch.setattr(Generations, "handle", recorded)
+    held, entered = _watch(monkeypatch)  # the request that takes the one slot is not watched
     config = single_upstream_config(fake.url).model_copy(
         update={"listen": Listen(host="127.0.0.1", port=0)}
     )
@@ -811,26 +814,24 @@ async def test_a_request_whose_client_left_early_is_freed_without_the_collector(
             holder[1].write(json_request(CHAT, {"messages": []}, "X-Fake: hold", "X-Holder: 1"))
             async with asyncio.timeout(20):
                 await fake.holding.wait()
-        gc.collect()
-        gc.disable()
         try:
-            for _ in range(3):
-                entered.clear()
-                fake.holding.clear()
-                _, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
-                n = 2 if where == "fan-out-head" else 1
-                data = json_request(CHAT, {"messages": [], "n": n}, "X-Fake: hold")
-                writer.write(data[:-2] if where == "body" else data)
-                async with asyncio.timeout(20):
-                    await entered.wait()
-                    if where in ("head", "fan-out-head"):
-                        await fake.holding.wait()
-                if where == "queued":
-                    assert await _soon(lambda: slots.queued > 0)
-                writer.transport.abort()
-                assert await _freed(held), "held until the collector runs"
+            with _collector_off():
+                for _ in range(3):
+                    entered.clear()
+                    fake.holding.clear()
+                    _, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
+                    n = 2 if where == "fan-out-head" else 1
+                    data = json_request(CHAT, {"messages": [], "n": n}, "X-Fake: hold")
+                    writer.write(data[:-2] if where == "body" else data)
+                    async with asyncio.timeout(20):
+                        await entered.wait()
+                        if where in ("head", "fan-out-head"):
+                            await fake.holding.wait()
+                    if where == "queued":
+                        assert await _soon(lambda: slots.queued > 0)
+                    await leave(writer, rst=True)
+                    assert await _freed(held), "held until the collector runs"
         finally:
-            gc.enable()
             if holder is not None:
                 holder[1].close()
     assert len(held) == 2 * 3
@@ -841,32 +842,19 @@ async def test_a_client_that_leaves_while_its_unread_body_is_drained_is_freed_wi
 ) -> None:
     """A client that leaves while the proxy reads and drops the body it did not need (after a
     413) cancels the drain; the connection's task and the request go at once all the same."""
-    held: list[weakref.ref[Any]] = []
-    handle = Generations.handle
-
-    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
-        held.extend((weakref.ref(request), weakref.ref(asyncio.current_task())))
-        return await handle(self, request)
-
-    monkeypatch.setattr(Generations, "handle", recorded)
+    held, _ = _watch(monkeypatch)
     limit = 1000
     body = b'{"pad": "' + b"x" * 4 * limit + b'"}'
     head = json_request(CHAT, body)[: -len(body)].replace(b"Connection: close\r\n", b"")
     async with running(fake, max_body_bytes=limit) as server:
-        gc.collect()
-        gc.disable()
-        try:
+        with _collector_off():
             for _ in range(3):
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.proxy_port)
                 writer.write(head)
                 await writer.drain()
                 over = await _answer_on(reader, writer, body[: 2 * limit])
                 assert over.status == 413  # the rest of the body is now read and dropped
-                sock = writer.get_extra_info("socket")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.transport.abort()
+                await leave(writer, rst=True)
                 assert await _freed(held), "held until the collector runs"
-        finally:
-            gc.enable()
     assert len(held) == 2 * 3
     assert not fake.seen

@@ -1,9 +1,13 @@
-"""The client side of end-to-end tests: one POST that reads the whole answer, and SSE decoding."""
+"""The client side of end-to-end tests: one POST that reads the whole answer, SSE decoding, and a
+client that leaves by a reset or a FIN."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import socket
+import struct
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -51,3 +55,17 @@ def sse_payloads(raw: bytes) -> list[Any]:
     decoder = SSEDecoder()
     events = decoder.feed(raw) + decoder.close()
     return [e.data if e.data == "[DONE]" else orjson.loads(e.data) for e in events]
+
+
+async def leave(writer: asyncio.StreamWriter, rst: bool) -> None:
+    """RST: SO_LINGER 0, then close. FIN: shut our side down, then close."""
+    sock = writer.get_extra_info("socket")
+    if rst:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+        return
+    with contextlib.suppress(OSError):
+        writer.write_eof()
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
