@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from mypy_extensions import mypyc_attr
 
+from proxy.core import answer_facts
+
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
@@ -157,8 +159,12 @@ class RequestRecord:
         return child
 
     def ended(self) -> None:
-        """The request is over (answered, failed, or its client gone): every observer's end."""
+        """The request is over (answered, failed, or its client gone): every observer's end.
+        A passed-through LLM answer's usage, id and model are read here, from its ``tail``, once
+        the answer is written (a fan-out's are its stitcher's)."""
         self.ended_at = perf_counter()
+        if self.tail and not self.fanned_out:
+            self.usage, self.response_id, self.response_model = answer_facts(self.tail)
         observers = self.observers
         for hook in observers.ended:
             hook(self)

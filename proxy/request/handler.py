@@ -40,7 +40,7 @@ from proxy.observe import ClientErrors, Metrics, Observers, RequestRecord, kind_
 from proxy.request.clients import ClientIds
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
 from proxy.request.models import MODELS_PATH, list_models, merges_models
-from proxy.request.passthrough import UPSTREAM_SERVER, pass_through
+from proxy.request.passthrough import UPSTREAM_SERVER, WholeAnswer, pass_through
 from proxy.request.responses import SERVER, child_failed_response, error_response
 from proxy.upstream import Upstreams
 
@@ -111,15 +111,21 @@ class Handler:
         record = RequestRecord(self.observers, request.method, request.path, request.headers)
         in_flight = self.in_flight
         in_flight.enter()
+        ends_here = True
         try:
             response = await self._dispatch(request, record)
             record.status = response.status
             if record.bytes_out is None and isinstance(response, web.Response):
                 record.bytes_out = response.content_length
+            if isinstance(response, WholeAnswer):
+                # Its line and metrics once it is written, off the client's wait: aiohttp
+                # prepares it next, with no await between.
+                ends_here = not response.ends(record)
             return response
         finally:
             in_flight.leave()
-            record.ended()
+            if ends_here:
+                record.ended()
 
     async def _dispatch(self, request: web.Request, record: RequestRecord) -> web.StreamResponse:
         config = self.config

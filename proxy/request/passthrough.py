@@ -13,7 +13,7 @@ from aiohttp.http import SERVER_SOFTWARE, HttpVersion10, HttpVersion11
 from aiohttp.http_writer import _serialize_headers
 
 from proxy.config import Upstream
-from proxy.core import ClientGone, answer_facts, request_headers, response_headers
+from proxy.core import ClientGone, request_headers, response_headers
 from proxy.http import HTTPClientError
 from proxy.observe import RequestRecord
 from proxy.request.models import MODELS_PATH, learn_listed
@@ -43,8 +43,6 @@ async def pass_through(
         listed = response.body
         if isinstance(listed, bytes):
             learn_listed(upstreams, upstream, listed)
-    if record.tail:  # an LLM path's answer: its usage, id and model, as it told them
-        record.usage, record.response_id, record.response_model = answer_facts(record.tail)
     return response
 
 
@@ -107,47 +105,66 @@ class WholeAnswer(web.Response):
     answer that must have no body (to a HEAD or a CONNECT, a 1xx, 204 or 304) takes aiohttp's
     steps. tests/meta/test_layers.py checks the internals it sets."""
 
+    _record: RequestRecord | None = None  # what ends once the answer is written
+
+    def ends(self, record: RequestRecord) -> bool:
+        """Whether ``record`` is ended here, once head and body are written (or their write
+        failed), rather than by the handler before: its log line and metrics off the client's
+        wait. A coroutine's first steps run before any cancellation can reach it, so ``prepare``,
+        which aiohttp calls right after the handler returns, ends it whatever happens."""
+        if self.prepared:
+            return False
+        self._record = record
+        return True
+
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
-        body = self.body
-        if (
-            self.prepared
-            or not isinstance(body, bytes)
-            or self.cookies
-            or self.compression
-            or must_be_empty_body(request.method, self.status)
-        ):
-            return await super().prepare(request)
-        headers = self.headers
-        headers[hdrs.CONTENT_LENGTH] = str(len(body))
-        if body:
-            headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
-        if hdrs.DATE not in headers:
-            headers[hdrs.DATE] = rfc822_formatted_time()
-        headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
-        keep_alive = self.keep_alive
-        if keep_alive is None:
-            keep_alive = self._keep_alive = request.keep_alive
-        version = request.version
-        if hdrs.CONNECTION not in headers:
-            if not keep_alive:
-                if version == HttpVersion11:
-                    headers[hdrs.CONNECTION] = "close"
-            elif version == HttpVersion10:
-                headers[hdrs.CONNECTION] = "keep-alive"
-        self._req = request
-        await request._prepare_hook(self)
-        status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
-        head = _serialize_headers(status_line, headers)
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client's connection is closing")
-        transport.write(head + body)  # head and body in one write
-        writer = request.writer
-        writer.output_size += len(head) + len(body)
-        self._eof_sent = True  # aiohttp's write_eof, called next, has nothing left to do
-        self._body_length = writer.output_size
-        self._req = None
-        if transport.get_write_buffer_size():
+        try:
+            body = self.body
+            if (
+                self.prepared
+                or not isinstance(body, bytes)
+                or self.cookies
+                or self.compression
+                or must_be_empty_body(request.method, self.status)
+            ):
+                return await super().prepare(request)
+            headers = self.headers
+            headers[hdrs.CONTENT_LENGTH] = str(len(body))
+            if body:
+                headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
+            if hdrs.DATE not in headers:
+                headers[hdrs.DATE] = rfc822_formatted_time()
+            headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+            keep_alive = self.keep_alive
+            if keep_alive is None:
+                keep_alive = self._keep_alive = request.keep_alive
+            version = request.version
+            if hdrs.CONNECTION not in headers:
+                if not keep_alive:
+                    if version == HttpVersion11:
+                        headers[hdrs.CONNECTION] = "close"
+                elif version == HttpVersion10:
+                    headers[hdrs.CONNECTION] = "keep-alive"
+            self._req = request
+            await request._prepare_hook(self)
+            status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
+            head = _serialize_headers(status_line, headers)
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("the client's connection is closing")
+            transport.write(head + body)  # head and body in one write
+            writer = request.writer
+            writer.output_size += len(head) + len(body)
+            self._eof_sent = True  # aiohttp's write_eof, called next, has nothing left to do
+            self._body_length = writer.output_size
+            self._req = None
+            slow = transport.get_write_buffer_size() > 0
+        finally:
+            record = self._record
+            if record is not None:
+                self._record = None
+                record.ended()
+        if slow:
             await writer.drain()  # a slow reader: no next answer piles up behind this one
         return None
 

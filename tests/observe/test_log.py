@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
@@ -25,6 +26,7 @@ from proxy.observe import line as request_line
 from proxy.observe import log
 from proxy.observe.clienterrors import LINES_PER_SECOND
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
+from proxy.server.generations import Generations
 from proxy.server.process import Server
 from tests.support.servers import Backend
 
@@ -417,3 +419,46 @@ async def test_request_line_fields(stream: io.StringIO, backend: Backend) -> Non
     assert stream_line["request_id"] != models["request_id"]
     assert all(isinstance(line["request_id"], str) for line in (stream_line, models))
     assert models["model"] is None
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["pass-through", "fan-out"])
+async def test_a_whole_answer_is_written_before_its_request_line(
+    stream: io.StringIO, backend: Backend, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """A JSON answer leaves before its request's line and metrics are made
+    (``WholeAnswer.ends``): they are off the client's wait. When the line is added, the whole
+    answer has been written to the client's connection already."""
+    setup("json", stream)
+    requests: list[web.Request] = []
+    written: list[int] = []
+    handle, add = Generations.handle, log._BatchingHandler.add
+
+    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
+        requests.append(request)
+        return await handle(self, request)
+
+    def added(self: log._BatchingHandler, line: str) -> None:
+        if '"msg":"request"' in line:
+            written.append(requests[-1].writer.output_size)
+        add(self, line)
+
+    monkeypatch.setattr(Generations, "handle", recorded)
+    monkeypatch.setattr(log._BatchingHandler, "add", added)
+    server = await running(backend)
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 3, "n": n}
+    try:
+        answer = await send_raw(
+            server.proxy_port,
+            [
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(orjson.dumps(body)), orjson.dumps(body))
+            ],
+        )
+    finally:
+        await server.close()
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert len(orjson.loads(answer.partition(b"\r\n\r\n")[2])["choices"]) == n
+    assert written == [len(answer)]
+    (line,) = [line for line in parsed(stream) if line["msg"] == "request"]
+    assert line["completion_tokens"] == 3 * n  # the answer's usage, read for its line

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config.models import single_upstream_config
+from proxy.observe import Observer, Observers, RequestRecord
 from proxy.request.passthrough import WholeAnswer
 from proxy.server.app import IN_FLIGHT
 from tests.support.rawupstream import RawUpstream, exchange
@@ -333,3 +334,72 @@ async def test_a_whole_answer_leaves_byte_for_byte_as_aiohttps_response_would(
     first, after = got["whole"]
     assert f" {status} ".encode() in first.split(b"\r\n", 1)[0]
     assert f"\r\n{HOOKED}: ".encode() in first  # the app's hook ran before the head was written
+
+
+class _Ends(Observer):
+    """Each request's record as it ends, with what its connection had been written by then."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, web.Request] = {}
+        self.seen: list[tuple[str, int]] = []
+
+    def ended(self, record: RequestRecord) -> None:
+        self.seen.append((record.path, self.requests[record.path].writer.output_size))
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/written"), ("HEAD", "/written"), ("GET", "/closing"), ("GET", "/prepared")],
+    ids=["written", "head", "closing", "prepared"],
+)
+async def test_a_whole_answer_ends_the_record_it_takes_once_after_its_write(
+    method: str, path: str
+) -> None:
+    """``WholeAnswer.ends``: a record handed over is ended once, by ``prepare``, after the
+    answer's one write; also when that answer takes aiohttp's steps (to a HEAD) or cannot be
+    written (its connection closing). An answer already prepared takes none."""
+    ends = _Ends()
+    observers = Observers([ends])
+    taken: list[bool] = []
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        ends.requests[request.path] = request
+        record = RequestRecord(observers, request.method, request.path, request.headers)
+        made = WholeAnswer(status=200, body=b"whole")
+        if request.path == "/closing":
+            assert request.transport is not None
+            request.transport.close()
+        if request.path == "/prepared":
+            await made.prepare(request)
+        taken.append(made.ends(record))
+        if not taken[-1]:
+            record.ended()  # the handler's, as ever
+        return made
+
+    app = web.Application()
+    app.router.add_route("*", "/{name}", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    assert runner.addresses
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        async with asyncio.timeout(30):  # a bound, not a timing assertion
+            got = await reader.read()
+        writer.close()
+    finally:
+        await runner.cleanup()
+    assert taken == [path != "/prepared"]
+    assert [p for p, _ in ends.seen] == [path]
+    written = ends.seen[0][1]
+    if path == "/closing":
+        assert got == b""
+    elif method == "HEAD":
+        assert got.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert got.endswith(b"\r\n\r\n")
+    else:
+        assert got.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert got.endswith(b"\r\n\r\nwhole")
+        assert written == len(got)  # the whole answer written before the record ended
