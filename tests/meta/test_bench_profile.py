@@ -1,0 +1,33 @@
+"""bench.profile's hot spots from py-spy's raw output: self and total shares per function, and
+self shares per source file, the proxy's own named from the package wherever the checkout is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.profile import hot_spots, lines
+
+ROOT = "<module> (/x/proxy/__main__.py:3);run (asyncio/runners.py:190)"
+RAW = "\n".join([
+    f"{ROOT};send (/co/proxy/http/connection.py:161) 6",
+    f"{ROOT};stale (/co/proxy/http/connection.py:195) 2",
+    f"{ROOT};feed (/v/site-packages/aiohttp/web_protocol.py:446) 1",
+    f"{ROOT} 1",
+    "not a stack line",
+])  # fmt: skip
+
+
+def test_hot_spots_rank_functions_and_files_by_their_samples(tmp_path: Path) -> None:
+    raw = tmp_path / "profile.txt"
+    raw.write_text(RAW)
+    spots = hot_spots(raw)
+    assert spots["samples"] == 10
+    assert spots["self"][0] == ("send (/co/proxy/http/connection.py)", 0.6, 0.6)
+    assert dict(spots["files"]) == pytest.approx(
+        {"proxy/http/connection.py": 0.8, "aiohttp/web_protocol.py": 0.1, "asyncio/runners.py": 0.1}
+    )
+    assert dict(spots["total"])["run (asyncio/runners.py)"] == 1.0
+    report = "\n".join(lines(spots))
+    assert "| 80.0% | `proxy/http/connection.py` |" in report
