@@ -14,7 +14,7 @@ import subprocess
 import sys
 import weakref
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from proxy.server.connection import EveryPath, direct_route
 from proxy.server.generations import Generations
 from proxy.server.process import Server
 from tests.support.client import leave
+from tests.support.polling import until
 from tests.support.rawhttp import parse_raw
 from tests.support.servers import Servers, serving, with_upstream
 from tests.support.upstreams import RecordingUpstream, Seen
@@ -720,18 +721,9 @@ async def test_a_body_left_unread_is_drained_and_the_connection_serves_the_next_
 # --- a client that leaves ---------------------------------------------------------------------
 
 
-async def _soon(holds: Callable[[], bool]) -> bool:
-    """Whether ``holds()`` comes true within a moment (polled for up to 10 s)."""
-    for _ in range(1000):
-        if holds():
-            return True
-        await asyncio.sleep(0.01)
-    return False
-
-
-async def _freed(held: list[weakref.ref[Any]]) -> bool:
-    """Whether every object ``held`` names goes within a moment (not a collection)."""
-    return await _soon(lambda: all(ref() is None for ref in held))
+async def _freed(held: list[weakref.ref[Any]]) -> None:
+    """Every object ``held`` names goes within a moment (not a collection)."""
+    await until(lambda: all(ref() is None for ref in held), what="freed without the collector")
 
 
 def _watch(monkeypatch: pytest.MonkeyPatch) -> tuple[list[weakref.ref[Any]], asyncio.Event]:
@@ -791,7 +783,7 @@ async def test_a_request_whose_client_left_is_freed_without_the_collector(
                 await leave(writer, rst)
                 async with asyncio.timeout(20):
                     await fake.endless_gone.wait()  # the proxy saw the client leave and hung up
-                assert await _freed(held), "held until the collector runs"
+                await _freed(held)
     assert len(held) == 2 * 3
     assert len(fake.seen) == 3 * n
 
@@ -828,9 +820,9 @@ async def test_a_request_whose_client_left_early_is_freed_without_the_collector(
                         if where in ("head", "fan-out-head"):
                             await fake.holding.wait()
                     if where == "queued":
-                        assert await _soon(lambda: slots.queued > 0)
+                        await until(lambda: slots.queued > 0)
                     await leave(writer, rst=True)
-                    assert await _freed(held), "held until the collector runs"
+                    await _freed(held)
         finally:
             if holder is not None:
                 holder[1].close()
@@ -855,6 +847,6 @@ async def test_a_client_that_leaves_while_its_unread_body_is_drained_is_freed_wi
                 over = await _answer_on(reader, writer, body[: 2 * limit])
                 assert over.status == 413  # the rest of the body is now read and dropped
                 await leave(writer, rst=True)
-                assert await _freed(held), "held until the collector runs"
+                await _freed(held)
     assert len(held) == 2 * 3
     assert not fake.seen

@@ -26,6 +26,7 @@ from proxy.http.connection import (
 )
 from proxy.http.errors import BadResponse, ConnectTimeout, ResponseTimeout
 from proxy.http.response import Mode, ResponseState
+from tests.support.polling import until
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 Serve = Callable[[Handler], Awaitable[tuple["Raw", str]]]
@@ -817,7 +818,7 @@ async def test_an_upload_to_a_slow_reader_is_written_as_the_transport_takes_it(
 
     _, url = await serve(handler)
     upload = asyncio.ensure_future(post(pool, url, b"u" * BIG))
-    (connection,) = await wait_until(lambda: pool.in_use)
+    (connection,) = await until(lambda: pool.in_use, 5.0)
     transport = connection.transport
     assert transport is not None
     for _ in range(20):  # while the server reads nothing, the proxy holds about one piece
@@ -851,15 +852,6 @@ async def test_an_answer_before_the_upload_was_written_never_pools_its_connectio
     assert pool.idle_connections() == 0
     _, body = await fetch(pool, url)
     assert (body, raw.connections) == (b"ok", 2)
-
-
-async def wait_until(probe: Callable[[], Any]) -> Any:
-    for _ in range(500):  # bounded: 5 s
-        value = probe()
-        if value:
-            return value
-        await asyncio.sleep(0.01)
-    raise AssertionError("never happened")
 
 
 async def test_a_pooled_connection_whose_fin_is_already_queued_is_not_reused(
@@ -918,7 +910,7 @@ async def test_an_origin_closing_connections_just_after_answers_gets_no_young_on
     response = await post(pool, url)
     assert await response.read(LIMIT) == b"ok"
     pool.release(response)
-    await wait_until(lambda: key in pool.closers)  # the pooled connection closed 50 ms after
+    await until(lambda: key in pool.closers, 5.0)  # the pooled connection closed 50 ms after
     for i in range(20):
         response = await post(pool, url)  # right after the last answer: no time to close
         assert await response.read(LIMIT) == b"ok", i
@@ -950,7 +942,7 @@ async def test_an_origin_seen_closing_early_is_reused_again_once_a_connection_st
     raw, url = await serve(closing_late(after=0.0, kept=lambda n: n > 1))
     key = ("127.0.0.1", int(url.rsplit(":", 1)[1]), None)
     await fetch(pool, url)
-    await wait_until(lambda: key in pool.closers)
+    await until(lambda: key in pool.closers, 5.0)
     await fetch(pool, url)  # connection 2
     await fetch(pool, url)  # connection 3: 2 is too young to trust
     assert raw.connections == 3

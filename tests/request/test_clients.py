@@ -17,6 +17,7 @@ from aiohttp.test_utils import make_mocked_request
 from proxy.config.models import Clients, Config
 from proxy.request.clients import ClientIds, keyed_id
 from tests.support.logs import LogCapture
+from tests.support.polling import until
 from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
 WITHIN = 30.0
@@ -27,15 +28,6 @@ ENDLESS = {
 }  # fmt: skip
 FLOOD = {"Authorization": "Bearer sk-flood-secret"}
 VICTIM = {"Authorization": "Bearer sk-victim-secret"}
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Poll a count of the proxy's own (its line has no event to wait on), for up to 30 s."""
-    for _ in range(3000):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in 30 s")
 
 
 async def hold(
@@ -116,13 +108,13 @@ async def test_a_clients_child_behind_anothers_flood_of_fan_outs_gets_the_next_f
     first = flood("one", 1)
     await backend.state.wait_for(lambda s: len(active("one")) == 1, WITHIN)
     clients = [first, flood("four", 4)]
-    await until(lambda: slots.queued == 3)
+    await until(lambda: slots.queued == 3, 30.0)
     clients.append(flood("more", 4))
-    await until(lambda: slots.queued == 7)
+    await until(lambda: slots.queued == 7, 30.0)
     clients.append(
         asyncio.create_task(hold(http, proxy.url + CHAT, {**ENDLESS, "seed": 999}, VICTIM))
     )
-    await until(lambda: slots.queued == 8)
+    await until(lambda: slots.queued == 8, 30.0)
     try:
         first.cancel()  # one slot comes free
         await backend.state.wait_for(lambda s: len(s.active) == 2 and not active("one"), WITHIN)
@@ -153,12 +145,12 @@ async def test_a_client_sending_one_request_after_another_keeps_its_slot_between
     proxy = await make_proxy(config)
     slots = proxy.pool.state(proxy.upstream).slots
     flood = [asyncio.create_task(hold(http, proxy.url + CHAT, {**ENDLESS, "n": 4}, FLOOD))]
-    await until(lambda: slots.queued == 2)
+    await until(lambda: slots.queued == 2, 30.0)
     short = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     victim = asyncio.create_task(http.post(proxy.url + CHAT, json=short, headers=VICTIM))
-    await until(lambda: slots.queued == 3)
+    await until(lambda: slots.queued == 3, 30.0)
     flood.append(asyncio.create_task(hold(http, proxy.url + CHAT, {**ENDLESS, "n": 4}, FLOOD)))
-    await until(lambda: slots.queued == 7)
+    await until(lambda: slots.queued == 7, 30.0)
     try:
         flood[0].cancel()  # its two slots come free: one to the victim, one to the other stream
         async with await victim as answer:
@@ -171,7 +163,7 @@ async def test_a_client_sending_one_request_after_another_keeps_its_slot_between
                 await answer.read()
             assert (slots.queued, slots.kept) == (3, 1)  # the flood still waits; kept again
         else:
-            await until(lambda: slots.queued == 3)  # behind the flood's two waiting children
+            await until(lambda: slots.queued == 3, 30.0)  # behind the flood's two waiting children
             await asyncio.sleep(0.2)
             assert not second.done()
             second.cancel()
@@ -223,7 +215,7 @@ async def test_a_client_at_max_children_gets_429_with_retry_after_and_an_openai_
     finally:
         held.cancel()
         await asyncio.gather(held, return_exceptions=True)
-    await until(lambda: not proxy.pool.tabs)
+    await until(lambda: not proxy.pool.tabs, 30.0)
     async with http.post(proxy.url + CHAT, json=short(4), headers=FLOOD) as again:
         assert again.status == 200
 
@@ -280,7 +272,7 @@ async def test_children_count_against_max_children_until_their_places_are_releas
         )
         async with http.post(proxy.url + CHAT, json=short(4, seed=5, **fault), headers=FLOOD) as r:
             assert r.status == (500 if fault else 200)
-    await until(lambda: not tabs)
+    await until(lambda: not tabs, 30.0)
     async with http.post(proxy.url + CHAT, json=short(4), headers=FLOOD) as again:
         assert again.status == 200
 

@@ -21,6 +21,7 @@ from proxy.server.app import take_census
 from proxy.server.process import Server
 from tests.support.client import Answer, post, sse_payloads
 from tests.support.logs import capture_logs
+from tests.support.polling import until
 from tests.support.ports import free_port
 from tests.support.servers import Backend, Servers
 from tests.support.upstreams import HoldingUpstream
@@ -283,15 +284,6 @@ def census(server: Server, upstream: str) -> UpstreamCensus:
     return found
 
 
-async def until(predicate: Callable[[], bool]) -> None:
-    """Poll a condition of the proxy's own state (it has no event to wait on), up to WITHIN."""
-    for _ in range(int(WITHIN / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not reached in {WITHIN:g} s")
-
-
 def stream_ok(answer: Answer, n: int) -> None:
     assert answer.status == 200
     payloads = sse_payloads(answer.body)
@@ -321,7 +313,7 @@ async def test_three_reloads_under_open_streams_never_take_the_upstream_past_its
         limited(path, ("a", holding, 2), extra=f"max_n: {4 + reload}\n")  # a change, same limit
         assert await server.reload()
         streams.append(asyncio.create_task(post(http, chat(server), body)))
-        await until(lambda: census(server, "a").queued == 2 * reload or holding.active > 2)  # noqa: B023
+        await until(lambda: census(server, "a").queued == 2 * reload or holding.active > 2, WITHIN)  # noqa: B023
         assert holding.active == 2
         # The line is counted once, not once per generation that names it.
         assert (census(server, "a").slots_held, metric(server, "n_proxy_slots_in_use")) == (2, 2)
@@ -348,10 +340,10 @@ async def test_a_reload_that_lowers_the_limit_keeps_the_streams_running_and_star
     limited(path, ("a", holding, 1))
     assert await server.reload()
     waiting = asyncio.create_task(post(http, chat(server), STREAM))
-    await until(lambda: census(server, "a").queued == 1)
+    await until(lambda: census(server, "a").queued == 1, WITHIN)
     for held in (2, 1):  # the old stream's children end one by one: still none may start
         holding.release(1)
-        await until(lambda: census(server, "a").slots_held == held)  # noqa: B023
+        await until(lambda: census(server, "a").slots_held == held, WITHIN)  # noqa: B023
         assert census(server, "a").queued == 1
     holding.release()
     stream_ok(await running, 3)
@@ -371,7 +363,7 @@ async def test_a_reload_that_raises_the_limit_grants_the_waiting_children_at_onc
     first = asyncio.create_task(post(http, chat(server), STREAM))
     await holding.wait_for(lambda: holding.active == 1)
     queued = asyncio.create_task(post(http, chat(server), {**STREAM, "n": 2}))
-    await until(lambda: census(server, "a").queued == 2)
+    await until(lambda: census(server, "a").queued == 2, WITHIN)
     limited(path, ("a", holding, 3))
     assert await server.reload()
     await holding.wait_for(lambda: holding.active == 3)  # the first stream still open
@@ -397,7 +389,7 @@ async def test_an_upstream_dropped_and_named_again_while_its_stream_runs_finds_i
     limited(path, ("a", holding, 1), ("b", backend, 1))
     assert await server.reload()
     again = asyncio.create_task(post(http, chat(server), STREAM))
-    await until(lambda: census(server, "a").queued == 1 or holding.active > 1)
+    await until(lambda: census(server, "a").queued == 1 or holding.active > 1, WITHIN)
     assert holding.active == 1
     holding.release()
     stream_ok(await running, 1)
@@ -524,7 +516,7 @@ async def test_series_an_old_request_names_after_the_reload_go_when_its_generati
         yield b'"messages": [{"role": "user", "content": "hi"}]}'
 
     late = asyncio.create_task(post_stream(http, chat(server), slow_body()))
-    await until(lambda: server.generations.current.begun.requests == 2)
+    await until(lambda: server.generations.current.begun.requests == 2, WITHIN)
     write_config(path, f"upstreams: [{{name: a, url: '{backend.url}'}}]\n")
     assert await server.reload()
     assert naming(await scrape(http, server), "upstream", "b") - HELD == set()

@@ -25,6 +25,7 @@ from proxy.server.app import GENERATIONS
 from proxy.upstream.discovery import Resolver
 from tests.support.client import post
 from tests.support.logs import LogCapture
+from tests.support.polling import until
 from tests.support.ports import free_port
 from tests.support.rawupstream import RawUpstream
 from tests.support.servers import Backend, Proxy, Servers
@@ -679,7 +680,7 @@ async def test_a_backoff_wait_cancelled_by_the_client_leaves_nothing_behind(
         with pytest.raises(asyncio.CancelledError):
             await job
         # The proxy notices the closed connection on its own time: poll, bounded.
-        await until_true(lambda: state.slots.in_use == 0 and len(asyncio.all_tasks()) <= before)
+        await until(lambda: state.slots.in_use == 0 and len(asyncio.all_tasks()) <= before, WITHIN)
         assert state.slots.queued == 0
         assert all(r.outstanding == 0 for r in state.replicas)
 
@@ -789,16 +790,8 @@ async def test_a_client_leaving_a_fallback_stream_gives_back_the_fallbacks_place
         assert [r.outstanding for r in other.replicas] == [2]
     # the client left: both children aborted, their places in the fallback's line given back
     await spare.state.wait_for(lambda s: not s.active, WITHIN)
-    await until_true(lambda: other.slots.in_use == 0)
+    await until(lambda: other.slots.in_use == 0, WITHIN)
     assert [r.outstanding for r in other.replicas] == [0]
-
-
-async def until_true(predicate: Callable[[], bool]) -> None:
-    for _ in range(int(WITHIN / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("never came true")
 
 
 # --- load-aware placement -----------------------------------------------------------------------

@@ -24,18 +24,10 @@ from proxy.config.models import Config
 from proxy.core.errors import Overloaded
 from proxy.server.app import GENERATIONS
 from proxy.upstream.slots import Place, Slots, Tabs
+from tests.support.polling import until
 from tests.support.servers import Backend, Proxy, proxy_config, with_upstream
 
 CLIENTS = 50
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Poll a condition of the proxy's own state (it has no event to wait on), for up to 10 s."""
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in 10 s")
 
 
 async def ticks(count: int) -> None:
