@@ -353,7 +353,7 @@ class _Ends(Observer):
     ids=["written", "head", "closing", "prepared"],
 )
 async def test_a_whole_answer_ends_the_record_it_takes_once_after_its_write(
-    method: str, path: str
+    servers: Servers, method: str, path: str
 ) -> None:
     """``WholeAnswer.ends``: a record handed over is ended once, by ``prepare``, after the
     answer's one write; also when that answer takes aiohttp's steps (to a HEAD) or cannot be
@@ -376,21 +376,12 @@ async def test_a_whole_answer_ends_the_record_it_takes_once_after_its_write(
             record.ended()  # the handler's, as ever
         return made
 
-    app = web.Application()
-    app.router.add_route("*", "/{name}", answer)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    assert runner.addresses
-    try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-        async with asyncio.timeout(30):  # a bound, not a timing assertion
-            got = await reader.read()
-        writer.close()
-    finally:
-        await runner.cleanup()
+    app = await servers.start(RecordingUpstream(answer))
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(app.url.rsplit(":", 1)[1]))
+    writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    async with asyncio.timeout(30):  # a bound, not a timing assertion
+        got = await reader.read()
+    writer.close()
     assert taken == [path != "/prepared"]
     assert [p for p, _ in ends.seen] == [path]
     written = ends.seen[0][1]
