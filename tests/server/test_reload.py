@@ -23,7 +23,7 @@ from tests.support.client import Answer, post, sse_payloads
 from tests.support.logs import capture_logs
 from tests.support.polling import until
 from tests.support.ports import free_port
-from tests.support.servers import Backend, Servers
+from tests.support.servers import Backend, Servers, metric
 from tests.support.upstreams import HoldingUpstream
 
 CHAT = "/v1/chat/completions"
@@ -56,15 +56,6 @@ async def started(tmp_path: Path, servers: Servers, backend: Backend) -> AsyncIt
 
 def chat(server: Server) -> str:
     return f"http://127.0.0.1:{server.proxy_port}{CHAT}"
-
-
-def metric(server: Server, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(server.metrics.render().decode()):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                total += sample.value
-    return total
 
 
 async def test_stream_running_across_a_reload_ends_on_the_old_config(
@@ -103,7 +94,7 @@ async def test_stream_running_across_a_reload_ends_on_the_old_config(
     assert old.upstreams.loops
     assert all(loop.done() for loop in old.upstreams.loops)
     assert not old.upstreams.connections.in_use
-    assert metric(started, "n_proxy_config_reloads_total", result="ok") == 1
+    assert metric(started.metrics, "n_proxy_config_reloads_total", result="ok") == 1
 
 
 async def test_bad_file_keeps_the_running_config_and_logs_one_line_naming_the_key(
@@ -123,8 +114,8 @@ async def test_bad_file_keeps_the_running_config_and_logs_one_line_naming_the_ke
     assert started.generations.current is running
     async with http.post(chat(started), json={"model": "m", "messages": MESSAGES, "n": 3}) as r:
         assert r.status == 200  # max_n is still 10
-    assert metric(started, "n_proxy_config_reloads_total", result="failed") == 1
-    assert metric(started, "n_proxy_config_reloads_total", result="ok") == 0
+    assert metric(started.metrics, "n_proxy_config_reloads_total", result="failed") == 1
+    assert metric(started.metrics, "n_proxy_config_reloads_total", result="ok") == 0
 
 
 async def test_good_file_switches_to_its_new_route_and_upstream(
@@ -316,7 +307,10 @@ async def test_three_reloads_under_open_streams_never_take_the_upstream_past_its
         await until(lambda: census(server, "a").queued == 2 * reload or holding.active > 2, WITHIN)  # noqa: B023
         assert holding.active == 2
         # The line is counted once, not once per generation that names it.
-        assert (census(server, "a").slots_held, metric(server, "n_proxy_slots_in_use")) == (2, 2)
+        assert (census(server, "a").slots_held, metric(server.metrics, "n_proxy_slots_in_use")) == (
+            2,
+            2,
+        )
     assert len(server.generations.retiring) == 3
     holding.release()
     for answer in await asyncio.gather(*streams):
@@ -522,7 +516,7 @@ async def test_series_an_old_request_names_after_the_reload_go_when_its_generati
     assert naming(await scrape(http, server), "upstream", "b") - HELD == set()
     go.set()
     assert await late == 429  # the old config's b, full
-    assert metric(server, "n_proxy_rejected_total", upstream="b") == 1  # named again
+    assert metric(server.metrics, "n_proxy_rejected_total", upstream="b") == 1  # named again
     holding.release()
     stream_ok(await running, 1)
     async with asyncio.timeout(WITHIN):

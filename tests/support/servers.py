@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config.models import Config, Upstream, parse_config, single_upstream_config
 from proxy.devserver import DevConfig, DevState, start_devserver
+from proxy.observe import Metrics
 from proxy.observe.tracing import Tracing
 from proxy.server.app import GENERATIONS, build_app
 from proxy.server.process import Server
@@ -84,14 +85,17 @@ class Proxy:
         await self.pool.state(self.upstream).wait_for(predicate, within)
 
     def metric(self, name: str, **labels: str) -> float:
-        """The sum of ``name``'s samples whose labels include ``labels``, from /metrics' text."""
-        text = self.app[GENERATIONS].upstreams.metrics.render().decode()
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and labels.items() <= sample.labels.items():
-                    total += sample.value
-        return total
+        return metric(self.app[GENERATIONS].upstreams.metrics, name, **labels)
+
+
+def metric(metrics: Metrics, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``, from /metrics' text."""
+    total = 0.0
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                total += sample.value
+    return total
 
 
 def proxy_config(backend: Backend, **overrides: Any) -> Config:
