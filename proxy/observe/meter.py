@@ -45,7 +45,7 @@ class RequestMetrics(Observer):
             # No status line came: out of time (a 504), or anything else (a 502).
             (series.timeout if isinstance(failure, UpstreamTimeout) else series.unreachable).inc()
 
-    def ended(self, record: RequestRecord) -> None:
+    def counted(self, record: RequestRecord) -> None:
         key = (record.route, record.status, record.fanned_out)
         children = self._answered.get(key)
         if children is None:

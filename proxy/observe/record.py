@@ -4,7 +4,8 @@ The handler owns a ``RequestRecord``; every upstream request it sends (a pass-th
 fan-out child) has a ``ChildRecord`` in it. The layers below report named steps, as httpcore's
 trace hook has its transports do: a child ``admitted`` (its place in line granted), ``sent``
 (each try, to a replica), ``retry``, ``head`` (its status line, retries done) and ``ended``; the
-request ``ended``. Each step writes its facts here and then tells the ``Observer`` s: the
+request ``counted`` (what it came to is known: the metrics count it) and ``ended`` (the log line
+and the span). Each step writes its facts here and then tells the ``Observer`` s: the
 metrics, the spans and the request's log line are built from the record alone, so they cannot
 disagree. Facts with no step (the route, the bytes written, the first chunk's time, the usage)
 are plain attributes, written where they become known.
@@ -47,6 +48,11 @@ class Observer:
     def child_ended(self, child: ChildRecord, failure: BaseException | None) -> None:
         """The child's exchange is over; ``failure`` is what ended it early, if anything."""
 
+    def counted(self, record: RequestRecord) -> None:
+        """What the request came to is known (its status, bytes, usage and duration): what
+        counts it (the metrics) counts it here, before an answer held whole is written, so that
+        a client holding its answer finds it counted, whichever process serves /metrics."""
+
     def ended(self, record: RequestRecord) -> None: ...
 
 
@@ -64,7 +70,8 @@ class LargeRequest:
 class Observers:
     """Every observer's steps, gathered once: a step calls only the methods that do something."""
 
-    __slots__ = ("admitted", "begun", "child_ended", "ended", "head", "large", "retry", "sent")
+    __slots__ = ("admitted", "begun", "child_ended", "counted", "ended", "head", "large", "retry",
+                 "sent")  # fmt: skip
 
     def __init__(self, observers: Iterable[Observer], large: LargeRequest | None = None) -> None:
         chosen = list(observers)
@@ -83,6 +90,7 @@ class Observers:
         self.child_ended: tuple[Callable[[ChildRecord, BaseException | None], None], ...] = hooks(
             "child_ended"
         )
+        self.counted: tuple[Callable[[RequestRecord], None], ...] = hooks("counted")
         self.ended: tuple[Callable[[RequestRecord], None], ...] = hooks("ended")
         self.large = large
 
@@ -147,7 +155,7 @@ class RequestRecord:
         self.finish_reasons: tuple[str | None, ...] = ()
         self.span: Span | None = None  # its server span, when tracing
         self.trace_id: str | None = None  # the span's trace id, when tracing
-        self.ended_at = 0.0
+        self.ended_at = 0.0  # until it is counted (``counted``)
         for hook in observers.begun:
             hook(self)
 
@@ -158,13 +166,22 @@ class RequestRecord:
         self.children.append(child)
         return child
 
-    def ended(self) -> None:
-        """The request is over (answered, failed, or its client gone): every observer's end.
-        A passed-through LLM answer's usage, id and model are read here, from its ``tail``, once
-        the answer is written (a fan-out's are its stitcher's)."""
+    def counted(self) -> None:
+        """What the request came to is known: its end time taken, a passed-through LLM answer's
+        usage, id and model read from its ``tail`` (a fan-out's are its stitcher's), and every
+        observer's count. Once; ``ended`` does it when nothing did before."""
+        if self.ended_at:
+            return
         self.ended_at = perf_counter()
         if self.tail and not self.fanned_out:
             self.usage, self.response_id, self.response_model = answer_facts(self.tail)
+        for hook in self.observers.counted:
+            hook(self)
+
+    def ended(self) -> None:
+        """The request is over (answered, failed, or its client gone): counted, if it was not
+        yet, then every observer's end."""
+        self.counted()
         observers = self.observers
         for hook in observers.ended:
             hook(self)

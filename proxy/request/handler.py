@@ -118,8 +118,9 @@ class Handler:
             if record.bytes_out is None and isinstance(response, web.Response):
                 record.bytes_out = response.content_length
             if isinstance(response, WholeAnswer):
-                # Its line and metrics once it is written, off the client's wait: aiohttp
-                # prepares it next, with no await between.
+                # Counted before it leaves; its line and span once it is written, off the
+                # client's wait: aiohttp prepares it next, with no await between.
+                record.counted()
                 ends_here = not response.ends(record)
             return response
         finally:

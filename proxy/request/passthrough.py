@@ -109,9 +109,10 @@ class WholeAnswer(web.Response):
 
     def ends(self, record: RequestRecord) -> bool:
         """Whether ``record`` is ended here, once head and body are written (or their write
-        failed), rather than by the handler before: its log line and metrics off the client's
-        wait. A coroutine's first steps run before any cancellation can reach it, so ``prepare``,
-        which aiohttp calls right after the handler returns, ends it whatever happens."""
+        failed), rather than by the handler before: its log line and span off the client's wait
+        (its metrics are counted before, ``RequestRecord.counted``). A coroutine's first steps
+        run before any cancellation can reach it, so ``prepare``, which aiohttp calls right after
+        the handler returns, ends it whatever happens."""
         if self.prepared:
             return False
         self._record = record

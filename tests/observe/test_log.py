@@ -26,9 +26,10 @@ from proxy.observe import line as request_line
 from proxy.observe import log
 from proxy.observe.clienterrors import LINES_PER_SECOND
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
+from proxy.request.passthrough import WholeAnswer
 from proxy.server.generations import Generations
 from proxy.server.process import Server
-from tests.support.servers import Backend
+from tests.support.servers import Backend, metric
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 WITHIN = 30.0  # seconds any one wait may take
@@ -462,3 +463,39 @@ async def test_a_whole_answer_is_written_before_its_request_line(
     assert written == [len(answer)]
     (line,) = [line for line in parsed(stream) if line["msg"] == "request"]
     assert line["completion_tokens"] == 3 * n  # the answer's usage, read for its line
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["pass-through", "fan-out"])
+async def test_a_whole_answer_is_counted_before_it_is_written(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    """A client that has its JSON answer finds it counted in /metrics (another worker's admin
+    listener may serve them): the request and its tokens are counted before the answer's write."""
+    server = await running(backend)
+    counted: list[tuple[float, float]] = []
+    prepare = WholeAnswer.prepare
+
+    async def prepared(self: WholeAnswer, request: web.BaseRequest) -> Any:
+        counted.append(
+            (
+                metric(server.metrics, "n_proxy_requests_total"),
+                metric(server.metrics, "n_proxy_completion_tokens_total"),
+            )
+        )
+        return await prepare(self, request)
+
+    monkeypatch.setattr(WholeAnswer, "prepare", prepared)
+    body = orjson.dumps({"model": "m", "messages": MESSAGES, "max_tokens": 3, "n": n})
+    try:
+        answer = await send_raw(
+            server.proxy_port,
+            [
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            ],
+        )
+    finally:
+        await server.close()
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert counted == [(1, 3 * n)]

@@ -7,6 +7,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -45,6 +46,9 @@ class Seen(Observer):
     def head(self, child: ChildRecord) -> None:
         self.steps.append(("head", child.index, child.status))
 
+    def counted(self, record: RequestRecord) -> None:
+        self.steps.append(("counted", record.status, record.ended_at))
+
     def ended(self, record: RequestRecord) -> None:
         self.steps.append(("ended", record.status))
 
@@ -55,6 +59,7 @@ def test_only_the_steps_an_observer_overrides_are_gathered() -> None:
     assert observers.begun == (seen.begun,)
     assert observers.sent == (seen.sent,)
     assert observers.head == (seen.head,)
+    assert observers.counted == (seen.counted,)
     assert observers.ended == (seen.ended,)
     assert observers.admitted == ()
     assert observers.retry == ()
@@ -93,8 +98,24 @@ def test_each_step_writes_its_facts_then_tells_its_observers() -> None:
     assert seen.steps[1:] == [("sent", 0, "http://a"), ("head", 0, 200)]
     record.status = 200
     record.ended()
-    assert seen.steps[-1] == ("ended", 200)
+    assert seen.steps[-2:] == [("counted", 200, record.ended_at), ("ended", 200)]
     assert record.seconds >= 0
+
+
+def test_a_request_is_counted_once_before_it_ends_or_as_it_ends() -> None:
+    """``counted`` takes the end time and tells the observers that count; ``ended`` counts a
+    request nothing counted before, and never counts one twice."""
+    seen = Seen()
+    early = RequestRecord(Observers([seen]), "POST", "/v1/completions", {})
+    early.status = 200
+    early.counted()
+    counted_at = early.ended_at
+    assert counted_at > 0
+    early.status = 499  # a status set after the count is the end's, not counted again
+    early.counted()
+    early.ended()
+    assert seen.steps[1:] == [("counted", 200, counted_at), ("ended", 499)]
+    assert early.ended_at == counted_at
 
 
 def test_overhead_is_the_time_before_the_first_try_less_the_queue_and_after_the_last_body() -> None:
@@ -191,3 +212,23 @@ async def test_the_log_line_the_metrics_and_the_spans_of_one_fan_out_agree_on_ev
     first_chunk = proxy.metric("n_proxy_time_to_first_chunk_seconds_sum", **labels)
     assert line["ttft_ms"] == round(first_chunk * 1000, 3)
     provider.shutdown()
+
+
+@pytest.mark.parametrize("fanned_out", [False, True], ids=["pass-through", "fan-out"])
+def test_a_passed_through_answers_usage_is_read_from_its_tail_as_it_is_counted(
+    fanned_out: bool,
+) -> None:
+    """A pass-through's usage, id and model come from the answer's last bytes; a fan-out's are
+    its stitcher's, set before, and its tail (a stream's last bytes) is not read."""
+    record = RequestRecord(Observers([]), "POST", "/v1/chat/completions", {})
+    record.fanned_out = fanned_out
+    stitched = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    if fanned_out:
+        record.usage = stitched
+    usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    record.tail = orjson.dumps({"id": "c-1", "model": "m", "usage": usage})
+    record.counted()
+    if fanned_out:
+        assert (record.usage, record.response_id, record.response_model) == (stitched, None, None)
+    else:
+        assert (record.usage, record.response_id, record.response_model) == (usage, "c-1", "m")
