@@ -144,6 +144,7 @@ def run(
     print(f"== {scenario.name}", flush=True)
     started = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
+    (work / "profile.txt").unlink(missing_ok=True)  # an earlier run's, with --profile
     try:  # the scenario's defaults, then its smoke ones with --smoke, then what was asked for
         chosen: dict[str, Any] = dict(scenario.full)
         if args.smoke:

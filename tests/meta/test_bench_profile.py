@@ -4,6 +4,7 @@ self shares per source file, the proxy's own named from the package wherever the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -31,3 +32,20 @@ def test_hot_spots_rank_functions_and_files_by_their_samples(tmp_path: Path) -> 
     assert dict(spots["total"])["run (asyncio/runners.py)"] == 1.0
     report = "\n".join(lines(spots))
     assert "| 80.0% | `proxy/http/connection.py` |" in report
+
+
+def test_a_run_reports_its_own_profile_only(tmp_path: Path) -> None:
+    """The raw folder a scenario runs in is kept between runs: a profile an earlier run recorded
+    there (with ``--profile``) is not reported as a later run's."""
+    from bench.__main__ import parser, run
+    from bench.scenario import Scenario
+
+    work = tmp_path / "wire"
+    work.mkdir()
+    (work / "profile.txt").write_text(RAW)
+    scenario = Scenario("wire", "a scenario that measures nothing", lambda ctx: {}, lambda row: [])
+    args = parser().parse_args(["wire"])
+    results: dict[str, Any] = {"skipped": {}, "errors": {}}
+    run(scenario, args, cast(Any, None), work, results)
+    assert results["errors"] == {}
+    assert "profile" not in results["wire"]
