@@ -187,15 +187,24 @@ async def run(
     server: Server,
     signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
     ready: Callable[[], None] | None = None,
+    supervisor: int | None = None,
 ) -> None:
     """Serve until one of ``signals``, reloading the config on each SIGHUP; then drain and stop.
 
     ``ready`` runs once the signals are ours: a banner printed before that would let a SIGTERM
-    that follows it at once kill the process undrained (the default action).
+    that follows it at once kill the process undrained (the default action). ``supervisor``: a
+    worker's end of the pipe its supervisor holds open while it lives; readable once the
+    supervisor is gone, which stops the worker as a SIGTERM would.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     reloads: set[asyncio.Task[bool]] = set()
+
+    def orphaned(fd: int) -> None:
+        loop.remove_reader(fd)  # readable from now on: once is enough
+        if not stop.is_set():
+            log_event("the supervisor is gone; stopping", "warning")
+            stop.set()
 
     def reload() -> None:
         # One running and one to follow: later SIGHUPs would read the same file. None once
@@ -208,6 +217,8 @@ async def run(
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload)
+    if supervisor is not None:
+        loop.add_reader(supervisor, orphaned, supervisor)
     settle_collector()
     if ready is not None:
         ready()
@@ -215,6 +226,8 @@ async def run(
         await stop.wait()
         await server.drain()
     finally:
+        if supervisor is not None:
+            loop.remove_reader(supervisor)
         for task in reloads:
             task.cancel()
         await asyncio.gather(*reloads, return_exceptions=True)

@@ -235,13 +235,20 @@ def _work(config: Config, index: int, count: int, loader: Loader | None) -> None
     # A SIGHUP the supervisor forwards before this worker serves must not end it (the default
     # action); once it serves, the reload handler replaces this.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # The supervisor holds its end of this pipe open while it lives. Killed (SIGKILL, the OOM
+    # killer), it forwards no SIGTERM: its end closing stops the worker as a SIGTERM would, or the
+    # worker would serve on, unsupervised, on the shared port.
+    supervisor = multiprocessing.parent_process()
+    parent = None if supervisor is None else supervisor.sentinel
 
     async def serve() -> None:
         server = Server(config, reuse_port=True, loader=reload)
         await start(server)
         where = f"http://{config.listen.host}:{server.proxy_port}"
         banner = f"n-proxy: worker {index} (pid {os.getpid()}) listening on {where}"
-        await run(server, signals=(signal.SIGTERM,), ready=lambda: announce(banner))
+        await run(
+            server, signals=(signal.SIGTERM,), ready=lambda: announce(banner), supervisor=parent
+        )
 
     try:
         asyncio.run(serve())

@@ -8,10 +8,12 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tomllib
 import urllib.request
+from asyncio.subprocess import Process
 from pathlib import Path
 from typing import Any
 
@@ -184,18 +186,42 @@ def test_shipped_config_examples_pass_check_config(
     assert main(["check-config", str(example)]) == 0
 
 
-async def test_workers_share_one_port_and_metrics_add_up(make_backend: Any) -> None:
-    backend = await make_backend()
-    port, admin = free_port(), free_port()
+async def _start_workers(
+    backend: Any, port: int, admin: int, stderr: int | None = None
+) -> tuple[Process, list[int]]:
+    """``n-proxy --workers 2`` and its workers' pids, once both serve."""
     command = [
         sys.executable, "-m", "proxy", "--upstream", backend.url, "--workers", "2",
         "--port", str(port), "--admin-port", str(admin),
     ]  # fmt: skip
-    process = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE)
+    process = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE, stderr=stderr)
+    assert process.stdout is not None
     try:
-        assert process.stdout is not None
-        banners = [(await process.stdout.readline()).decode() for _ in range(2)]
-        assert len({re.findall(r"pid \d+", banner)[0] for banner in banners}) == 2
+        async with asyncio.timeout(60):
+            banners = [(await process.stdout.readline()).decode() for _ in range(2)]
+    except BaseException:
+        await _end(process, [])
+        raise
+    pids = [int(pid) for banner in banners for pid in re.findall(r"pid (\d+)", banner)]
+    assert len(set(pids)) == 2, banners
+    return process, pids
+
+
+async def _end(process: Process, workers: list[int]) -> None:
+    """Whatever a test left running, gone; bounded: the workers hold the supervisor's stdout, and
+    asyncio's ``wait`` waits for it to close as well as for the supervisor to exit."""
+    for pid in [process.pid, *workers]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    async with asyncio.timeout(30):
+        await process.wait()
+
+
+async def test_workers_share_one_port_and_metrics_add_up(make_backend: Any) -> None:
+    backend = await make_backend()
+    port, admin = free_port(), free_port()
+    process, workers = await _start_workers(backend, port, admin)
+    try:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}
         async with aiohttp.ClientSession() as http:
             for _ in range(20):
@@ -216,11 +242,34 @@ async def test_workers_share_one_port_and_metrics_add_up(make_backend: Any) -> N
         )
         assert total == 20
         process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), 15) == 0
+        async with asyncio.timeout(60):  # a generous bound: a busy machine is slow, not wrong
+            assert await process.wait() == 0
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        await _end(process, workers)
+
+
+async def test_workers_stop_when_their_supervisor_is_killed(make_backend: Any) -> None:
+    """A supervisor SIGKILLed (the OOM killer) forwards no SIGTERM: its workers must not serve on,
+    unsupervised, on the port a new n-proxy would share with them (SO_REUSEPORT)."""
+    backend = await make_backend()
+    port, admin = free_port(), free_port()
+    process, workers = await _start_workers(backend, port, admin, stderr=subprocess.PIPE)
+    try:
+        process.kill()
+        assert process.stdout is not None
+        assert process.stderr is not None
+        # The workers hold the supervisor's stdout and stderr: their end of file is the workers'
+        # exit (the multiprocessing resource tracker's too, which leaves once they have).
+        async with asyncio.timeout(60):
+            await process.stdout.read()
+            lines = (await process.stderr.read()).decode().splitlines()
+            assert await process.wait() == -signal.SIGKILL
+        said = [json.loads(line)["msg"] for line in lines if line.startswith("{")]
+        assert said.count("the supervisor is gone; stopping") == 2, lines
+        with pytest.raises(ConnectionRefusedError):  # nobody listens on the port any more
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        await _end(process, workers)
 
 
 @pytest.mark.parametrize(
