@@ -40,7 +40,7 @@ from proxy.observe import ClientErrors, Metrics, Observers, RequestRecord, kind_
 from proxy.request.clients import ClientIds
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
 from proxy.request.models import MODELS_PATH, list_models, merges_models
-from proxy.request.passthrough import UPSTREAM_SERVER, WholeAnswer, pass_through
+from proxy.request.passthrough import Relayed, WholeAnswer, pass_through
 from proxy.request.responses import SERVER, child_failed_response, error_response
 from proxy.upstream import Upstreams
 
@@ -317,5 +317,5 @@ def _parent_id(request: web.Request, body: dict[str, object]) -> str:
 async def server_header(request: web.Request, response: web.StreamResponse) -> None:
     """Every answer the proxy writes carries its ``Server`` header instead of aiohttp's; a
     pass-through keeps the upstream's own, when it sent one (``on_response_prepare``)."""
-    if not request.get(UPSTREAM_SERVER, False):
+    if not (isinstance(response, (WholeAnswer, Relayed)) and response.keeps_server):
         response.headers["Server"] = SERVER

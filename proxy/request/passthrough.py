@@ -20,7 +20,6 @@ from proxy.request.models import MODELS_PATH, learn_listed
 from proxy.request.sink import client_sink
 from proxy.upstream import Exchange, UpstreamRequest, Upstreams
 
-UPSTREAM_SERVER = web.RequestKey("upstream_server", bool)  # a pass-through keeps that header
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
 
 
@@ -52,8 +51,7 @@ async def _relay(
     upstream_response = exchange.response
     status = upstream_response.status
     record.bytes_out = 0  # answered: what is written from here is counted
-    if "Server" in upstream_response.headers:
-        request[UPSTREAM_SERVER] = True
+    keeps_server = "Server" in upstream_response.headers
     length = upstream_response.content_length
     exact = upstream_response.escaped  # bytes aiohttp's writer would not write back
     if length is not None and length <= _WHOLE_BODY and request.method != "HEAD" and not exact:
@@ -63,17 +61,20 @@ async def _relay(
         record.bytes_out = len(data)
         if record.route != "other" and 200 <= status < 300:
             record.tail = data
-        return WholeAnswer(
+        whole = WholeAnswer(
             status=status,
             reason=upstream_response.reason,
             headers=response_headers(upstream_response.headers),
             body=data,
         )
-    response = (ExactHead if exact else web.StreamResponse)(
+        whole.keeps_server = keeps_server
+        return whole
+    response = (ExactHead if exact else Relayed)(
         status=status,
         reason=upstream_response.reason,
         headers=response_headers(upstream_response.headers),
     )
+    response.keeps_server = keeps_server
     if length is not None:
         response.content_length = length
     try:
@@ -106,6 +107,7 @@ class WholeAnswer(web.Response):
     steps. tests/meta/test_layers.py checks the internals it sets."""
 
     _record: RequestRecord | None = None  # what ends once the answer is written
+    keeps_server = False  # a pass-through's, whose upstream sent its own (server_header)
 
     def ends(self, record: RequestRecord) -> bool:
         """Whether ``record`` is ended here, once head and body are written (or their write
@@ -173,7 +175,13 @@ class WholeAnswer(web.Response):
 _FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # as aiohttp's writer (RFC 9110 §5.5)
 
 
-class ExactHead(web.StreamResponse):
+class Relayed(web.StreamResponse):
+    """A passed-through answer relayed as it comes, its head first."""
+
+    keeps_server = False  # the upstream sent its own ``Server`` header (server_header)
+
+
+class ExactHead(Relayed):
     """A relayed response whose head holds bytes that are not UTF-8 (a Latin-1 header value).
 
     Such bytes reach the proxy as surrogate escapes; aiohttp's writer encodes a head as UTF-8,

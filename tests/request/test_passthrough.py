@@ -18,7 +18,7 @@ from proxy.config.models import single_upstream_config
 from proxy.observe import Observer, Observers, RequestRecord
 from proxy.request.passthrough import WholeAnswer
 from proxy.server.app import IN_FLIGHT
-from tests.support.rawupstream import RawUpstream, exchange
+from tests.support.rawupstream import RawUpstream, exchange, get_request
 from tests.support.servers import Backend, Proxy, Servers
 from tests.support.upstreams import RecordingUpstream
 
@@ -213,6 +213,30 @@ async def test_a_path_with_an_encoded_line_break_is_forwarded_as_the_client_wrot
     (seen,) = [s for s in raw_upstream.seen if not s.path.endswith("/health")]
     request_line = seen.head.split(b"\r\n", 1)[0]
     assert request_line == b"GET %s HTTP/1.1" % target  # still encoded: no raw CR or LF
+
+
+_SHAPES = {
+    "whole": b"Content-Length: 2\r\n\r\n{}",  # a WholeAnswer
+    "streamed": b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    "exact head": b"X-Latin: caf\xe9\r\nContent-Length: 2\r\n\r\n{}",  # not UTF-8: ExactHead
+}
+
+
+@pytest.mark.parametrize("shape", list(_SHAPES))
+@pytest.mark.parametrize("server", [b"upstream/1.0", None], ids=["upstream's", "none"])
+async def test_a_pass_through_keeps_its_upstreams_server_header_else_gets_the_proxys(
+    raw_upstream: RawUpstream, make_proxy: Any, shape: str, server: bytes | None
+) -> None:
+    """docs/behaviour.md#headers: every answer says ``Server: n-proxy`` but a passed-through
+    one whose upstream named itself, whatever way it is relayed."""
+    named = b"Server: %s\r\n" % server if server is not None else b""
+    raw_upstream.scripts["/x"] = b"HTTP/1.1 200 OK\r\n" + named + _SHAPES[shape]
+    proxy: Proxy = await make_proxy(single_upstream_config(raw_upstream.url))
+    reply = await exchange(int(proxy.url.rsplit(":", 1)[1]), get_request("/x"))
+    head = reply.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+    assert head[0] == b"HTTP/1.1 200 OK"
+    said = [line.split(b":", 1)[1].strip() for line in head if line.lower().startswith(b"server:")]
+    assert said == [server if server is not None else b"n-proxy"]
 
 
 @pytest.mark.parametrize("path", ["/small", "/slow-stream"])
