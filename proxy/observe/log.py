@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 import time
 from typing import Any, Literal
 
@@ -95,6 +96,10 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
     def __init__(self) -> None:
         super().__init__(sys.stderr)
         self._lines: list[str] = []
+        # The loop the last flush was scheduled on, and its thread: asking asyncio for the
+        # running loop is a getpid(2) on Python 3.11, one a request at concurrency 1.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -108,10 +113,16 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self._lines.append(line)
         if len(self._lines) > 1:
             return  # a flush is already scheduled
-        try:
-            asyncio.get_running_loop().call_soon(self.flush)
-        except RuntimeError:
-            self.flush()
+        loop, thread = self._loop, threading.get_ident()
+        # A loop running in this thread is the running loop: a thread runs one at a time.
+        if loop is None or thread != self._thread or not loop.is_running():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._loop, self._thread = loop, thread
+        loop.call_soon(self.flush)
 
     def flush(self) -> None:
         if self._lines:

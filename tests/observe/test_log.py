@@ -499,3 +499,57 @@ async def test_a_whole_answer_is_counted_before_it_is_written(
         await server.close()
     assert answer.startswith(b"HTTP/1.1 200 ")
     assert counted == [(1, 3 * n)]
+
+
+# --- the handler's batches: one write per tick of the loop it runs in --------------------------
+
+
+class _Writes(io.StringIO):
+    """A stream that keeps each write apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+
+def test_lines_of_one_tick_leave_in_one_write_on_whichever_loop_runs_them() -> None:
+    """Lines added in one tick of a loop are written together at its next; with no loop running
+    in the adding thread (before the loop, after it, from another thread) a line is written at
+    once. The handler remembers the loop it last used: a loop that stopped, or one running in
+    another thread, is never the one it schedules a write on."""
+    handler = log._BatchingHandler()
+    writes = _Writes()
+    handler.setStream(writes)
+    handler.add("before")  # no loop: at once
+    assert writes.writes == ["before\n"]
+
+    async def tick(name: str) -> list[str]:
+        for i in range(3):
+            handler.add(f"{name}-{i}")
+        held = list(writes.writes)
+        await asyncio.sleep(0)  # the flush scheduled on this loop runs
+        await asyncio.sleep(0)
+        assert writes.writes[len(held) :] == [f"{name}-0\n{name}-1\n{name}-2\n"]
+        return held
+
+    for name in ("first", "second"):  # the second loop: a new one, in the same thread
+        writes.writes.clear()
+        assert asyncio.run(tick(name)) == []  # nothing written within the tick
+    writes.writes.clear()
+    handler.add("after")  # its loop closed: at once
+    assert writes.writes == ["after\n"]
+
+    def add_and_look() -> list[str]:
+        handler.add("threaded")
+        return list(writes.writes)  # written there and then, not by the loop later
+
+    async def from_another_thread() -> None:
+        await tick("third")  # the handler knows this loop now
+        writes.writes.clear()
+        assert await asyncio.to_thread(add_and_look) == ["threaded\n"]
+
+    asyncio.run(from_another_thread())
