@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from enum import IntEnum
 from typing import Final, Protocol
 
@@ -365,6 +365,13 @@ class UpstreamResponse:
         return self
 
     async def __anext__(self) -> bytes:
+        data = await self._next()
+        if data is None:
+            raise StopAsyncIteration
+        return data
+
+    async def _next(self) -> bytes | None:
+        """The body bytes not taken yet, once there are some; None once the body is over."""
         inflater = self._inflater
         while not self._chunks:
             state = self.state
@@ -375,7 +382,7 @@ class UpstreamResponse:
                 self._pump()
                 continue
             if state == COMPLETE:
-                raise StopAsyncIteration
+                return None
             self.connection.resume()
             self._waiting_since = self._loop.time()
             try:
@@ -391,7 +398,17 @@ class UpstreamResponse:
         return data
 
     async def read(self, limit: int) -> bytes:
-        return await read_capped(self, limit)
+        """The whole body; ``BodyTooLong`` the moment it grows past ``limit`` bytes. Not an
+        ``async for``: its end, a StopAsyncIteration out of compiled code, costs two tracebacks
+        (4,000 instructions, 1 % of a pass-through's)."""
+        chunks: list[bytes] = []
+        size = 0
+        while (chunk := await self._next()) is not None:
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLong(size)
+            chunks.append(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     # ---- relay mode
 
@@ -454,15 +471,3 @@ class UpstreamResponse:
             await self._parked
         finally:
             self._parked = None
-
-
-async def read_capped(body: AsyncIterator[bytes], limit: int) -> bytes:
-    """A whole body; ``BodyTooLong`` the moment it grows past ``limit`` bytes."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in body:
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLong(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
