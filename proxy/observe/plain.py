@@ -6,7 +6,6 @@ prometheus-client's (``proxy.observe.metrics``).
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -42,8 +41,17 @@ class _Spread:
         self.sum = 0.0
 
     def observe(self, amount: float) -> None:
-        # bisect_left: the first bound >= amount, Prometheus's `le`.
-        self.counts[bisect_left(self.bounds, amount)] += 1
+        # bisect_left: the first bound >= amount, Prometheus's `le`. Written out: compiled, it
+        # compares floats natively, where a call to bisect's took 750 instructions.
+        bounds = self.bounds
+        low, high = 0, len(bounds)
+        while low < high:
+            middle = (low + high) // 2
+            if bounds[middle] < amount:
+                low = middle + 1
+            else:
+                high = middle
+        self.counts[low] += 1
         self.sum += amount
 
 

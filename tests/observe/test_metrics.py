@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tomllib
+from bisect import bisect_left
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -57,6 +60,30 @@ def test_plain_histogram_buckets_are_cumulative_with_prometheus_le() -> None:
     assert 't_seconds_bucket{le="+Inf",route="/x"} 4.0' in text
     assert 't_seconds_count{route="/x"} 4.0' in text
     assert 't_seconds_sum{route="/x"} 3.65' in text
+
+
+_AMOUNTS = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, 0.1, 1.0, 2.0])
+
+
+@given(
+    bounds=st.lists(st.floats(-1e6, 1e6) | st.sampled_from([0.1, 1.0, 2.0]), max_size=20).map(
+        lambda found: sorted(set(found))
+    ),
+    amounts=st.lists(_AMOUNTS, max_size=20),
+)
+@settings(max_examples=300, deadline=None)
+def test_plain_histogram_buckets_each_amount_as_prometheus_does(
+    bounds: list[float], amounts: list[float]
+) -> None:
+    """Each amount counts in the first bucket whose bound is at or above it (``le``), one above
+    every bound in +Inf: where ``bisect_left`` puts it, as before the search was written out."""
+    family = PlainHistogram("t_seconds", "Test.", [], buckets=bounds)
+    child = family.labels()
+    expected = [0] * (len(bounds) + 1)
+    for amount in amounts:
+        child.observe(amount)
+        expected[bisect_left(bounds, amount)] += 1
+    assert child.counts == expected
 
 
 def test_plain_counter_without_labels_is_exported_at_zero() -> None:
