@@ -75,7 +75,7 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     # The concrete writer behind ``request.writer`` (an AbstractStreamWriter has neither) and
     # the handler's flow control, read by the client sink.
     aiohttp.http_writer.StreamWriter: ("chunked", "send_headers"),
-    aiohttp.base_protocol.BaseProtocol: ("writing_paused",),
+    aiohttp.base_protocol.BaseProtocol: ("writing_paused", "_reading_paused"),
 }  # fmt: skip
 INSTANCE_MEMBERS = {
     web.StreamResponse: ("_req", "_keep_alive", "_eof_sent", "_body_length"),

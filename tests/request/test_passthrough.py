@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,10 +15,12 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.config.models import single_upstream_config
+from proxy.config.models import Listen, single_upstream_config
 from proxy.observe import Observer, Observers, RequestRecord
 from proxy.request.passthrough import WholeAnswer
 from proxy.server.app import IN_FLIGHT
+from proxy.server.connection import ClientConnection
+from tests.support.polling import until
 from tests.support.rawupstream import RawUpstream, exchange, get_request
 from tests.support.servers import Backend, Proxy, Servers
 from tests.support.upstreams import RecordingUpstream
@@ -213,6 +216,47 @@ async def test_a_path_with_an_encoded_line_break_is_forwarded_as_the_client_wrot
     (seen,) = [s for s in raw_upstream.seen if not s.path.endswith("/health")]
     request_line = seen.head.split(b"\r\n", 1)[0]
     assert request_line == b"GET %s HTTP/1.1" % target  # still encoded: no raw CR or LF
+
+
+async def test_a_body_held_behind_a_request_pauses_its_connection_then_passes_whole(
+    raw_upstream: RawUpstream, servers: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body that piles up unread (its request pipelined behind one still answering) pauses the
+    connection; reading it resumes it (``ClientConnection.resume_reading`` resumes only a paused
+    one), and every byte arrives."""
+    paused: list[bool] = []
+    pause = ClientConnection.pause_reading
+
+    def counted(self: ClientConnection) -> None:
+        paused.append(True)
+        pause(self)
+
+    monkeypatch.setattr(ClientConnection, "pause_reading", counted)
+    raw_upstream.scripts["/held"] = b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n"
+    raw_upstream.later["/held"] = b"held"  # once released
+    raw_upstream.scripts["/upload"] = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    config = single_upstream_config(raw_upstream.url, listen=Listen(host="127.0.0.1", port=0))
+    server = await servers.server(config)
+    body = bytes(range(256)) * (32 << 10)  # 8 MiB
+    held = b"GET /held HTTP/1.1\r\nHost: proxy\r\n\r\n"
+    upload = b"POST /upload HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n"
+    upload += b"Content-Length: %d\r\n\r\n" % len(body)
+
+    def send() -> bytes:  # from another thread: the proxy's loop stays free to read
+        with socket.create_connection(("127.0.0.1", server.proxy_port), timeout=30) as client:
+            client.sendall(held + upload + body)
+            return b"".join(iter(lambda: client.recv(65536), b""))
+
+    sent = asyncio.ensure_future(asyncio.to_thread(send))
+    await until(lambda: bool(paused), what="the unread body pausing its connection")
+    raw_upstream.release.set()
+    async with asyncio.timeout(30):  # a bound, not a timing assertion
+        reply = await sent
+    first, second = reply.split(b"HTTP/1.1 200 OK\r\n")[1:]
+    assert first.endswith(b"\r\n\r\nheld")
+    assert second.endswith(b"\r\n\r\nok")
+    (seen,) = raw_upstream.requests("/upload")
+    assert seen.body == body
 
 
 _SHAPES = {
