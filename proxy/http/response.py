@@ -316,15 +316,16 @@ class UpstreamResponse:
     # ---- head and timeouts
 
     async def wait_head(self, first_byte: float) -> None:
-        timer = self._loop.call_later(
-            first_byte,
-            self.fail,
-            ResponseTimeout(f"no response head from upstream within {first_byte} s"),
-        )
+        # The failure is made if the timer fires, not for every response: an exception and a
+        # float formatted into its message were a few thousand instructions a request.
+        timer = self._loop.call_later(first_byte, self._no_head, first_byte)
         try:
             await self.head
         finally:
             timer.cancel()
+
+    def _no_head(self, first_byte: float) -> None:
+        self.fail(ResponseTimeout(f"no response head from upstream within {first_byte} s"))
 
     def start_idle(self, idle: float) -> None:
         self._idle = idle
