@@ -58,8 +58,11 @@ class Fanouts:
 
     def spawn(self, child: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
         """A fan-out child as a task, counted until it is done, however it ends: a task
-        cancelled before it ever ran has no ``finally`` of its own to count it out."""
-        task = asyncio.ensure_future(child)
+        cancelled before it ever ran has no ``finally`` of its own to count it out. Made with
+        ``create_task``: ``ensure_future`` first asks whether the coroutine is a future, by a
+        ``hasattr`` on its class that fails, formatting an AttributeError (2,000 instructions a
+        child)."""
+        task = asyncio.create_task(child)
         self.children += 1
         task.add_done_callback(self._child_done)
         return task
