@@ -238,8 +238,8 @@ def _work(config: Config, index: int, count: int, loader: Loader | None) -> None
     # The supervisor holds its end of this pipe open while it lives. Killed (SIGKILL, the OOM
     # killer), it forwards no SIGTERM: its end closing stops the worker as a SIGTERM would, or the
     # worker would serve on, unsupervised, on the shared port.
-    supervisor = multiprocessing.parent_process()
-    parent = None if supervisor is None else supervisor.sentinel
+    parent = multiprocessing.parent_process()
+    supervisor = None if parent is None else parent.sentinel
 
     async def serve() -> None:
         server = Server(config, reuse_port=True, loader=reload)
@@ -247,7 +247,7 @@ def _work(config: Config, index: int, count: int, loader: Loader | None) -> None
         where = f"http://{config.listen.host}:{server.proxy_port}"
         banner = f"n-proxy: worker {index} (pid {os.getpid()}) listening on {where}"
         await run(
-            server, signals=(signal.SIGTERM,), ready=lambda: announce(banner), supervisor=parent
+            server, signals=(signal.SIGTERM,), ready=lambda: announce(banner), supervisor=supervisor
         )
 
     try:

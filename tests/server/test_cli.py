@@ -208,8 +208,9 @@ async def _start_workers(
 
 
 async def _end(process: Process, workers: list[int]) -> None:
-    """Whatever a test left running, gone; bounded: the workers hold the supervisor's stdout, and
-    asyncio's ``wait`` waits for it to close as well as for the supervisor to exit."""
+    """Whatever a test left running, gone (``workers``: those not yet seen to exit); bounded: the
+    workers hold the supervisor's stdout, and asyncio's ``wait`` waits for it to close as well as
+    for the supervisor to exit."""
     for pid in [process.pid, *workers]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -244,6 +245,7 @@ async def test_workers_share_one_port_and_metrics_add_up(make_backend: Any) -> N
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(60):  # a generous bound: a busy machine is slow, not wrong
             assert await process.wait() == 0
+        workers.clear()  # waited for by their supervisor: their pids may be another's now
     finally:
         await _end(process, workers)
 
@@ -264,6 +266,7 @@ async def test_workers_stop_when_their_supervisor_is_killed(make_backend: Any) -
             await process.stdout.read()
             lines = (await process.stderr.read()).decode().splitlines()
             assert await process.wait() == -signal.SIGKILL
+        workers.clear()  # gone: their pids may be another's now
         said = [json.loads(line)["msg"] for line in lines if line.startswith("{")]
         assert said.count("the supervisor is gone; stopping") == 2, lines
         with pytest.raises(ConnectionRefusedError):  # nobody listens on the port any more
