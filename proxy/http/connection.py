@@ -441,6 +441,27 @@ def _crlf_run(data: bytes, most: int) -> int:
     return run
 
 
+# A header name's part in a request head: copied, the Host, or left out (the framing is the
+# proxy's own). Kept by the name as it came, up to ``_JUDGED_NAMES`` names: a dict lookup where a
+# ``str.lower`` and comparisons were.
+_COPY, _HOST, _OMIT = 0, 1, 2
+_JUDGED_NAMES = 512
+_judged: dict[str, int] = {}
+
+
+def _judge(name: str) -> int:
+    lower = name.lower()
+    if lower == "host":
+        verdict = _HOST
+    elif lower in ("content-length", "transfer-encoding", "connection"):
+        verdict = _OMIT
+    else:
+        verdict = _COPY
+    if len(_judged) < _JUDGED_NAMES:
+        _judged[name] = verdict
+    return verdict
+
+
 def request_head(
     method: str,
     target: str,
@@ -450,19 +471,34 @@ def request_head(
 ) -> bytes:
     lines = [f"{method} {target} HTTP/1.1\r\n", ""]
     for name, value in headers.items():
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise ValueError(f"header {name!r} has a line break")
-        lower = name.lower()
-        if lower == "host":
-            host = value  # a replica reached by address keeps the configured host name
-        elif lower not in ("content-length", "transfer-encoding", "connection"):
+        verdict = _judged.get(name)
+        if verdict is None:
+            verdict = _judge(name)
+        if verdict == _COPY:
             lines.append(f"{name}: {value}\r\n")
+        elif verdict == _HOST:
+            host = value  # a replica reached by address keeps the configured host name
     lines[1] = f"Host: {host}\r\n"
     if body is not None:
         lines.append(f"Content-Length: {len(body)}\r\n")
     lines.append("\r\n")
+    text = "".join(lines)
+    # Each line ends in the one line break it was given: one count over the head, not four
+    # searches a header.
+    if text.count("\n") != len(lines) or text.count("\r") != len(lines):
+        _refuse_line_break(method, target, host, headers)
     # aiohttp's server decodes header bytes as UTF-8 with surrogate escapes: this is the inverse.
-    return "".join(lines).encode("utf-8", "surrogateescape")
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _refuse_line_break(
+    method: str, target: str, host: str, headers: Mapping[str, str] | CIMultiDict[str]
+) -> None:
+    """Which part of a head holds a line break, raised: a header's, or the request line's."""
+    for name, value in [*headers.items(), ("Host", host)]:
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} has a line break")
+    raise ValueError(f"the request line {method!r} {target!r} has a line break")
 
 
 def stream_path_compiled() -> bool:
