@@ -122,13 +122,22 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
                 self.flush()
                 return
             self._loop, self._thread = loop, thread
-        loop.call_soon(self.flush)
+        loop.call_soon(self._write_lines)
+
+    def _write_lines(self) -> None:
+        """The lines so far, in one write. On a line-buffered stream (stderr is, from Python
+        3.9) that write is the flush: logging's own, a lock taken for a flush that finds nothing
+        to do, is left to ``flush`` (logging's shutdown calls it)."""
+        lines = self._lines
+        if lines:
+            self._lines = []  # a line another thread adds from here waits for the next write
+            stream = self.stream
+            stream.write("\n".join(lines) + "\n")
+            if not getattr(stream, "line_buffering", False):
+                stream.flush()
 
     def flush(self) -> None:
-        if self._lines:
-            text = "\n".join(self._lines) + "\n"
-            self._lines.clear()
-            self.stream.write(text)
+        self._write_lines()
         super().flush()
 
 
