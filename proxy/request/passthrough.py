@@ -11,6 +11,8 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.helpers import must_be_empty_body, rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion10, HttpVersion11
 from aiohttp.http_writer import _serialize_headers
+from aiohttp.web_response import MAX_SYNC_CHUNK_SIZE
+from multidict import CIMultiDict
 
 from proxy.config import Upstream
 from proxy.core import ClientGone, request_headers, response_headers
@@ -61,11 +63,8 @@ async def _relay(
         record.bytes_out = len(data)
         if record.route != "other" and 200 <= status < 300:
             record.tail = data
-        whole = WholeAnswer(
-            status=status,
-            reason=upstream_response.reason,
-            headers=response_headers(upstream_response.headers),
-            body=data,
+        whole = WholeAnswer.relayed(
+            status, upstream_response.reason, response_headers(upstream_response.headers), data
         )
         whole.keeps_server = keeps_server
         return whole
@@ -108,6 +107,21 @@ class WholeAnswer(web.Response):
 
     _record: RequestRecord | None = None  # what ends once the answer is written
     keeps_server = False  # a pass-through's, whose upstream sent its own (server_header)
+
+    @classmethod
+    def relayed(
+        cls, status: int, reason: str | None, headers: CIMultiDict[str], body: bytes
+    ) -> WholeAnswer:
+        """A pass-through's answer, with the headers made for it (``response_headers``) taken as
+        they are: ``web.Response.__init__`` would check arguments a pass-through never gives,
+        then copy them. What it sets is set here (tests/meta/test_layers.py checks the names)."""
+        answer = cls.__new__(cls)
+        web.StreamResponse.__init__(answer, status=status, reason=reason, _real_headers=headers)
+        answer._body = body
+        answer._compressed_body = None
+        answer._zlib_executor_size = MAX_SYNC_CHUNK_SIZE
+        answer._zlib_executor = None
+        return answer
 
     def ends(self, record: RequestRecord) -> bool:
         """Whether ``record`` is ended here, once head and body are written (or their write

@@ -34,7 +34,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from aiohttp.web_protocol import RequestHandler
+from multidict import CIMultiDict
 
+from proxy.request.passthrough import WholeAnswer
 from proxy.server import connection
 
 PACKAGE = Path(__file__).resolve().parents[2] / "proxy"
@@ -79,6 +81,8 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
 }  # fmt: skip
 INSTANCE_MEMBERS = {
     web.StreamResponse: ("_req", "_keep_alive", "_eof_sent", "_body_length"),
+    # WholeAnswer.relayed: a web.Response made without its __init__.
+    web.Response: ("_body", "_compressed_body", "_zlib_executor_size", "_zlib_executor"),
     aiohttp.web_server.Server: ("_kwargs",),
     web.Request: ("_match_info", "_task"),
 }
@@ -314,12 +318,28 @@ async def test_each_private_aiohttp_attribute_the_server_reads_is_still_set() ->
 
     made = {
         web.StreamResponse: web.StreamResponse(),
+        web.Response: web.Response(),
         aiohttp.web_server.Server: web.Server(nothing),
         web.Request: make_mocked_request("GET", "/"),
     }
     for owner, members in INSTANCE_MEMBERS.items():
         for member in members:
             assert hasattr(made[owner], member), f"{owner.__qualname__}().{member} is gone"
+
+
+def test_a_relayed_whole_answer_is_made_as_aiohttp_makes_a_response() -> None:
+    """``WholeAnswer.relayed`` skips ``web.Response.__init__``: on the installed aiohttp, what
+    it sets must be all that ``__init__`` sets, to the same values, its headers taken as given
+    (``StreamResponse``'s ``_real_headers``)."""
+    headers = CIMultiDict({"Content-Type": "application/json", "X-Request-Id": "r"})
+    made = WholeAnswer(status=201, reason="Made", headers=headers, body=b"{}")
+    relayed = WholeAnswer.relayed(201, "Made", headers, b"{}")
+    assert relayed.headers is headers
+    assert vars(relayed).keys() == vars(made).keys()
+    for name, value in vars(made).items():
+        if name != "_headers":
+            assert vars(relayed)[name] == value, name
+    assert relayed.headers == made.headers
 
 
 def test_the_connections_loop_is_a_copy_of_the_installed_aiohttps() -> None:
