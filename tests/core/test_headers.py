@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multidict import CIMultiDict
 
+from proxy.core import headers as headers_module
 from proxy.core.headers import (
     child_headers,
     client_request_id,
@@ -13,6 +16,9 @@ from proxy.core.headers import (
     request_headers,
     response_headers,
 )
+
+REQUEST_DROP = headers_module._REQUEST_DROP
+RESPONSE_DROP = headers_module._RESPONSE_DROP
 
 HOP_BY_HOP = [
     ("Connection", "keep-alive"),
@@ -214,3 +220,63 @@ def test_client_request_id_is_what_vllm_would_name_the_request_when_safe(
     header: str | None, body: object, expected: str | None
 ) -> None:
     assert client_request_id(header, body) == expected
+
+
+# --- the verdicts kept by name -------------------------------------------------------------------
+
+
+def _reference(pairs: list[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
+    """The rule as docs/behaviour.md#headers states it, computed afresh for every header."""
+    named = {
+        token.strip().lower()
+        for name, value in pairs
+        if name.lower() == "connection"
+        for token in value.split(",")
+    }
+    return [
+        (name, value)
+        for name, value in pairs
+        if name.lower() not in drop | named and not name.lower().startswith("proxy-")
+    ]
+
+
+_NAMES = st.sampled_from(
+    ["Connection", "connection", "CONNECTION", "Keep-Alive", "keep-alive", "TE", "Trailer",
+     "Transfer-Encoding", "Upgrade", "Proxy-Authorization", "proxy-x", "Host", "host",
+     "Content-Length", "Expect", "X-Foo", "x-foo", "X-Bar", "Authorization", "Accept"]
+)  # fmt: skip
+_CONNECTION_VALUES = st.lists(
+    st.sampled_from(["close", "keep-alive", "X-Foo", " x-bar ", "Upgrade", "", "Authorization"]),
+    max_size=4,
+).map(",".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(_NAMES, st.sampled_from(["1", "a, b", ""])),
+            st.tuples(st.just("Connection"), _CONNECTION_VALUES),
+        ),
+        max_size=12,
+    )
+)
+def test_filtering_with_verdicts_kept_by_name_is_the_rule_applied_afresh(
+    pairs: list[tuple[str, str]],
+) -> None:
+    """Each name's verdict, and each Connection value's tokens, are kept from one request to
+    the next: the headers that cross are still those the rule gives, whatever came before."""
+    incoming = headers(pairs)
+    assert list(request_headers(incoming, {}).items()) == _reference(pairs, REQUEST_DROP)
+    assert list(response_headers(incoming).items()) == _reference(pairs, RESPONSE_DROP)
+
+
+def test_names_a_client_makes_up_are_judged_but_not_all_kept() -> None:
+    """Header names are the client's to choose: past a bound, a name is judged and not kept."""
+    for batch in range(4):
+        pairs = [(f"X-Made-Up-{batch}-{i}", "v") for i in range(300)]
+        pairs += [("Proxy-Made-Up-" + str(batch), "v"), ("Connection", f"x-made-up-{batch}-7")]
+        expected = [p for p in pairs[:300] if p[0] != f"X-Made-Up-{batch}-7"]
+        assert list(request_headers(headers(pairs), {}).items()) == expected
+    assert len(headers_module._request_judged) <= headers_module._JUDGED_NAMES
+    assert len(headers_module._named_by) <= headers_module._JUDGED_NAMES

@@ -553,3 +553,45 @@ def test_lines_of_one_tick_leave_in_one_write_on_whichever_loop_runs_them() -> N
         assert await asyncio.to_thread(add_and_look) == ["threaded\n"]
 
     asyncio.run(from_another_thread())
+
+
+class _Flushes(_Writes):
+    """A stream that counts its flushes, line-buffered or not."""
+
+    def __init__(self, line_buffering: bool) -> None:
+        super().__init__()
+        self.buffered_by_line = line_buffering
+        self.flushes = 0
+
+    @property
+    def line_buffering(self) -> bool:  # type: ignore[override]
+        return self.buffered_by_line
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+@pytest.mark.parametrize("line_buffering", [True, False])
+def test_a_ticks_write_flushes_only_a_stream_that_is_not_line_buffered(
+    line_buffering: bool,
+) -> None:
+    """stderr is line-buffered (Python 3.9+): its write is its flush, and the tick's write takes
+    no other. A stream that is not line-buffered is flushed after each write, so no line waits
+    in it for the next; the handler's own ``flush`` flushes either."""
+    handler = log._BatchingHandler()
+    stream = _Flushes(line_buffering)
+    handler.setStream(stream)
+    stream.flushes = 0  # setStream flushes the stream it replaces, and may look at this one
+
+    async def tick() -> None:
+        handler.add("one")
+        handler.add("two")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    asyncio.run(tick())
+    assert stream.writes == ["one\ntwo\n"]
+    assert stream.flushes == (0 if line_buffering else 1)
+    handler.flush()  # nothing left to write: only the stream's flush
+    assert stream.writes == ["one\ntwo\n"]
+    assert stream.flushes == (1 if line_buffering else 2)
