@@ -8,10 +8,10 @@ import re
 
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
+from aiohttp.compression_utils import MAX_SYNC_CHUNK_SIZE
 from aiohttp.helpers import must_be_empty_body, rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion10, HttpVersion11
 from aiohttp.http_writer import _serialize_headers
-from aiohttp.web_response import MAX_SYNC_CHUNK_SIZE
 from multidict import CIMultiDict
 
 from proxy.config import Upstream

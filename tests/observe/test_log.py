@@ -564,7 +564,7 @@ class _Flushes(_Writes):
         self.flushes = 0
 
     @property
-    def line_buffering(self) -> bool:  # type: ignore[override]
+    def line_buffering(self) -> bool:
         return self.buffered_by_line
 
     def flush(self) -> None:
