@@ -140,7 +140,7 @@ class WholeAnswer(web.Response):
             if (
                 self.prepared
                 or not isinstance(body, bytes)
-                or self.cookies
+                or self._cookies  # the property would make an empty jar
                 or self.compression
                 or must_be_empty_body(request.method, self.status)
             ):

@@ -71,7 +71,7 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
         "_task_handler", "_lingering_time", "_logging_enabled",
     ),
     aiohttp.web_runner.BaseSite: ("_runner", "_backlog", "_server"),
-    web.StreamResponse: ("_write_headers",),
+    web.StreamResponse: ("_write_headers", "_cookies"),
     web.Request: ("_prepare_hook",),
     web.PlainResource: ("_match",),
     # The concrete writer behind ``request.writer`` (an AbstractStreamWriter has neither) and
