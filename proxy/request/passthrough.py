@@ -107,6 +107,9 @@ class WholeAnswer(web.Response):
 
     _record: RequestRecord | None = None  # what ends once the answer is written
     keeps_server = False  # a pass-through's, whose upstream sent its own (server_header)
+    # aiohttp asks each answer with getattr(answer, "__http_exception__", False): on a class
+    # without it, an AttributeError is made and caught on every request.
+    __http_exception__ = False
 
     @classmethod
     def relayed(
@@ -193,6 +196,7 @@ class Relayed(web.StreamResponse):
     """A passed-through answer relayed as it comes, its head first."""
 
     keeps_server = False  # the upstream sent its own ``Server`` header (server_header)
+    __http_exception__ = False  # as WholeAnswer's
 
 
 class ExactHead(Relayed):

@@ -36,7 +36,7 @@ from aiohttp.test_utils import make_mocked_request
 from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 
-from proxy.request.passthrough import WholeAnswer
+from proxy.request.passthrough import Relayed, WholeAnswer
 from proxy.server import connection
 
 PACKAGE = Path(__file__).resolve().parents[2] / "proxy"
@@ -340,6 +340,19 @@ def test_a_relayed_whole_answer_is_made_as_aiohttp_makes_a_response() -> None:
         if name != "_headers":
             assert vars(relayed)[name] == value, name
     assert relayed.headers == made.headers
+
+
+@pytest.mark.parametrize("answer", [WholeAnswer, Relayed])
+def test_the_proxys_answers_tell_aiohttp_they_are_no_http_exception_without_a_lookup_failing(
+    answer: type[web.StreamResponse],
+) -> None:
+    """aiohttp asks every answer for ``__http_exception__`` with a ``getattr`` and a default:
+    the classes the proxy answers with hold it, so that lookup never makes an AttributeError."""
+    assert 'getattr(resp, "__http_exception__", False)' in inspect.getsource(
+        RequestHandler._handle_request
+    )
+    assert "__http_exception__" in vars(answer)
+    assert answer.__http_exception__ is False  # type: ignore[attr-defined]
 
 
 def test_the_connections_loop_is_a_copy_of_the_installed_aiohttps() -> None:
