@@ -15,6 +15,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from proxy.config.models import Clients, Config
+from proxy.request import clients
 from proxy.request.clients import ClientIds, keyed_id
 from tests.support.logs import LogCapture
 from tests.support.polling import until
@@ -57,6 +58,17 @@ def test_by_authorization_a_client_is_a_keyed_hash_of_its_key_never_the_key() ->
     assert ids.of(request_from("10.0.0.8", Authorization="Bearer sk-one")) == first  # any peer
     assert ids.of(request_from(Authorization="Bearer sk-two")) != first
     assert first == keyed_id("Bearer sk-one")
+
+
+def test_ids_remembered_are_the_ids_made_afresh_and_the_memory_is_bounded() -> None:
+    """An id is made once per value and remembered; values are the clients' to choose, so past
+    the bound the memory starts again, and every id is still the keyed hash of its value."""
+    made = {f"Bearer sk-{i}": clients._keyed(f"Bearer sk-{i}") for i in range(700)}
+    for _ in range(2):
+        for value, expected in made.items():
+            assert keyed_id(value) == expected
+            assert len(clients._made) <= clients._REMEMBERED
+    assert keyed_id("Bearer sk-0") == made["Bearer sk-0"] != keyed_id("Bearer sk-1")
 
 
 def test_by_authorization_a_request_without_one_is_its_peer_address() -> None:
