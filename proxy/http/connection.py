@@ -29,7 +29,7 @@ from enum import IntEnum
 from typing import Any, Final, cast
 
 import httptools
-from multidict import CIMultiDict
+from multidict import CIMultiDict, istr
 
 from proxy.http.chunks import CHUNKED, UNFRAMED, framing, whole_chunks
 from proxy.http.errors import BadResponse
@@ -38,6 +38,7 @@ from proxy.http.response import UpstreamResponse
 MAX_HEAD = 256 * 1024  # status line and headers together, interim (1xx) heads included
 _NO_BODY_STATUS = frozenset({204, 304})
 _CRLF: Final = b"\r\n"
+_TRANSFER_ENCODING: Final = istr("Transfer-Encoding")  # its lower case made once
 _CHUNKED_END = 4  # a chunked body and a head both end in CRLF CRLF after a visible byte
 # Request body bytes handed to the transport at a time: past its high-water mark the rest waits
 # for ``resume_writing``, so an upload to a slow reader holds about this much in the transport.
@@ -338,7 +339,7 @@ class UpstreamConnection(asyncio.Protocol):
         headers = response.headers
         no_body = response.method == "HEAD" or status in _NO_BODY_STATUS
         chunked = False
-        coded = headers.getall("Transfer-Encoding", None)
+        coded = headers.getall(_TRANSFER_ENCODING, None)
         if coded is not None and not no_body:
             # One decision, the parser's: the whole-chunk fast path runs only on a body it
             # reads as chunked, and a coding the proxy cannot relay fails before any byte

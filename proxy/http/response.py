@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from enum import IntEnum
 from typing import Final, Protocol
 
-from multidict import CIMultiDict
+from multidict import CIMultiDict, istr
 
 from proxy.core import INFLATED, Inflater
 from proxy.http.chunks import BodyPiece, chunk_pieces
@@ -62,6 +62,11 @@ class Mode(IntEnum):
 # member's lookup and an IntEnum's comparison each cost more than the int comparison itself.
 # Final literals, so that the compiled build inlines them (a module global is a dict lookup);
 # tests/http/test_pool.py checks that each equals its member.
+# Header names as multidict's own strings: their lower case, for a lookup, is made once.
+_CONTENT_TYPE: Final = istr("Content-Type")
+_CONTENT_LENGTH: Final = istr("Content-Length")
+_CONTENT_ENCODING: Final = istr("Content-Encoding")
+
 HEAD: Final = 0
 BODY: Final = 1
 ENDED: Final = 2
@@ -132,7 +137,7 @@ class UpstreamResponse:
 
     @property
     def content_type(self) -> str:
-        raw = self.headers.get("Content-Type")
+        raw = self.headers.get(_CONTENT_TYPE)
         if not raw:
             return "application/octet-stream"
         return raw.split(";", 1)[0].strip().lower()
@@ -140,7 +145,7 @@ class UpstreamResponse:
     @property
     def content_length(self) -> int | None:
         """The body's length as the consumer will see it, when known."""
-        raw = self.headers.get("Content-Length")
+        raw = self.headers.get(_CONTENT_LENGTH)
         if raw is None or self._inflater is not None:
             return None
         try:
@@ -154,7 +159,7 @@ class UpstreamResponse:
         self.status = status
         self.until_close = until_close
         if self._inflate:
-            coding = self.headers.get("Content-Encoding", "").strip().lower()
+            coding = self.headers.get(_CONTENT_ENCODING, "").strip().lower()
             if coding in INFLATED:
                 self._inflater = Inflater(coding)
                 self._bind_body()

@@ -10,9 +10,10 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from itertools import count
-from typing import Any
+from typing import Any, Final
 
 import orjson
+from multidict import istr
 
 from proxy.observe.record import Observer, RequestRecord
 
@@ -20,6 +21,9 @@ logger = logging.getLogger("n_proxy")
 _INFO = logging.INFO
 Format = Callable[[float, str, str, dict[str, Any]], str]  # (created, level, message, fields)
 _REQUEST = b',"level":"info","msg":"request"'  # a request line's JSON after its ts
+# Names looked up case-insensitively as multidict's own strings: their lower case is made once.
+_X_REQUEST_ID: Final = istr("X-Request-Id")
+_TRACEPARENT: Final = istr("traceparent")
 
 
 class Direct:
@@ -130,7 +134,7 @@ _ids = count(1)
 def logged_id(headers: Mapping[str, str]) -> str:
     """The client's id, else one of the proxy's own (never sent upstream: a pass-through sends
     exactly the client's request)."""
-    incoming = headers.get("X-Request-Id")
+    incoming = headers.get(_X_REQUEST_ID)
     if incoming is not None:
         return incoming[:200]
     return _ID_PREFIX + format(next(_ids), "x")  # an f-string compiles to two str.format calls
@@ -138,7 +142,7 @@ def logged_id(headers: Mapping[str, str]) -> str:
 
 def _incoming_trace_id(headers: Mapping[str, str]) -> str | None:
     """The client's W3C trace id, logged even with tracing off, for finding the request."""
-    parent = headers.get("traceparent")
+    parent = headers.get(_TRACEPARENT)
     if parent is None or len(parent) < 55 or parent[2] != "-":
         return None
     return parent[3:35]

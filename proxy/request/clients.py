@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from proxy.config import Clients
 
@@ -55,7 +55,7 @@ class ClientIds:
         added), else its peer address. A key never leaves here."""
         identify = self._identify
         if identify == "authorization":
-            value = request.headers.get("Authorization")
+            value = request.headers.get(hdrs.AUTHORIZATION)
             if value is not None:
                 return keyed_id(value)
         elif identify == "header":

@@ -53,7 +53,7 @@ async def _relay(
     upstream_response = exchange.response
     status = upstream_response.status
     record.bytes_out = 0  # answered: what is written from here is counted
-    keeps_server = "Server" in upstream_response.headers
+    keeps_server = hdrs.SERVER in upstream_response.headers
     length = upstream_response.content_length
     exact = upstream_response.escaped  # bytes aiohttp's writer would not write back
     if length is not None and length <= _WHOLE_BODY and request.method != "HEAD" and not exact:
