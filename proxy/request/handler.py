@@ -106,6 +106,7 @@ class Handler:
         self.metrics = metrics
         self.merges_models = merges_models(upstreams)
         self.clients = ClientIds(config.clients)
+        self.begun = Requests()  # the requests that began here: a reload's old generation waits
         # A request with more children than one client may have at once could never be admitted:
         # 400 with the plan's own wording, not a 429 the client would retry for ever.
         cap = config.clients.max_children
@@ -113,8 +114,9 @@ class Handler:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         record = RequestRecord(self.observers, request.method, request.path, request.headers)
-        in_flight = self.in_flight
+        in_flight, begun = self.in_flight, self.begun
         in_flight.enter()
+        begun.enter()
         ends_here = True
         try:
             response = await self._dispatch(request, record)
@@ -128,6 +130,7 @@ class Handler:
                 ends_here = not response.ends(record)
             return response
         finally:
+            begun.leave()
             in_flight.leave()
             if ends_here:
                 record.ended()

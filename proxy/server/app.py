@@ -84,7 +84,7 @@ def build_app(
     if notice is not None:
         app.on_response_prepare.append(functools.partial(_notice_header, notice))
     app.cleanup_ctx.append(functools.partial(_serve, generations=generations, trimmer=trimmer))
-    every = EveryPath("/")
+    every = EveryPath("/", direct=generations.dispatch)
     app.router.register_resource(every)
     every.add_route("*", generations.handle)
     return app

@@ -373,6 +373,7 @@ class Listener(web.BaseSite):
 
 
 Handle = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+Direct = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def direct_route(app: web.Application | None, through_app: Handle) -> Handle | None:
@@ -381,7 +382,9 @@ def direct_route(app: web.Application | None, through_app: Handle) -> Handle | N
     frozen match is made here and given to each request (``request.app`` and the app's
     ``on_response_prepare`` read it). Routing each request costs 3 % of a pass-through's
     instructions. A request with ``Expect`` still goes ``through_app`` (its ``100 Continue``).
-    None for any other app (the admin listener's)."""
+    Neither this nor the ``EveryPath``'s ``direct`` (else its route's handler) is a coroutine:
+    aiohttp awaits what they return, two coroutines fewer a request. None for any other app (the
+    admin listener's)."""
     if app is None or app.middlewares:
         return None
     resources = list(app.router.resources())
@@ -391,14 +394,14 @@ def direct_route(app: web.Application | None, through_app: Handle) -> Handle | N
     match = UrlMappingMatchInfo({}, route)
     match.add_app(app)
     match.freeze()
-    handler = route.handler
+    handler = resources[0].direct or route.handler
 
-    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+    def handle(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         if request.headers.get(hdrs.EXPECT):
-            return await through_app(request)
+            return through_app(request)
         made = cast(web.Request, request)  # the app's request factory makes web.Requests
         made._match_info = match
-        return await handler(made)
+        return handler(made)
 
     return handle
 
@@ -406,7 +409,13 @@ def direct_route(app: web.Application | None, through_app: Handle) -> Handle | N
 class EveryPath(web.PlainResource):
     """Every request's path, whatever it holds: a ``/{tail:.*}`` pattern's ``.`` stops at a
     decoded line break (``%0A``), and a path no route matches gets aiohttp's plain-text 404,
-    neither logged nor counted. Cheaper than a pattern, too: nothing to match."""
+    neither logged nor counted. Cheaper than a pattern, too: nothing to match. ``direct``: what
+    the listener calls for each request in place of the route's handler, without awaiting it
+    (``direct_route``)."""
+
+    def __init__(self, path: str, *, direct: Direct | None = None) -> None:
+        super().__init__(path)
+        self.direct = direct
 
     def _match(self, path: str) -> dict[str, str]:
         return {}

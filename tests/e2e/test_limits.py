@@ -14,7 +14,7 @@ import subprocess
 import sys
 import weakref
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -657,13 +657,13 @@ async def test_a_connections_requests_are_handled_one_by_one_in_its_own_task(
     """No task is made per request (``ClientConnection.start``): each connection's requests run
     in that connection's task, one after the other, pipelined ones in the order they came."""
     handled: list[tuple[int, asyncio.Task[Any] | None]] = []
-    handle = Generations.handle
+    dispatch = Generations.dispatch
 
-    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
+    def recorded(self: Generations, request: web.Request) -> Awaitable[web.StreamResponse]:
         handled.append((int(request.headers["X-Nth"]), asyncio.current_task()))
-        return await handle(self, request)
+        return dispatch(self, request)
 
-    monkeypatch.setattr(Generations, "handle", recorded)
+    monkeypatch.setattr(Generations, "dispatch", recorded)
 
     def nth(k: int) -> bytes:
         body = orjson.dumps({"messages": [], "n": 1 + k % 2})
@@ -731,15 +731,15 @@ def _watch(monkeypatch: pytest.MonkeyPatch) -> tuple[list[weakref.ref[Any]], asy
     it, watched through weak references; the event is set as each is handled."""
     held: list[weakref.ref[Any]] = []
     entered = asyncio.Event()
-    handle = Generations.handle
+    dispatch = Generations.dispatch
 
-    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
+    def recorded(self: Generations, request: web.Request) -> Awaitable[web.StreamResponse]:
         if "X-Holder" not in request.headers:
             held.extend((weakref.ref(request), weakref.ref(asyncio.current_task())))
             entered.set()
-        return await handle(self, request)
+        return dispatch(self, request)
 
-    monkeypatch.setattr(Generations, "handle", recorded)
+    monkeypatch.setattr(Generations, "dispatch", recorded)
     return held, entered
 
 

@@ -37,10 +37,9 @@ CHILDREN = 3
 CROSSED = {"server", "request", "upstream", "http", "core", "observe"}
 # The request's await chain above the stream's writer: each wake-up of the writer resumes these
 # frames (that is how an await chain runs), though none of them is called per chunk.
-AWAIT_CHAIN = {  # the handler's own frames are compiled (setup.py): only these are Python
-    ("proxy.server.connection", "direct_route.<locals>.handle"),  # the app's one route
-    ("proxy.server.generations", "Generations.handle"),
-}
+# The handler's own frames are compiled (setup.py), and the app's one route (``direct_route``)
+# and ``Generations.dispatch`` return its coroutine without being frames of the chain.
+AWAIT_CHAIN: set[tuple[str, str]] = set()
 if connection.COPIES_START:  # the connection's loop awaits the handler in its own task
     AWAIT_CHAIN.add(("proxy.server.connection", "ClientConnection.start"))
 # Into the upstream layer, per request and per child (dunder methods are the ``async with`` of

@@ -10,7 +10,7 @@ import logging
 import random
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import aiohttp
@@ -432,18 +432,18 @@ async def test_a_whole_answer_is_written_before_its_request_line(
     setup("json", stream)
     requests: list[web.Request] = []
     written: list[int] = []
-    handle, add = Generations.handle, log._BatchingHandler.add
+    dispatch, add = Generations.dispatch, log._BatchingHandler.add
 
-    async def recorded(self: Generations, request: web.Request) -> web.StreamResponse:
+    def recorded(self: Generations, request: web.Request) -> Awaitable[web.StreamResponse]:
         requests.append(request)
-        return await handle(self, request)
+        return dispatch(self, request)
 
     def added(self: log._BatchingHandler, line: str) -> None:
         if '"msg":"request"' in line:
             written.append(requests[-1].writer.output_size)
         add(self, line)
 
-    monkeypatch.setattr(Generations, "handle", recorded)
+    monkeypatch.setattr(Generations, "dispatch", recorded)
     monkeypatch.setattr(log._BatchingHandler, "add", added)
     server = await running(backend)
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 3, "n": n}
