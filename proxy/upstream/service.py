@@ -387,13 +387,14 @@ class Upstreams:
             raise
         return response, replica, place
 
-    async def _open(
+    def _open(
         self, replica: Replica, request: UpstreamRequest, upstream: Upstream
-    ) -> UpstreamResponse:
-        """One HTTP request to one replica, up to its response headers."""
+    ) -> Awaitable[UpstreamResponse]:
+        """One HTTP request to one replica, up to its response headers. Not a coroutine itself:
+        the caller awaits the pool's, one coroutine fewer a request."""
         method, path_qs, headers, body, inflate, read_bufsize = request
         timeouts = upstream.timeouts
-        return await self.connections.request(
+        return self.connections.request(
             replica.url, method, path_qs, _with_host(headers, replica), body,
             connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
             inflate=inflate, buffer=2 * (read_bufsize or _RELAY_BUFFER),
