@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -311,22 +311,39 @@ async def _settle(fanout: Fanout, tasks: Sequence[asyncio.Future[Any]], tickets:
         tickets.release()
 
 
-async def _all_or_first_failure(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+async def _all_or_first_failure(tasks: Sequence[asyncio.Future[T]]) -> list[T]:
     """Await all concurrently; raise the first failure as soon as it happens
     (docs/behaviour.md#errors).
 
-    The caller cancels what is left, so that it can count the children it cut short.
+    The caller cancels what is left, so that it can count the children it cut short. What
+    ``asyncio.wait(..., return_when=FIRST_EXCEPTION)`` does, without its argument checks: one
+    asks ``hasattr`` of a set's class, which fails and formats an AttributeError each fan-out.
     """
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    pending: set[asyncio.Future[T]] = set(tasks)
-    while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t for t in tasks if t in done and t.exception() is not None]
-        if failed:
-            error = failed[0].exception()
+    waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    left = len(tasks)
+
+    def ended(task: asyncio.Future[T]) -> None:
+        nonlocal left
+        left -= 1
+        if waiter.done():
+            return
+        if left == 0 or (not task.cancelled() and task.exception() is not None):
+            waiter.set_result(None)
+
+    for task in tasks:
+        task.add_done_callback(ended)
+    try:
+        if left:
+            await waiter
+    finally:
+        for task in tasks:
+            task.remove_done_callback(ended)
+    for task in tasks:
+        if task.done() and task.exception() is not None:
+            error = task.exception()
             assert error is not None
             raise error
-    return [t.result() for t in tasks]
+    return [task.result() for task in tasks]
 
 
 async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> int:

@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config.models import parse_config, single_upstream_config
+from proxy.request import fanout
 from tests.support.client import WAIT, post, sse_payloads
 from tests.support.servers import Backend, Proxy, Servers, proxy_config, with_upstream
 
@@ -772,3 +773,52 @@ async def test_a_line_past_the_bound_in_the_last_read_of_a_relayed_child_is_its_
         "choice 1 failed: upstream stream is malformed: "
         f"SSE line or event exceeds max_event_bytes={MAX_EVENT_BYTES}"
     )
+
+
+# --- all children, or the first failure as it happens -------------------------------------------
+
+
+async def _child(seconds: float, result: Any = None, error: BaseException | None = None) -> Any:
+    await asyncio.sleep(seconds)
+    if error is not None:
+        raise error
+    return result
+
+
+async def test_every_childs_result_comes_back_in_the_childrens_order() -> None:
+    tasks = [asyncio.ensure_future(_child(s, s)) for s in (0.03, 0, 0.01)]
+    assert await fanout._all_or_first_failure(tasks) == [0.03, 0, 0.01]
+
+
+async def test_the_first_failure_is_raised_as_it_happens_not_when_all_have_ended() -> None:
+    slow = asyncio.ensure_future(_child(60, "late"))
+    failing = asyncio.ensure_future(_child(0, error=ValueError("child 1")))
+    with pytest.raises(ValueError, match="child 1"):
+        async with asyncio.timeout(30):
+            await fanout._all_or_first_failure([slow, failing])
+    assert not slow.done()  # the caller cancels what is left
+    slow.cancel()
+
+
+async def test_children_already_ended_are_waited_for_as_well() -> None:
+    done = [asyncio.ensure_future(_child(0, i)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert all(task.done() for task in done)
+    assert await fanout._all_or_first_failure(done) == [0, 1, 2]
+    failed = asyncio.ensure_future(_child(0, error=KeyError("k")))
+    await asyncio.sleep(0.01)
+    with pytest.raises(KeyError):
+        await fanout._all_or_first_failure([*done, failed])
+
+
+async def test_a_caller_cancelled_while_it_waits_leaves_no_callback_on_the_children() -> None:
+    tasks = [asyncio.ensure_future(_child(60)) for _ in range(2)]
+    waiting = asyncio.ensure_future(fanout._all_or_first_failure(tasks))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    for task in tasks:
+        assert not getattr(task, "_callbacks", None)  # asyncio's list of them: none of the wait's
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
