@@ -3,11 +3,12 @@ out (docs/behaviour.md#usage, #best-of)."""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 
-from proxy.core.usage import merge_usage
+from proxy.core.usage import merge_usage, token_counts
 
 
 def usage(prompt: int, completion: int, **extra: Any) -> dict[str, Any]:
@@ -174,3 +175,36 @@ def test_children_usage_is_not_mutated() -> None:
     merge_usage([first, second], [0])
     assert first == usage(1, 1, completion_tokens_details={"reasoning_tokens": 1})
     assert second == usage(1, 2, completion_tokens_details={"reasoning_tokens": 1})
+
+
+def test_a_usage_given_as_any_mapping_merges_as_the_same_dict_does() -> None:
+    """JSON gives dicts, tested first; any other mapping is still a usage (and details)."""
+    usages: list[dict[str, Any] | None] = [
+        {"prompt_tokens": 5, "completion_tokens": 2, "completion_tokens_details": {"a": 1}},
+        None,
+        {"prompt_tokens": 5, "completion_tokens": 3, "completion_tokens_details": {"a": 2}},
+    ]
+    as_proxies = [
+        None
+        if u is None
+        else MappingProxyType(
+            {k: MappingProxyType(v) if isinstance(v, dict) else v for k, v in u.items()}
+        )
+        for u in usages
+    ]
+    merged = merge_usage(usages, [0])
+    assert merged is not None
+    assert merged["completion_tokens_details"] == {"a": 3}
+    assert merge_usage(as_proxies, [0]) == merged
+    assert (
+        token_counts(
+            MappingProxyType(
+                {
+                    "prompt_tokens_details": MappingProxyType({"cached_tokens": 4}),
+                    "completion_tokens": 7,
+                }
+            )
+        )
+        == token_counts({"prompt_tokens_details": {"cached_tokens": 4}, "completion_tokens": 7})
+        == (0, 7, 4, 0)
+    )
