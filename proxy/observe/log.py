@@ -8,6 +8,7 @@ folded into the line's ``exc`` field instead of spilling lines into the stream.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import sys
 import threading
@@ -100,6 +101,8 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
         # running loop is a getpid(2) on Python 3.11, one a request at concurrency 1.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = 0
+        self._checked: object = None  # the stream last looked at, and whether it writes out
+        self._direct = False
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -125,20 +128,33 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
         loop.call_soon(self._write_lines)
 
     def _write_lines(self) -> None:
-        """The lines so far, in one write. On a line-buffered stream (stderr is, from Python
-        3.9) that write is the flush: logging's own, a lock taken for a flush that finds nothing
-        to do, is left to ``flush`` (logging's shutdown calls it)."""
+        """The lines so far, in one write. Where that write reaches the file by itself (stderr's
+        does, ``_writes_out``), it is the whole of it: logging's flush, a lock taken for a stream
+        flush that finds nothing to do, is left to ``flush`` (logging's shutdown calls it)."""
         lines = self._lines
         if lines:
             self._lines = []  # a line another thread adds from here waits for the next write
             stream = self.stream
             stream.write("\n".join(lines) + "\n")
-            if not getattr(stream, "line_buffering", False):
+            if stream is not self._checked:
+                self._checked, self._direct = stream, _writes_out(stream)
+            if not self._direct:
                 stream.flush()
 
     def flush(self) -> None:
         self._write_lines()
         super().flush()
+
+
+def _writes_out(stream: object) -> bool:
+    """Whether a write of whole lines to ``stream`` reaches its file with no flush: a
+    line-buffered text stream (stderr on a terminal), or one that writes through to an
+    unbuffered file (stderr into a pipe or a file, from Python 3.9)."""
+    if getattr(stream, "line_buffering", False):
+        return True
+    return getattr(stream, "write_through", False) is True and isinstance(
+        getattr(stream, "buffer", None), io.FileIO
+    )
 
 
 def setup_logging(fmt: str, level: str = "info") -> None:
