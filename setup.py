@@ -36,6 +36,7 @@ COMPILED = [
     # the retry budget and the connection pool: 8 % fewer instructions per pass-through request
     # (docs/performance.md#the-per-request-path).
     "proxy/core/headers.py",
+    "proxy/core/remembered.py",  # what header filtering and the upstream head remember by name
     "proxy/core/plan.py",
     "proxy/core/answer.py",
     "proxy/core/usage.py",

@@ -20,6 +20,7 @@ from proxy.core.errors import (
     status_type,
 )
 from proxy.core.headers import (
+    X_REQUEST_ID,
     child_headers,
     client_request_id,
     rebased_headers,
@@ -35,6 +36,7 @@ from proxy.core.plan import (
     parse_body,
     plan_request,
 )
+from proxy.core.remembered import Remembered
 from proxy.core.sse import MAX_EVENT_BYTES, RawEvent, SSEDecoder
 from proxy.core.stitch import StreamError, StreamStitcher, error_event, finish_reasons, stitch_json
 from proxy.core.url import Origin, at_address, authority, check_url, parse_origin, tls_name
@@ -44,6 +46,7 @@ __all__ = [
     "INFLATED",
     "MAX_EVENT_BYTES",
     "TAIL_BYTES",
+    "X_REQUEST_ID",
     "BodyTooLarge",
     "ChildFailed",
     "ClientGone",
@@ -56,6 +59,7 @@ __all__ = [
     "Plan",
     "ProxyError",
     "RawEvent",
+    "Remembered",
     "RequestTimeout",
     "SSEDecoder",
     "StreamError",

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 from proxy.core.encoding import INFLATED
+from proxy.core.remembered import Remembered
 
 HOP_BY_HOP = frozenset(
     {
@@ -39,70 +40,69 @@ Headers: TypeAlias = CIMultiDictProxy[str] | CIMultiDict[str]
 # Visible ASCII and inner spaces, as vLLM echoes: safe to send on, to prefix, to put in an id.
 # An edge space would not survive a header (parsers strip it), so it is not taken either.
 _REQUEST_ID = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]{0,198}[\x21-\x7e])?")
+# The name as multidict's own string: its lower case, for a lookup, is made once.
+X_REQUEST_ID: Final = istr("X-Request-Id")
 
 
 # A header name's verdict: sent on, dropped, or dropped as ``Connection`` (whose tokens name more
-# to drop). Names recur request after request, so each one's verdict is kept, by the name as it
-# came, up to ``_JUDGED_NAMES`` names a direction (they are a client's or an upstream's to choose):
-# a dict lookup where a ``str.lower`` and two set lookups were, 10,000 instructions a
-# pass-through.
+# to drop), remembered by the name as it came: a dict lookup where a ``str.lower`` and two set
+# lookups were, 16,000 instructions a pass-through with the tokens' below.
 _KEEP, _DROP, _CONNECTION = 0, 1, 2
-_JUDGED_NAMES = 512
-_request_judged: dict[str, int] = {}
-_response_judged: dict[str, int] = {}
+_NAMES = 512  # names remembered a direction, of at most _LONGEST characters
+_LONGEST = 128
 
 
-def _judge(name: str, drop: frozenset[str], judged: dict[str, int]) -> int:
+def _verdict(name: str, drop: frozenset[str]) -> int:
     lower = name.lower()
     if lower == "connection":
-        verdict = _CONNECTION
-    elif lower in drop or lower.startswith("proxy-"):
-        verdict = _DROP
-    else:
-        verdict = _KEEP
-    if len(judged) < _JUDGED_NAMES:
-        judged[name] = verdict
-    return verdict
+        return _CONNECTION
+    if lower in drop or lower.startswith("proxy-"):
+        return _DROP
+    return _KEEP
 
 
-def _filtered(headers: Headers, drop: frozenset[str], judged: dict[str, int]) -> CIMultiDict[str]:
+def _request_verdict(name: str) -> int:
+    return _verdict(name, _REQUEST_DROP)
+
+
+def _response_verdict(name: str) -> int:
+    return _verdict(name, _RESPONSE_DROP)
+
+
+_request_verdicts = Remembered(_request_verdict, _NAMES, _LONGEST)
+_response_verdicts = Remembered(_response_verdict, _NAMES, _LONGEST)
+
+
+def _filtered(headers: Headers, verdicts: Remembered[int]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     add = out.add
     named: list[str] = []  # what Connection names, dropped too, wherever it stands
     for name, value in headers.items():
-        verdict = judged.get(name)
-        if verdict is None:
-            verdict = _judge(name, drop, judged)
+        verdict = verdicts.of(name)
         if verdict == _KEEP:
             add(name, value)
         elif verdict == _CONNECTION:
-            named += _named(value)
+            named += _named.of(value)
     for token in named:
         out.popall(token, None)
     return out
 
 
-_named_by: dict[str, tuple[str, ...]] = {}
-
-
-def _named(connection: str) -> tuple[str, ...]:
+def _named_in(connection: str) -> tuple[str, ...]:
     """The header names a ``Connection`` value lists, lower-cased, but for those dropped in
-    both directions anyway (``close`` and ``keep-alive`` are the usual values); kept by value,
-    up to ``_JUDGED_NAMES`` short values."""
-    named = _named_by.get(connection)
-    if named is None:
-        tokens = {token.strip().lower() for token in connection.split(",")}
-        named = tuple(
-            sorted(t for t in tokens if t and t not in HOP_BY_HOP and not t.startswith("proxy-"))
-        )
-        if len(_named_by) < _JUDGED_NAMES and len(connection) <= 64:
-            _named_by[connection] = named
-    return named
+    both directions anyway (``close`` and ``keep-alive`` are the usual values)."""
+    tokens = {token.strip().lower() for token in connection.split(",")}
+    return tuple(
+        sorted(t for t in tokens if t and t not in HOP_BY_HOP and not t.startswith("proxy-"))
+    )
+
+
+_named = Remembered(_named_in, _NAMES, 64)
 
 
 def request_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDict[str]:
     """End-to-end request headers for the upstream; configured headers replace the client's."""
-    out = _filtered(incoming, _REQUEST_DROP, _request_judged)
+    out = _filtered(incoming, _request_verdicts)
     for name, value in injected.items():
         out[name] = value
     return out
@@ -141,7 +141,7 @@ def rebased_headers(
 
 
 def response_headers(incoming: Headers) -> CIMultiDict[str]:
-    return _filtered(incoming, _RESPONSE_DROP, _response_judged)
+    return _filtered(incoming, _response_verdicts)
 
 
 def client_request_id(header: str | None, body_request_id: object) -> str | None:

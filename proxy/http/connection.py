@@ -31,6 +31,7 @@ from typing import Any, Final, cast
 import httptools
 from multidict import CIMultiDict, istr
 
+from proxy.core import Remembered
 from proxy.http.chunks import CHUNKED, UNFRAMED, framing, whole_chunks
 from proxy.http.errors import BadResponse
 from proxy.http.response import UpstreamResponse
@@ -443,24 +444,21 @@ def _crlf_run(data: bytes, most: int) -> int:
 
 
 # A header name's part in a request head: copied, the Host, or left out (the framing is the
-# proxy's own). Kept by the name as it came, up to ``_JUDGED_NAMES`` names: a dict lookup where a
-# ``str.lower`` and comparisons were.
+# proxy's own); remembered by the name as it came, a dict lookup where a ``str.lower`` and
+# comparisons were.
 _COPY, _HOST, _OMIT = 0, 1, 2
-_JUDGED_NAMES = 512
-_judged: dict[str, int] = {}
 
 
-def _judge(name: str) -> int:
+def _part(name: str) -> int:
     lower = name.lower()
     if lower == "host":
-        verdict = _HOST
-    elif lower in ("content-length", "transfer-encoding", "connection"):
-        verdict = _OMIT
-    else:
-        verdict = _COPY
-    if len(_judged) < _JUDGED_NAMES:
-        _judged[name] = verdict
-    return verdict
+        return _HOST
+    if lower in ("content-length", "transfer-encoding", "connection"):
+        return _OMIT
+    return _COPY
+
+
+_parts = Remembered(_part, 512, 128)
 
 
 def request_head(
@@ -472,12 +470,10 @@ def request_head(
 ) -> bytes:
     lines = [f"{method} {target} HTTP/1.1\r\n", ""]
     for name, value in headers.items():
-        verdict = _judged.get(name)
-        if verdict is None:
-            verdict = _judge(name)
-        if verdict == _COPY:
+        part = _parts.of(name)
+        if part == _COPY:
             lines.append(f"{name}: {value}\r\n")
-        elif verdict == _HOST:
+        elif part == _HOST:
             host = value  # a replica reached by address keeps the configured host name
     lines[1] = f"Host: {host}\r\n"
     if body is not None:

@@ -15,14 +15,14 @@ from typing import Any, Final
 import orjson
 from multidict import istr
 
+from proxy.core import X_REQUEST_ID
 from proxy.observe.record import Observer, RequestRecord
 
 logger = logging.getLogger("n_proxy")
 _INFO = logging.INFO
 Format = Callable[[float, str, str, dict[str, Any]], str]  # (created, level, message, fields)
 _REQUEST = b',"level":"info","msg":"request"'  # a request line's JSON after its ts
-# Names looked up case-insensitively as multidict's own strings: their lower case is made once.
-_X_REQUEST_ID: Final = istr("X-Request-Id")
+# The name as multidict's own string: its lower case, for a lookup, is made once.
 _TRACEPARENT: Final = istr("traceparent")
 
 
@@ -134,7 +134,7 @@ _ids = count(1)
 def logged_id(headers: Mapping[str, str]) -> str:
     """The client's id, else one of the proxy's own (never sent upstream: a pass-through sends
     exactly the client's request)."""
-    incoming = headers.get(_X_REQUEST_ID)
+    incoming = headers.get(X_REQUEST_ID)
     if incoming is not None:
         return incoming[:200]
     return _ID_PREFIX + format(next(_ids), "x")  # an f-string compiles to two str.format calls

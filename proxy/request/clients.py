@@ -10,34 +10,29 @@ import os
 from aiohttp import hdrs, web
 
 from proxy.config import Clients
+from proxy.core import Remembered
 
 # Made at start, never written anywhere: an id is stable within this process only, and neither
 # it nor a log line holding it gives back the key it was made from.
 _KEY = os.urandom(32)
 
 
-# The ids made so far, by what they were made from: a client sends the same key request after
-# request, and its hash is 3,800 instructions of a pass-through. At most ``_REMEMBERED`` values
-# (they are the clients' to choose), forgotten all at once past that.
-_REMEMBERED = 256
-_made: dict[str, str] = {}
+def _keyed(value: str) -> str:
+    """16 hex digits of a keyed BLAKE2b of ``value`` (a MAC in itself, as HMAC-SHA256 would be,
+    at a third of its cost per request)."""
+    data = value.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, key=_KEY, digest_size=8).hexdigest()
+
+
+# A client sends the same key request after request, and its hash was 3,800 instructions of a
+# pass-through: remembered, 256 keys of up to 2 KiB at most (a JWT fits). The keys stay in this
+# process's memory, as the requests that carried them were; nothing writes them anywhere.
+_ids = Remembered(_keyed, 256, 2048)
 
 
 def keyed_id(value: str) -> str:
-    """16 hex digits of a keyed BLAKE2b of ``value`` (a MAC in itself, as HMAC-SHA256 would be,
-    at a third of its cost per request)."""
-    made = _made.get(value)
-    if made is None:
-        made = _keyed(value)
-        if len(_made) >= _REMEMBERED:
-            _made.clear()
-        _made[value] = made
-    return made
-
-
-def _keyed(value: str) -> str:
-    data = value.encode("utf-8", "surrogatepass")
-    return hashlib.blake2b(data, key=_KEY, digest_size=8).hexdigest()
+    """``value``'s keyed hash (``_keyed``), remembered."""
+    return _ids.of(value)
 
 
 class ClientIds:

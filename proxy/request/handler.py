@@ -12,16 +12,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-from typing import Final
 
 import aiohttp
 import orjson
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
-from multidict import istr
 
 from proxy.config import Config, Upstream
 from proxy.core import (
+    X_REQUEST_ID,
     BodyTooLarge,
     ChildFailed,
     Endpoint,
@@ -45,8 +44,6 @@ from proxy.request.models import MODELS_PATH, list_models, merges_models
 from proxy.request.passthrough import Relayed, WholeAnswer, pass_through
 from proxy.request.responses import SERVER, child_failed_response, error_response
 from proxy.upstream import Upstreams
-
-_X_REQUEST_ID: Final = istr("X-Request-Id")  # its lower case, for a lookup, made once
 
 
 class Requests:
@@ -315,7 +312,7 @@ def _error_request_id(request: web.Request, body: bytes) -> str:
 
 
 def _parent_id(request: web.Request, body: dict[str, object]) -> str:
-    incoming = client_request_id(request.headers.get(_X_REQUEST_ID), body.get("request_id"))
+    incoming = client_request_id(request.headers.get(X_REQUEST_ID), body.get("request_id"))
     if incoming is not None:
         return incoming
     return os.urandom(16).hex()  # as random as uuid4().hex, at a third of its cost

@@ -278,5 +278,5 @@ def test_names_a_client_makes_up_are_judged_but_not_all_kept() -> None:
         pairs += [("Proxy-Made-Up-" + str(batch), "v"), ("Connection", f"x-made-up-{batch}-7")]
         expected = [p for p in pairs[:300] if p[0] != f"X-Made-Up-{batch}-7"]
         assert list(request_headers(headers(pairs), {}).items()) == expected
-    assert len(headers_module._request_judged) <= headers_module._JUDGED_NAMES
-    assert len(headers_module._named_by) <= headers_module._JUDGED_NAMES
+    assert len(headers_module._request_verdicts) <= headers_module._NAMES
+    assert len(headers_module._named) <= headers_module._NAMES

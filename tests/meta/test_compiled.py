@@ -35,6 +35,7 @@ from multidict import CIMultiDict
 from proxy.core import answer as compiled_answer
 from proxy.core import headers as compiled_headers
 from proxy.core import plan as compiled_plan
+from proxy.core import remembered as compiled_remembered
 from proxy.core import sse as compiled_sse
 from proxy.core import stitch as compiled_stitch
 from proxy.core import usage as compiled_usage
@@ -51,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The pure modules, loaded in this order: each one's siblings in its own layer are the copies
 # loaded before it (``from proxy.core.template import ...`` in stitch.py takes the copy).
 ORDER = (
+    "proxy.core.remembered",
     "proxy.core.sse",
     "proxy.core.template",
     "proxy.core.stitch",
@@ -99,6 +101,7 @@ def load_pure(names: Sequence[str]) -> dict[str, ModuleType]:
 
 PURE = load_pure(ORDER)
 COMPILED = {
+    "proxy.core.remembered": compiled_remembered,
     "proxy.core.sse": compiled_sse,
     "proxy.core.stitch": compiled_stitch,
     "proxy.http.chunks": compiled_chunks,

@@ -67,7 +67,7 @@ def test_ids_remembered_are_the_ids_made_afresh_and_the_memory_is_bounded() -> N
     for _ in range(2):
         for value, expected in made.items():
             assert keyed_id(value) == expected
-            assert len(clients._made) <= clients._REMEMBERED
+            assert len(clients._ids) <= 256
     assert keyed_id("Bearer sk-0") == made["Bearer sk-0"] != keyed_id("Bearer sk-1")
 
 
