@@ -25,6 +25,8 @@ SCENARIOS = {"passthrough", "fanout", "stitching", "ttft", "memory"}
 # Contenders each run only where installed (nginx from Debian, the gateways by bench/run
 # --install-tools into bench/.work): a smoke run has them or leaves them out.
 INSTALLED = {"nginx", "sglang-router", "smg"}
+# The harness is the same whichever build the proxy it runs is: .ci/run runs these once.
+pytestmark = pytest.mark.one_build
 
 
 @dataclass

@@ -71,6 +71,7 @@ def _wheel(tmp_path: Path, **env: str) -> tuple[list[str], str]:
         return archive.namelist(), done.stdout + done.stderr
 
 
+@pytest.mark.one_build
 @pytest.mark.timeout(BUILD_TIMEOUT + 60)
 def test_a_build_whose_c_compiler_fails_is_the_pure_package_and_says_why(tmp_path: Path) -> None:
     names, said = _wheel(tmp_path, CC="false")  # mypyc runs; compiling its C fails
@@ -80,6 +81,7 @@ def test_a_build_whose_c_compiler_fails_is_the_pure_package_and_says_why(tmp_pat
     assert "pure Python" in said
 
 
+@pytest.mark.one_build
 @pytest.mark.timeout(BUILD_TIMEOUT + 60)
 def test_n_proxy_pure_builds_the_pure_package_without_running_mypyc(tmp_path: Path) -> None:
     names, said = _wheel(tmp_path, N_PROXY_PURE="1")
@@ -88,6 +90,7 @@ def test_n_proxy_pure_builds_the_pure_package_without_running_mypyc(tmp_path: Pa
     assert "n-proxy build: N_PROXY_PURE is set: pure Python, nothing compiled" in said
 
 
+@pytest.mark.one_build
 @pytest.mark.timeout(BUILD_TIMEOUT + 60)
 def test_mypyc_type_checks_the_stream_path_without_the_runtime_dependencies(tmp_path: Path) -> None:
     """pip builds in an isolated environment holding only ``[build-system] requires``: there
