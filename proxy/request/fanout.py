@@ -35,7 +35,7 @@ from proxy.core import (
 from proxy.http import HTTPClientError
 from proxy.observe import ChildRecord, RequestRecord
 from proxy.request.mailbox import Mailbox
-from proxy.request.passthrough import WholeAnswer
+from proxy.request.responses import WholeAnswer
 from proxy.request.sink import client_sink
 from proxy.request.writer import merge
 from proxy.upstream import Exchange, Ticket, Tickets, UpstreamRequest, Upstreams, upstream_error

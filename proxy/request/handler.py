@@ -41,8 +41,14 @@ from proxy.observe import ClientErrors, Metrics, Observers, RequestRecord, kind_
 from proxy.request.clients import ClientIds
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
 from proxy.request.models import MODELS_PATH, list_models, merges_models
-from proxy.request.passthrough import Relayed, WholeAnswer, pass_through
-from proxy.request.responses import SERVER, child_failed_response, error_response
+from proxy.request.passthrough import pass_through
+from proxy.request.responses import (
+    SERVER,
+    Relayed,
+    WholeAnswer,
+    child_failed_response,
+    error_response,
+)
 from proxy.upstream import Upstreams
 
 

@@ -1,16 +1,27 @@
-"""The answers the proxy writes itself: its own errors and a failed child's, as OpenAI error
-bodies, with its ``Server`` header; also the error pages of a client connection (a parser's
-refusal, the pages written before any request was parsed).
+"""The answers' classes: a whole answer written in one write (``WholeAnswer``), an answer relayed
+as it comes (``Relayed``, ``ExactHead``). Also the answers the proxy writes itself: its own
+errors and a failed child's, as OpenAI error bodies, with its ``Server`` header, and the error
+pages of a client connection (a parser's refusal, the pages written before any request was
+parsed). Not compiled: the classes subclass aiohttp's responses (docs/architecture.md, house
+rules), and use its private members.
 """
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.compression_utils import MAX_SYNC_CHUNK_SIZE
+from aiohttp.helpers import must_be_empty_body, rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion10, HttpVersion11
+from aiohttp.http_writer import _serialize_headers
+from multidict import CIMultiDict
 
-from proxy.core import ChildFailed, Overloaded, ProxyError, error_body, status_type
+from proxy.core import ChildFailed, ClientGone, Overloaded, ProxyError, error_body, status_type
+from proxy.observe import RequestRecord
 
 SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohttp/x.y"
 
@@ -60,3 +71,132 @@ def status_response(status: int, message: str) -> web.Response:
     )
     response.force_close()
     return response
+
+
+class WholeAnswer(web.Response):
+    """An answer with its whole body in hand: head and body leave in one write as aiohttp
+    prepares it. aiohttp's own steps (prepare, then write_eof,
+    each several coroutines deep) cost 5 % of a pass-through request's instructions. The head
+    gets what those steps add (``Content-Length``, a ``Content-Type`` for a body without one,
+    ``Date``, ``Server``, ``Connection`` as the request's keep-alive says), then the app's
+    ``on_response_prepare``; aiohttp's serialiser writes it, refusing a control character. An
+    answer that must have no body (to a HEAD or a CONNECT, a 1xx, 204 or 304) takes aiohttp's
+    steps. tests/meta/test_layers.py checks the internals it sets."""
+
+    _record: RequestRecord | None = None  # what ends once the answer is written
+    keeps_server = False  # a pass-through's, whose upstream sent its own (server_header)
+    # aiohttp asks each answer with getattr(answer, "__http_exception__", False): on a class
+    # without it, an AttributeError is made and caught on every request.
+    __http_exception__ = False
+
+    @classmethod
+    def relayed(
+        cls, status: int, reason: str | None, headers: CIMultiDict[str], body: bytes
+    ) -> WholeAnswer:
+        """A pass-through's answer, with the headers made for it (``response_headers``) taken as
+        they are: ``web.Response.__init__`` would check arguments a pass-through never gives,
+        then copy them. What it sets is set here (tests/meta/test_layers.py checks the names)."""
+        answer = cls.__new__(cls)
+        web.StreamResponse.__init__(answer, status=status, reason=reason, _real_headers=headers)
+        answer._body = body
+        answer._compressed_body = None
+        answer._zlib_executor_size = MAX_SYNC_CHUNK_SIZE
+        answer._zlib_executor = None
+        return answer
+
+    def ends(self, record: RequestRecord) -> bool:
+        """Whether ``record`` is ended here, once head and body are written (or their write
+        failed), rather than by the handler before: its log line and span off the client's wait
+        (its metrics are counted before, ``RequestRecord.counted``). A coroutine's first steps
+        run before any cancellation can reach it, so ``prepare``, which aiohttp calls right after
+        the handler returns, ends it whatever happens."""
+        if self.prepared:
+            return False
+        self._record = record
+        return True
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        try:
+            body = self.body
+            if (
+                self.prepared
+                or not isinstance(body, bytes)
+                or self._cookies  # the property would make an empty jar
+                or self.compression
+                or must_be_empty_body(request.method, self.status)
+            ):
+                return await super().prepare(request)
+            headers = self.headers
+            headers[hdrs.CONTENT_LENGTH] = str(len(body))
+            if body:
+                headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
+            if hdrs.DATE not in headers:
+                headers[hdrs.DATE] = rfc822_formatted_time()
+            headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+            keep_alive = self.keep_alive
+            if keep_alive is None:
+                keep_alive = self._keep_alive = request.keep_alive
+            version = request.version
+            if hdrs.CONNECTION not in headers:
+                if not keep_alive:
+                    if version == HttpVersion11:
+                        headers[hdrs.CONNECTION] = "close"
+                elif version == HttpVersion10:
+                    headers[hdrs.CONNECTION] = "keep-alive"
+            self._req = request
+            await request._prepare_hook(self)
+            status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
+            head = _serialize_headers(status_line, headers)
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("the client's connection is closing")
+            transport.write(head + body)  # head and body in one write
+            writer = request.writer
+            writer.output_size += len(head) + len(body)
+            self._eof_sent = True  # aiohttp's write_eof, called next, has nothing left to do
+            self._body_length = writer.output_size
+            self._req = None
+            slow = transport.get_write_buffer_size() > 0
+        finally:
+            record = self._record
+            if record is not None:
+                self._record = None
+                record.ended()
+        if slow:
+            await writer.drain()  # a slow reader: no next answer piles up behind this one
+        return None
+
+
+_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # as aiohttp's writer (RFC 9110 §5.5)
+
+
+class Relayed(web.StreamResponse):
+    """A passed-through answer relayed as it comes, its head first."""
+
+    keeps_server = False  # the upstream sent its own ``Server`` header (server_header)
+    __http_exception__ = False  # as WholeAnswer's
+
+
+class ExactHead(Relayed):
+    """A relayed response whose head holds bytes that are not UTF-8 (a Latin-1 header value).
+
+    Such bytes reach the proxy as surrogate escapes; aiohttp's writer encodes a head as UTF-8,
+    and its C writer drops surrogates. This head is written here instead, each byte as the
+    upstream sent it; the body then goes through ``client_sink`` as for any relay. It leans on
+    aiohttp's internals (``_write_headers``, ``_req``): tests/meta/test_layers.py checks them.
+    """
+
+    async def _write_headers(self) -> None:  # aiohttp's step that serialises the head
+        request = self._req
+        assert request is not None
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ClientGone()
+        version = request.version
+        parts = [f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"]
+        parts += [f"{name}: {value}" for name, value in self.headers.items()]
+        for part in parts:
+            if _FORBIDDEN.search(part):
+                raise ValueError("a control character in a response header")
+        head = "\r\n".join(parts) + "\r\n\r\n"
+        transport.write(head.encode("utf-8", "surrogateescape"))

@@ -4,7 +4,7 @@
 (``ErrorPages``, the admin listener's connections too); a request its parser refuses is counted
 and logged short; the proxy app's one route called without aiohttp's router, and a connection's
 requests handled in its own task, not in one more each. The one module, with
-``proxy.request.passthrough``, that uses aiohttp's private members.
+``proxy.request.responses`` and ``proxy.request.sink``, that uses aiohttp's private members.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ failure becomes the proxy's own error. ``Upstreams`` (``proxy.upstream.service``
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Literal, NamedTuple, Protocol
 
@@ -51,15 +52,28 @@ class Ticket(NamedTuple):
     client: str = ""
 
 
-class Tickets(tuple[Ticket, ...]):
-    """What admission gave one client request: a ticket per upstream request, in child order."""
+class Tickets:
+    """What admission gave one client request: a ticket per upstream request, in child order.
+    Holds its tuple rather than being one: mypyc compiles no subclass of ``tuple``."""
 
-    __slots__ = ()
+    __slots__ = ("_tickets",)
+
+    def __init__(self, tickets: tuple[Ticket, ...]) -> None:
+        self._tickets = tickets
+
+    def __getitem__(self, index: int) -> Ticket:
+        return self._tickets[index]
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    def __iter__(self) -> Iterator[Ticket]:
+        return iter(self._tickets)
 
     def release(self) -> None:
         """Every place back, granted or still queued: a child cancelled before it ran holds one
         too. A place already given back (its exchange ended) is left as it is."""
-        for ticket in self:
+        for ticket in self._tickets:
             ticket.place.release()
 
 

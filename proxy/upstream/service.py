@@ -198,8 +198,10 @@ class Upstreams:
         urls = state.replicas.place(count, time.monotonic())
         joined = time.perf_counter()
         return Tickets(
-            Ticket(state, url, place, joined, client)
-            for url, place in zip(urls, places, strict=True)
+            tuple(
+                Ticket(state, url, place, joined, client)
+                for url, place in zip(urls, places, strict=True)
+            )
         )
 
     async def _watch(self) -> None:

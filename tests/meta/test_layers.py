@@ -36,7 +36,7 @@ from aiohttp.test_utils import make_mocked_request
 from aiohttp.web_protocol import RequestHandler
 from multidict import CIMultiDict
 
-from proxy.request.passthrough import Relayed, WholeAnswer
+from proxy.request.responses import Relayed, WholeAnswer
 from proxy.server import connection
 
 PACKAGE = Path(__file__).resolve().parents[2] / "proxy"
@@ -54,7 +54,7 @@ PURE_ALLOWED = frozenset({
 
 # The modules where the server leans on aiohttp's internals (the members below).
 AIOHTTP_INTERNALS = frozenset(
-    {"proxy.server.connection", "proxy.request.passthrough", "proxy.request.sink"}
+    {"proxy.server.connection", "proxy.request.responses", "proxy.request.sink"}
 )
 
 # Each private member of aiohttp the server uses, by the class it belongs to.

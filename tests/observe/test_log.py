@@ -28,7 +28,7 @@ from proxy.observe import line as request_line
 from proxy.observe import log
 from proxy.observe.clienterrors import LINES_PER_SECOND
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
-from proxy.request.passthrough import WholeAnswer
+from proxy.request.responses import WholeAnswer
 from proxy.server.generations import Generations
 from proxy.server.process import Server
 from tests.support.servers import Backend, metric

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from proxy.config.models import Listen, single_upstream_config
 from proxy.observe import Observer, Observers, RequestRecord
-from proxy.request.passthrough import WholeAnswer
+from proxy.request.responses import WholeAnswer
 from proxy.server.app import IN_FLIGHT
 from proxy.server.connection import ClientConnection
 from tests.support.polling import until
