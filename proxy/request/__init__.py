@@ -2,8 +2,8 @@
 writer, and the answers the proxy writes itself.
 """
 
-from proxy.request.handler import Handler, InFlight, Requests, server_header
-from proxy.request.responses import SERVER, error_page, status_response
+from proxy.request.handler import Handler, InFlight, Requests
+from proxy.request.responses import SERVER, error_page, server_header, status_response
 
 __all__ = [
     "SERVER",

@@ -43,8 +43,6 @@ from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
 from proxy.request.models import MODELS_PATH, list_models, merges_models
 from proxy.request.passthrough import pass_through
 from proxy.request.responses import (
-    SERVER,
-    Relayed,
     WholeAnswer,
     child_failed_response,
     error_response,
@@ -322,10 +320,3 @@ def _parent_id(request: web.Request, body: dict[str, object]) -> str:
     if incoming is not None:
         return incoming
     return os.urandom(16).hex()  # as random as uuid4().hex, at a third of its cost
-
-
-async def server_header(request: web.Request, response: web.StreamResponse) -> None:
-    """Every answer the proxy writes carries its ``Server`` header instead of aiohttp's; a
-    pass-through keeps the upstream's own, when it sent one (``on_response_prepare``)."""
-    if not (isinstance(response, (WholeAnswer, Relayed)) and response.keeps_server):
-        response.headers["Server"] = SERVER

@@ -73,6 +73,31 @@ def status_response(status: int, message: str) -> web.Response:
     return response
 
 
+async def server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer the proxy writes carries its ``Server`` header instead of aiohttp's; a
+    pass-through keeps the upstream's own, when it sent one (``on_response_prepare``)."""
+    if not (isinstance(response, (WholeAnswer, Relayed)) and response.keeps_server):
+        response.headers[hdrs.SERVER] = SERVER
+
+
+_SERVER_HEADER_ONLY = (server_header,)
+
+
+def _prepare_hooks(request: web.BaseRequest) -> tuple[object, ...]:
+    """What ``request._prepare_hook`` runs: the ``on_response_prepare`` handlers of the
+    request's apps; ``_SERVER_HEADER_ONLY`` itself when that is all (the proxy app's own), so a
+    whole answer can set that header itself and skip the signal, three coroutines a request."""
+    match = getattr(request, "_match_info", None)
+    if match is None:
+        return ()
+    apps = match._apps
+    if len(apps) == 1:  # the proxy's: one app, no sub-apps
+        hooks = apps[0].on_response_prepare
+        if len(hooks) == 1 and hooks[0] is server_header:
+            return _SERVER_HEADER_ONLY
+    return tuple(hook for app in apps for hook in app.on_response_prepare)
+
+
 class WholeAnswer(web.Response):
     """An answer with its whole body in hand: head and body leave in one write as aiohttp
     prepares it. aiohttp's own steps (prepare, then write_eof,
@@ -144,7 +169,12 @@ class WholeAnswer(web.Response):
                 elif version == HttpVersion10:
                     headers[hdrs.CONNECTION] = "keep-alive"
             self._req = request
-            await request._prepare_hook(self)
+            hooks = _prepare_hooks(request)
+            if hooks is _SERVER_HEADER_ONLY:
+                if not self.keeps_server:  # server_header's work, without its coroutines
+                    headers[hdrs.SERVER] = SERVER
+            elif hooks:
+                await request._prepare_hook(self)
             status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
             head = _serialize_headers(status_line, headers)
             transport = request.transport

@@ -34,6 +34,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 from multidict import CIMultiDict
 
 from proxy.request.responses import Relayed, WholeAnswer
@@ -85,6 +86,8 @@ INSTANCE_MEMBERS = {
     web.Response: ("_body", "_compressed_body", "_zlib_executor_size", "_zlib_executor"),
     aiohttp.web_server.Server: ("_kwargs",),
     web.Request: ("_match_info", "_task"),
+    # _prepare_hooks: the apps a request's on_response_prepare runs in.
+    UrlMappingMatchInfo: ("_apps",),
 }
 MEMBERS = frozenset(m for ms in (*PRIVATE_MEMBERS.values(), *INSTANCE_MEMBERS.values()) for m in ms)
 
@@ -316,11 +319,13 @@ async def test_each_private_aiohttp_attribute_the_server_reads_is_still_set() ->
     async def nothing(request: web.BaseRequest) -> web.StreamResponse:
         return web.Response()
 
+    route = web.Application().router.add_get("/", nothing)
     made = {
         web.StreamResponse: web.StreamResponse(),
         web.Response: web.Response(),
         aiohttp.web_server.Server: web.Server(nothing),
         web.Request: make_mocked_request("GET", "/"),
+        UrlMappingMatchInfo: UrlMappingMatchInfo({}, route),
     }
     for owner, members in INSTANCE_MEMBERS.items():
         for member in members:
