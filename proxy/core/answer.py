@@ -10,7 +10,7 @@ unasked); a JSON body carries it near its end.
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any, final
 
 import orjson
 
@@ -20,10 +20,30 @@ _MAX_LINES = 64  # SSE lines looked at from the end, at most
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*\{')
 
 
-class AnswerFacts(NamedTuple):
-    usage: dict[str, Any] | None = None
-    id: str | None = None
-    model: str | None = None
+@final
+class AnswerFacts:
+    """A compiled value, not a ``NamedTuple``: one is made for each answer, and a
+    ``NamedTuple``'s ``__new__`` is Python code, ten times the cost."""
+
+    __slots__ = ("id", "model", "usage")
+
+    def __init__(
+        self,
+        usage: dict[str, Any] | None = None,
+        id: str | None = None,
+        model: str | None = None,
+    ) -> None:
+        self.usage = usage
+        self.id = id
+        self.model = model
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, AnswerFacts):
+            return NotImplemented
+        return (self.usage, self.id, self.model) == (other.usage, other.id, other.model)
+
+    def __repr__(self) -> str:
+        return f"AnswerFacts(usage={self.usage!r}, id={self.id!r}, model={self.model!r})"
 
 
 NOTHING = AnswerFacts()
@@ -41,7 +61,7 @@ def answer_facts(data: bytes) -> AnswerFacts:
             return body_facts(body)
     facts = _stream_facts(data) if b"data:" in data else NOTHING
     if facts.usage is None:
-        return facts._replace(usage=_usage_object(data))
+        return AnswerFacts(_usage_object(data), facts.id, facts.model)
     return facts
 
 

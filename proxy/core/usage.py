@@ -6,7 +6,7 @@ usage reports, as the metrics count them. Pure.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, TypeGuard
+from typing import Any, TypeGuard, final
 
 from proxy.core.plan import is_number
 
@@ -65,11 +65,29 @@ def _int(value: object) -> int:
     return value if type(value) is int else 0
 
 
-class Tokens(NamedTuple):
-    prompt: int
-    completion: int
-    cached: int  # prompt tokens served from the prefix cache
-    reasoning: int  # completion tokens spent reasoning
+@final
+class Tokens:
+    """A compiled value, as ``proxy.core.answer.AnswerFacts``: one is made for each answer."""
+
+    __slots__ = ("cached", "completion", "prompt", "reasoning")
+
+    def __init__(self, prompt: int, completion: int, cached: int, reasoning: int) -> None:
+        self.prompt = prompt
+        self.completion = completion
+        self.cached = cached  # prompt tokens served from the prefix cache
+        self.reasoning = reasoning  # completion tokens spent reasoning
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Tokens):
+            return NotImplemented
+        mine = (self.prompt, self.completion, self.cached, self.reasoning)
+        return mine == (other.prompt, other.completion, other.cached, other.reasoning)
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokens(prompt={self.prompt}, completion={self.completion}, cached={self.cached},"
+            f" reasoning={self.reasoning})"
+        )
 
 
 def token_counts(usage: Mapping[str, Any]) -> Tokens:

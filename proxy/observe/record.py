@@ -174,7 +174,8 @@ class RequestRecord:
             return
         self.ended_at = perf_counter()
         if self.tail and not self.fanned_out:
-            self.usage, self.response_id, self.response_model = answer_facts(self.tail)
+            facts = answer_facts(self.tail)
+            self.usage, self.response_id, self.response_model = facts.usage, facts.id, facts.model
         for hook in self.observers.counted:
             hook(self)
 

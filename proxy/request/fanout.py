@@ -165,7 +165,8 @@ async def respond_json(fanout: Fanout) -> web.Response:
         failure = None  # its traceback holds this frame: no reference cycle through it
     stitched = stitch_json(plan, bodies)
     record = fanout.record
-    record.usage, record.response_id, record.response_model = body_facts(stitched)
+    facts = body_facts(stitched)
+    record.usage, record.response_id, record.response_model = facts.usage, facts.id, facts.model
     record.finish_reasons = finish_reasons(stitched)
     return WholeAnswer(
         body=orjson.dumps(stitched),

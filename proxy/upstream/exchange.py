@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from types import TracebackType
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, Protocol, final
 
 from multidict import CIMultiDict
 
@@ -29,27 +29,54 @@ from proxy.upstream.slots import Place
 from proxy.upstream.state import UpstreamState
 
 
-class UpstreamRequest(NamedTuple):
-    """What one upstream request carries: the same on every try, so the same seed and id."""
+@final
+class UpstreamRequest:
+    """What one upstream request carries: the same on every try, so the same seed and id. A
+    compiled class, not a ``NamedTuple``: one is made for each request, and a ``NamedTuple``'s
+    ``__new__`` is Python code, ten times the cost."""
 
-    method: str
-    path_qs: str
-    headers: CIMultiDict[str]
-    body: bytes | None
-    inflate: bool = False  # undo a gzip or deflate Content-Encoding (children parse the body)
-    read_bufsize: int | None = None  # bytes read ahead of the consumer
+    __slots__ = ("body", "headers", "inflate", "method", "path_qs", "read_bufsize")
+
+    def __init__(
+        self,
+        method: str,
+        path_qs: str,
+        headers: CIMultiDict[str],
+        body: bytes | None,
+        inflate: bool = False,  # undo a gzip or deflate Content-Encoding (children parse it)
+        read_bufsize: int | None = None,  # bytes read ahead of the consumer
+    ) -> None:
+        self.method = method
+        self.path_qs = path_qs
+        self.headers = headers
+        self.body = body
+        self.inflate = inflate
+        self.read_bufsize = read_bufsize
+
+    def with_headers(self, headers: CIMultiDict[str]) -> UpstreamRequest:
+        """The same request with other headers (a fallback upstream's)."""
+        return UpstreamRequest(
+            self.method, self.path_qs, headers, self.body, self.inflate, self.read_bufsize
+        )
 
 
-class Ticket(NamedTuple):
+@final
+class Ticket:
     """One admitted upstream request (a pass-through's, a fan-out child's): its upstream, the
     replica it goes to, its place in the upstream's line, when it joined the line and whose it
-    is (the client's id: a fallback's place joins that client's line there)."""
+    is (the client's id: a fallback's place joins that client's line there). Compiled, as
+    ``UpstreamRequest``."""
 
-    state: UpstreamState
-    url: str
-    place: Place
-    joined: float  # perf_counter seconds, the record's clock
-    client: str = ""
+    __slots__ = ("client", "joined", "place", "state", "url")
+
+    def __init__(
+        self, state: UpstreamState, url: str, place: Place, joined: float, client: str = ""
+    ) -> None:
+        self.state = state
+        self.url = url
+        self.place = place
+        self.joined = joined  # perf_counter seconds, the record's clock
+        self.client = client
 
 
 class Tickets:

@@ -382,7 +382,7 @@ class Upstreams:
                 request.headers, state.upstream.headers, other.upstream.headers
             )
             response, replica, _ = await self._answer(
-                other, url, request._replace(headers=headers), child, fallback=False
+                other, url, request.with_headers(headers), child, fallback=False
             )
         except BaseException:
             place.release()
@@ -394,12 +394,12 @@ class Upstreams:
     ) -> Awaitable[UpstreamResponse]:
         """One HTTP request to one replica, up to its response headers. Not a coroutine itself:
         the caller awaits the pool's, one coroutine fewer a request."""
-        method, path_qs, headers, body, inflate, read_bufsize = request
         timeouts = upstream.timeouts
         return self.connections.request(
-            replica.url, method, path_qs, _with_host(headers, replica), body,
-            connect=timeouts.connect, first_byte=timeouts.first_byte, idle=timeouts.idle,
-            inflate=inflate, buffer=2 * (read_bufsize or _RELAY_BUFFER),
+            replica.url, request.method, request.path_qs, _with_host(request.headers, replica),
+            request.body, connect=timeouts.connect, first_byte=timeouts.first_byte,
+            idle=timeouts.idle, inflate=request.inflate,
+            buffer=2 * (request.read_bufsize or _RELAY_BUFFER),
             tls_name=replica.tls_name,
         )  # fmt: skip
 

@@ -40,12 +40,12 @@ USAGE_CHUNK = b'data: {"id": "c-1", "model": "m", "choices": [], "usage": ' + US
         # The end of a JSON body too large to be held whole.
         (
             b'"logprob": -0.5}]}}], "usage": ' + USAGE + b', "kv_transfer_params": null}',
-            FACTS._replace(id=None, model=None),
+            AnswerFacts(FACTS.usage),
         ),
         # vLLM's generate endpoint names its answer request_id.
         (
             b'{"request_id": "generate-tokens-r", "choices": [], "usage": ' + USAGE + b"}",
-            FACTS._replace(id="generate-tokens-r", model=None),
+            AnswerFacts(FACTS.usage, "generate-tokens-r"),
         ),
         (b"", NOTHING),
         (b"not json at all", NOTHING),

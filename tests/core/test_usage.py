@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.core.usage import merge_usage, token_counts
+from proxy.core.usage import Tokens, merge_usage, token_counts
 
 
 def usage(prompt: int, completion: int, **extra: Any) -> dict[str, Any]:
@@ -206,5 +206,5 @@ def test_a_usage_given_as_any_mapping_merges_as_the_same_dict_does() -> None:
             )
         )
         == token_counts({"prompt_tokens_details": {"cached_tokens": 4}, "completion_tokens": 7})
-        == (0, 7, 4, 0)
+        == Tokens(0, 7, 4, 0)
     )
