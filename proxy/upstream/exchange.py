@@ -6,6 +6,7 @@ failure becomes the proxy's own error. ``Upstreams`` (``proxy.upstream.service``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Literal, Protocol, final
@@ -13,7 +14,7 @@ from typing import Literal, Protocol, final
 from multidict import CIMultiDict
 
 from proxy.config import Config, Upstream
-from proxy.core import UpstreamTimeout, UpstreamUnavailable
+from proxy.core import ClientLimited, Overloaded, UpstreamTimeout, UpstreamUnavailable
 from proxy.http import (
     BodyTooLong,
     ClientClosed,
@@ -23,9 +24,9 @@ from proxy.http import (
     HTTPClientError,
     UpstreamResponse,
 )
-from proxy.observe import ChildRecord
+from proxy.observe import ChildRecord, Metrics
 from proxy.upstream.replicas import Replica
-from proxy.upstream.slots import Place
+from proxy.upstream.slots import Place, Tab
 from proxy.upstream.state import UpstreamState
 
 
@@ -102,6 +103,29 @@ class Tickets:
         too. A place already given back (its exchange ended) is left as it is."""
         for ticket in self._tickets:
             ticket.place.release()
+
+
+def admission(
+    state: UpstreamState, count: int, client: str, tab: Tab | None, cap: int, metrics: Metrics
+) -> Tickets:
+    """``Upstreams.admit``'s work, compiled: ``count`` places in ``client``'s line (refused with
+    a 429 when ``tab`` is at ``cap`` or the line is full), then a replica each."""
+    if tab is not None and tab.places + count > cap:
+        metrics.client_limited.labels(state.upstream.name).inc()
+        raise ClientLimited(
+            f"this client has {tab.places} upstream requests queued or running and this"
+            f" request needs {count} more; at most {cap} are allowed at once: retry shortly",
+            retry_after=1,
+        )
+    try:
+        places = state.slots.join(count, client if state.fair else None, tab)
+    except Overloaded:
+        metrics.rejected.labels(state.upstream.name).inc()
+        raise
+    urls = state.replicas.place(count, time.monotonic())
+    joined = time.perf_counter()
+    pairs = zip(urls, places, strict=True)
+    return Tickets(tuple(Ticket(state, url, place, joined, client) for url, place in pairs))
 
 
 # The response to relay, the replica it came from (its ``outstanding`` counts it until the

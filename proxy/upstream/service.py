@@ -21,11 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from multidict import CIMultiDict
 
 from proxy.config import Config, Upstream
-from proxy.core import (
-    ClientLimited,
-    Overloaded,
-    rebased_headers,
-)
+from proxy.core import Overloaded, rebased_headers
 from proxy.http import (
     BodyTooLong,
     ConnectionPool,
@@ -40,6 +36,7 @@ from proxy.upstream.exchange import (
     Ticket,
     Tickets,
     UpstreamRequest,
+    admission,
     failure_kind,
     upstream_error,
 )
@@ -180,29 +177,9 @@ class Upstreams:
         in the client's line (429 on arrival when the client is at ``clients.max_children`` or
         the upstream's line is full), then a replica each by its ``placement``, over the healthy
         replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
-        state = self._states[upstream.name]
         cap = self._max_children
         tab = self.tabs.tab(client) if cap else None  # counted only for a cap
-        if tab is not None and tab.places + count > cap:
-            self.metrics.client_limited.labels(upstream.name).inc()
-            raise ClientLimited(
-                f"this client has {tab.places} upstream requests queued or running and this"
-                f" request needs {count} more; at most {cap} are allowed at once: retry shortly",
-                retry_after=1,
-            )
-        try:
-            places = state.slots.join(count, client if state.fair else None, tab)
-        except Overloaded:
-            self.metrics.rejected.labels(upstream.name).inc()
-            raise
-        urls = state.replicas.place(count, time.monotonic())
-        joined = time.perf_counter()
-        return Tickets(
-            tuple(
-                Ticket(state, url, place, joined, client)
-                for url, place in zip(urls, places, strict=True)
-            )
-        )
+        return admission(self._states[upstream.name], count, client, tab, cap, self.metrics)
 
     async def _watch(self) -> None:
         """Report queued children that the queue in front of them does not explain: a slot leak
