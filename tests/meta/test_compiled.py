@@ -373,14 +373,21 @@ def an_answer(rng: random.Random) -> bytes:
 
 
 def facts(answer: ModuleType, usage: ModuleType, data: bytes, usages: list[Any]) -> Any:
-    """The answer's facts, the merged usage and each usage's token counts (the named tuples of
-    either build compare as plain tuples)."""
+    """The answer's facts, the merged usage and each usage's token counts (the values of either
+    build, each of its own class, compared by their fields)."""
     heads = [0, len(usages) - 1] if usages else []
+    found = outcome(answer.answer_facts, data)
+    tokens = [outcome(usage.token_counts, u) for u in usages if isinstance(u, dict)]
     return [
-        outcome(answer.answer_facts, data),
+        _fields(found, ("usage", "id", "model")),
         outcome(usage.merge_usage, usages, heads),
-        [outcome(usage.token_counts, u) for u in usages if isinstance(u, dict)],
+        [_fields(t, ("prompt", "completion", "cached", "reasoning")) for t in tokens],
     ]
+
+
+def _fields(value: Any, names: tuple[str, ...]) -> Any:
+    """A value's fields in order; a failure (``outcome``'s tuple) as it is."""
+    return value if isinstance(value, tuple) else tuple(getattr(value, n) for n in names)
 
 
 def test_the_answer_facts_and_the_usage_merge_are_alike() -> None:
