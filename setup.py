@@ -60,6 +60,7 @@ COMPILED = [
     # per pass-through request, 4.2 % per n = 4 JSON request (the answers' classes, which
     # subclass aiohttp's, are proxy/request/responses.py's).
     "proxy/upstream/exchange.py",
+    "proxy/upstream/tries.py",
     "proxy/request/passthrough.py",
 ]
 # Not proxy/observe/log.py: its handler and formatters subclass the logging module's classes

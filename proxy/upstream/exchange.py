@@ -139,7 +139,14 @@ class Service(Protocol):
     config: Config
     connections: ConnectionPool
 
-    async def _answer(
+    @property
+    def tries(self) -> Answerer: ...
+
+
+class Answerer(Protocol):
+    """The tries of an upstream request (``proxy.upstream.tries``, which imports this module)."""
+
+    async def answer(
         self,
         state: UpstreamState,
         url: str,
@@ -188,7 +195,7 @@ class Exchange:
         child.admitted(ticket.joined)
         ticket.state.exchanges += 1
         try:
-            self.response, self._replica, self._fallback = await self._upstreams._answer(
+            self.response, self._replica, self._fallback = await self._upstreams.tries.answer(
                 ticket.state, ticket.url, self._request, child, client=ticket.client
             )
         except BaseException as exc:
