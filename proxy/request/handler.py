@@ -142,12 +142,14 @@ class Handler:
             # An HTTP/0.9-style request line ("GET /"): nothing of it goes upstream.
             message = "malformed request line: no HTTP version"
             return error_response(InvalidRequest(message), close=True)
-        path = request.rel_url.path
+        # The record holds the request's own path and method: read there, not through
+        # aiohttp's cached properties, a descriptor call each.
+        path, method = record.path, record.method
         record.client = client = self.clients.of(request)
-        if self.merges_models and path == MODELS_PATH and request.method == "GET":
+        if self.merges_models and path == MODELS_PATH and method == "GET":
             record.upstream = config.default_upstream
             return await list_models(request, self.upstreams, record, client)
-        fans_out = request.method == "POST" and path in config.fanout_paths
+        fans_out = method == "POST" and path in config.fanout_paths
         body = await self._read_body(request)
         if not isinstance(body, bytes):  # not web.StreamResponse: an ABC, a slower test
             if fans_out and not body.prepared:  # a 413: the answer of a fan-out request too
@@ -249,7 +251,7 @@ class Handler:
             parsed = self._routing_json(request, body, codings)
         found = parsed.get("model") if parsed is not None else None
         model = found if isinstance(found, str) else None
-        upstream = self.upstreams.route(request.rel_url.path, model)
+        upstream = self.upstreams.route(record.path, model)
         record.model = model[:200] if model is not None else None  # the log's: bounded
         if endpoint is not None:
             record.body = parsed

@@ -28,7 +28,7 @@ async def pass_through(
 ) -> web.StreamResponse:
     headers = request_headers(request.headers, upstream.headers)
     sent = UpstreamRequest(
-        request.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
+        record.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
     )
     (ticket,) = upstreams.admit(upstream, 1, client)
     async with upstreams.exchange(ticket, sent, record.child(None)) as exchange:
@@ -49,7 +49,7 @@ async def _relay(
     keeps_server = hdrs.SERVER in upstream_response.headers
     length = upstream_response.content_length
     exact = upstream_response.escaped  # bytes aiohttp's writer would not write back
-    if length is not None and length <= _WHOLE_BODY and request.method != "HEAD" and not exact:
+    if length is not None and length <= _WHOLE_BODY and record.method != "HEAD" and not exact:
         # A small body of known length leaves with its headers in one write: one syscall
         # and one packet fewer on the most common pass-through answer.
         data = await exchange.read()
