@@ -36,6 +36,20 @@ class ProcSample:
     written_bytes: int
 
 
+def switches(pid: int) -> tuple[int, int]:
+    """Voluntary and involuntary context switches of every thread of ``pid`` (the process's own
+    /proc status counts its first thread only, and a Rust gateway works in others)."""
+    voluntary = involuntary = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        with contextlib.suppress(OSError):
+            for line in status.read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    voluntary += int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches:"):
+                    involuntary += int(line.split()[1])
+    return voluntary, involuntary
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -80,6 +94,17 @@ class Server:
             raise psutil.NoSuchProcess(self.pid)
         cpu_seconds, *counts = (sum(column) for column in zip(*parts, strict=True))
         return ProcSample(time.monotonic(), cpu_seconds, *(int(count) for count in counts))
+
+
+def wakeups(server: Server) -> int:
+    """The voluntary context switches of ``server`` so far (its workers' too, when ``tree``):
+    one each time an event loop, or a Tokio worker, sleeps and is woken again."""
+    total = 0
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(server.pid)
+        for each in [root, *(root.children(recursive=True) if server.tree else [])]:
+            total += switches(each.pid)[0]
+    return total
 
 
 def wait_ready(server: Server, timeout: float = READY_TIMEOUT) -> None:

@@ -19,7 +19,7 @@ from typing import cast
 import psutil
 
 from bench import native
-from bench.procs import CpuWatch, Server
+from bench.procs import CpuWatch, Server, switches
 from bench.report import ROOT, Row, cell, pick, say, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.scenarios.passthrough import DIRECT, FORWARDER
@@ -60,25 +60,11 @@ def _counts(server: Server) -> tuple[float, ...]:
     for each in [root, *(root.children(recursive=True) if server.tree else [])]:
         with contextlib.suppress(psutil.NoSuchProcess, OSError):
             io, cpu = each.io_counters(), each.cpu_times()  # the whole process's, every thread's
-            found = (io.read_count, io.write_count, *_switches(each.pid), cpu.user * 1e6,
+            found = (io.read_count, io.write_count, *switches(each.pid), cpu.user * 1e6,
                      cpu.system * 1e6, _runtime_us(each.pid))  # fmt: skip
             for i, value in enumerate(found):
                 total[i] += value
     return tuple(total)
-
-
-def _switches(pid: int) -> tuple[int, int]:
-    """Voluntary and involuntary context switches of every thread of ``pid`` (the process's own
-    /proc status counts its first thread only, and a Rust gateway works in others)."""
-    voluntary = involuntary = 0
-    for status in Path(f"/proc/{pid}/task").glob("*/status"):
-        with contextlib.suppress(OSError):
-            for line in status.read_text().splitlines():
-                if line.startswith("voluntary_ctxt_switches:"):
-                    voluntary += int(line.split()[1])
-                elif line.startswith("nonvoluntary_ctxt_switches:"):
-                    involuntary += int(line.split()[1])
-    return voluntary, involuntary
 
 
 def _runtime_us(pid: int) -> float:

@@ -13,7 +13,7 @@ from urllib.request import urlopen
 import orjson
 
 from bench import stack
-from bench.procs import CpuWatch, Server
+from bench.procs import CpuWatch, Server, wakeups
 from bench.report import Column, Row, missing, pick, say, table, target
 from bench.scenario import BASELINE, PROXY, Context, Scenario
 from bench.stack import GATEWAYS
@@ -71,15 +71,18 @@ def measure(
         ctx.loader.run(targets[name].url, request(name, cases[-1]), cases[-1]["concurrency"])
 
     def one(name: str, case: Row) -> Row:
+        slept = wakeups(targets[name])
         watch = CpuWatch(ctx.fleet.servers)
         result = ctx.loader.run(targets[name].url, request(name, case), case["concurrency"])
         cpu = watch.stop()
+        slept = wakeups(targets[name]) - slept
         us = 1e6 / result["rps"] if result["rps"] else 0.0
         upstream = backend(name) if backend else targets[DIRECT]
         own, behind = (cpu.by_server.get(s.name, 0.0) for s in (targets[name], upstream))
         row = {
             **result, "cores": own, "backend_cores": behind,
             "cpu_us_per_req": own * us, "backend_cpu_us_per_req": behind * us,
+            "wakeups_per_req": slept / result["requests"] if result["requests"] else 0.0,
             "other_load_cores": cpu.foreign, "steal_cores": cpu.steal,
         }  # fmt: skip
         what = " ".join([*(f"{k}={v}" for k, v in case.items()), name])
@@ -106,7 +109,15 @@ def summarize(rows: Sequence[Row]) -> list[Row]:
         row = {
             "target": name,
             "concurrency": c,
-            **medians(mine, "rps", "p50_ms", "p99_ms", "cpu_us_per_req", "backend_cpu_us_per_req"),
+            **medians(
+                mine,
+                "rps",
+                "p50_ms",
+                "p99_ms",
+                "cpu_us_per_req",
+                "backend_cpu_us_per_req",
+                "wakeups_per_req",
+            ),
             "rps_vs_direct": median(versus(rows, name, DIRECT, c)),
             "added_p50_ms": median(versus(rows, name, DIRECT, c, "p50_ms", minus)),
             "added_p99_ms": median(versus(rows, name, DIRECT, c, "p99_ms", minus)),
@@ -129,13 +140,16 @@ COLUMNS: list[Column] = [
     ("vs direct", "rps_vs_direct", "{:.0%}"), ("p50 ms", "p50_ms", "{:.3f}"),
     ("p99 ms", "p99_ms", "{:.3f}"), ("added p50 ms", "added_p50_ms", "{:+.3f}"),
     ("added p99 ms", "added_p99_ms", "{:+.3f}"), ("own CPU µs/req", "cpu_us_per_req", "{:,.0f}"),
-    ("upstream CPU µs/req", "backend_cpu_us_per_req", "{:,.0f}"), ("errors", "errors", ""),
+    ("upstream CPU µs/req", "backend_cpu_us_per_req", "{:,.0f}"),
+    ("wake-ups/req", "wakeups_per_req", "{:.2f}"), ("errors", "errors", ""),
     ("other load, cores", "other_load_cores", "{:.2f}"), ("steal, cores", "steal_cores", "{:.2f}"),
 ]  # fmt: skip
 NOTE = (
     "Added latency is paired by round (contender minus direct in the same round), then the"
-    " median. Other load: CPU used by processes that are not the bench; steal: CPU the"
-    " hypervisor gave to other machines. Both should be near 0 for clean numbers."
+    " median. Wake-ups: the contender's voluntary context switches per request, every thread"
+    " (one each time its event loop, or a Tokio worker, sleeps and is woken). Other load: CPU"
+    " used by processes that are not the bench; steal: CPU the hypervisor gave to other"
+    " machines. Both should be near 0 for clean numbers."
 )
 
 

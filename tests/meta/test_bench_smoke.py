@@ -134,6 +134,9 @@ def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: Bench
     for name, row in served.items():
         assert row["requests"] > 0, name
         assert row["errors"] == 0, name
+        assert row["wakeups_per_req"] >= 0, name
+    # Its one loop sleeps while a request waits on the upstream: woken again, counted.
+    assert served["n-proxy"]["wakeups_per_req"] > 0
     assert data["checked"]["n-proxy n=4"] == 4
     assert data["checked"]["n-proxy"] == 1
     assert [t["verdict"] for t in results["targets"]] != ["n/a"] * 3
