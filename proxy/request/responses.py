@@ -73,11 +73,16 @@ def status_response(status: int, message: str) -> web.Response:
     return response
 
 
-async def server_header(request: web.Request, response: web.StreamResponse) -> None:
+def name_server(response: web.StreamResponse) -> None:
     """Every answer the proxy writes carries its ``Server`` header instead of aiohttp's; a
-    pass-through keeps the upstream's own, when it sent one (``on_response_prepare``)."""
+    pass-through keeps the upstream's own, when it sent one."""
     if not (isinstance(response, (WholeAnswer, Relayed)) and response.keeps_server):
         response.headers[hdrs.SERVER] = SERVER
+
+
+async def server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``name_server`` as the app's ``on_response_prepare`` hook."""
+    name_server(response)
 
 
 _SERVER_HEADER_ONLY = (server_header,)
@@ -171,8 +176,7 @@ class WholeAnswer(web.Response):
             self._req = request
             hooks = _prepare_hooks(request)
             if hooks is _SERVER_HEADER_ONLY:
-                if not self.keeps_server:  # server_header's work, without its coroutines
-                    headers[hdrs.SERVER] = SERVER
+                name_server(self)  # the hook's work, without its coroutines
             elif hooks:
                 await request._prepare_hook(self)
             status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
