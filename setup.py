@@ -53,6 +53,7 @@ COMPILED = [
     "proxy/observe/meter.py",
     "proxy/observe/catalog.py",  # the model label the meter gives every LLM answer
     "proxy/request/clients.py",  # the client's id, each request's: 0.7 % fewer
+    "proxy/request/parsed.py",  # what aiohttp parsed of a request, read without its properties
     # The request's log line, built from its record and written: 3.3 % fewer instructions per
     # pass-through request.
     "proxy/observe/line.py",

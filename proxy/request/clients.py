@@ -11,6 +11,7 @@ from aiohttp import hdrs, web
 
 from proxy.config import Clients
 from proxy.core import Remembered
+from proxy.request.parsed import headers_of
 
 # Made at start, never written anywhere: an id is stable within this process only, and neither
 # it nor a log line holding it gives back the key it was made from.
@@ -49,12 +50,13 @@ class ClientIds:
         configured header's last comma-separated value (the one the load balancer in front
         added), else its peer address. A key never leaves here."""
         identify = self._identify
+        headers = headers_of(request)
         if identify == "authorization":
-            value = request.headers.get(hdrs.AUTHORIZATION)
+            value = headers.get(hdrs.AUTHORIZATION)
             if value is not None:
                 return keyed_id(value)
         elif identify == "header":
-            value = request.headers.get(self._header, "").rpartition(",")[2].strip()
+            value = headers.get(self._header, "").rpartition(",")[2].strip()
             if value:
                 return keyed_id(value)
         return request.remote or "unknown"

@@ -41,6 +41,7 @@ from proxy.observe import ClientErrors, Metrics, Observers, RequestRecord, kind_
 from proxy.request.clients import ClientIds
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
 from proxy.request.models import MODELS_PATH, list_models, merges_models
+from proxy.request.parsed import content_of, headers_of, method_of, path_of, path_qs_of, version_of
 from proxy.request.passthrough import pass_through
 from proxy.request.responses import (
     WholeAnswer,
@@ -114,7 +115,9 @@ class Handler:
         self.max_children = min(config.max_children, cap) if cap else config.max_children
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        record = RequestRecord(self.observers, request.method, request.path, request.headers)
+        record = RequestRecord(
+            self.observers, method_of(request), path_of(request), headers_of(request)
+        )
         in_flight, begun = self.in_flight, self.begun
         in_flight.enter()
         begun.enter()
@@ -138,12 +141,11 @@ class Handler:
 
     async def _dispatch(self, request: web.Request, record: RequestRecord) -> web.StreamResponse:
         config = self.config
-        if request.version < aiohttp.HttpVersion10:
+        if version_of(request) < aiohttp.HttpVersion10:
             # An HTTP/0.9-style request line ("GET /"): nothing of it goes upstream.
             message = "malformed request line: no HTTP version"
             return error_response(InvalidRequest(message), close=True)
-        # The record holds the request's own path and method: read there, not through
-        # aiohttp's cached properties, a descriptor call each.
+        # The record holds the request's own path, method and headers: read there.
         path, method = record.path, record.method
         record.client = client = self.clients.of(request)
         if self.merges_models and path == MODELS_PATH and method == "GET":
@@ -198,8 +200,8 @@ class Handler:
             upstream=upstream,
             plan=plan,
             config=config,
-            path_qs=request.rel_url.raw_path_qs,
-            headers=child_headers(request.headers, upstream.headers),
+            path_qs=path_qs_of(request),
+            headers=child_headers(headers_of(request), upstream.headers),
             record=record,
             fanouts=self.in_flight.fanouts,
             client=client,
@@ -211,7 +213,7 @@ class Handler:
     async def _read_body(self, request: web.Request) -> bytes | web.StreamResponse:
         """The whole request body, or the answer that ends the request instead (413, 408)."""
         config = self.config
-        content = request.content
+        content = content_of(request)
         try:
             if content.is_eof():  # the whole body came with the head: taken as it lies
                 body = content.read_nowait()
@@ -242,7 +244,7 @@ class Handler:
         nothing but the body and headers it is given.
         """
         config = self.config
-        coding = request.headers.get(hdrs.CONTENT_ENCODING)
+        coding = record.headers.get(hdrs.CONTENT_ENCODING)
         codings = content_codings(coding) if coding is not None else []  # most requests have none
         if endpoint is not None:
             plain = inflate(body, codings, config.max_body_bytes) if codings else body

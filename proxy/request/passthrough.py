@@ -11,6 +11,7 @@ from proxy.core import request_headers, response_headers
 from proxy.http import HTTPClientError
 from proxy.observe import RequestRecord
 from proxy.request.models import MODELS_PATH, learn_listed
+from proxy.request.parsed import has_body, headers_of, path_qs_of
 from proxy.request.responses import ExactHead, Relayed, WholeAnswer
 from proxy.request.sink import client_sink
 from proxy.upstream import Exchange, UpstreamRequest, Upstreams
@@ -26,9 +27,9 @@ async def pass_through(
     record: RequestRecord,
     client: str,
 ) -> web.StreamResponse:
-    headers = request_headers(request.headers, upstream.headers)
+    headers = request_headers(headers_of(request), upstream.headers)
     sent = UpstreamRequest(
-        record.method, request.rel_url.raw_path_qs, headers, body if request.body_exists else None
+        record.method, path_qs_of(request), headers, body if has_body(request) else None
     )
     (ticket,) = upstreams.admit(upstream, 1, client)
     async with upstreams.exchange(ticket, sent, record.child(None)) as exchange:

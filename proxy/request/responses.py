@@ -22,6 +22,7 @@ from multidict import CIMultiDict
 
 from proxy.core import ChildFailed, ClientGone, Overloaded, ProxyError, error_body, status_type
 from proxy.observe import RequestRecord
+from proxy.request.parsed import keeps_alive, method_of, version_of
 
 SERVER = "n-proxy"  # our Server header, instead of aiohttp's "Python/3.x aiohttp/x.y"
 
@@ -153,7 +154,7 @@ class WholeAnswer(web.Response):
                 or not isinstance(body, bytes)
                 or self._cookies  # the property would make an empty jar
                 or self.compression
-                or must_be_empty_body(request.method, self.status)
+                or must_be_empty_body(method_of(request), self.status)
             ):
                 return await super().prepare(request)
             headers = self.headers
@@ -165,8 +166,8 @@ class WholeAnswer(web.Response):
             headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
             keep_alive = self.keep_alive
             if keep_alive is None:
-                keep_alive = self._keep_alive = request.keep_alive
-            version = request.version
+                keep_alive = self._keep_alive = keeps_alive(request)
+            version = version_of(request)
             if hdrs.CONNECTION not in headers:
                 if not keep_alive:
                     if version == HttpVersion11:

@@ -3,8 +3,8 @@
 400 for HTTP/0.9, and OpenAI error bodies on the error pages aiohttp writes itself
 (``ErrorPages``, the admin listener's connections too); a request its parser refuses is counted
 and logged short; the proxy app's one route called without aiohttp's router, and a connection's
-requests handled in its own task, not in one more each. The one module, with
-``proxy.request.responses`` and ``proxy.request.sink``, that uses aiohttp's private members.
+requests handled in its own task, not in one more each. One of the four modules that use
+aiohttp's private members (docs/architecture.md, house rules).
 """
 
 from __future__ import annotations

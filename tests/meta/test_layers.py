@@ -54,9 +54,10 @@ PURE_ALLOWED = frozenset({
 })  # fmt: skip
 
 # The modules where the server leans on aiohttp's internals (the members below).
-AIOHTTP_INTERNALS = frozenset(
-    {"proxy.server.connection", "proxy.request.responses", "proxy.request.sink"}
-)
+AIOHTTP_INTERNALS = frozenset({
+    "proxy.server.connection", "proxy.request.responses", "proxy.request.sink",
+    "proxy.request.parsed",
+})  # fmt: skip
 
 # Each private member of aiohttp the server uses, by the class it belongs to.
 PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
@@ -86,6 +87,8 @@ INSTANCE_MEMBERS = {
     web.Response: ("_body", "_compressed_body", "_zlib_executor_size", "_zlib_executor"),
     aiohttp.web_server.Server: ("_kwargs",),
     web.Request: ("_match_info", "_task"),
+    # proxy.request.parsed: what the request's cached properties return, set by its __init__.
+    web.BaseRequest: ("_method", "_headers", "_rel_url", "_version", "_payload", "_message"),
     # _prepare_hooks: the apps a request's on_response_prepare runs in.
     UrlMappingMatchInfo: ("_apps",),
 }
@@ -325,6 +328,7 @@ async def test_each_private_aiohttp_attribute_the_server_reads_is_still_set() ->
         web.Response: web.Response(),
         aiohttp.web_server.Server: web.Server(nothing),
         web.Request: make_mocked_request("GET", "/"),
+        web.BaseRequest: make_mocked_request("POST", "/p?q=1", headers={"A": "b"}),
         UrlMappingMatchInfo: UrlMappingMatchInfo({}, route),
     }
     for owner, members in INSTANCE_MEMBERS.items():
