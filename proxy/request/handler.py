@@ -41,7 +41,15 @@ from proxy.observe import ClientErrors, Metrics, Observers, RequestRecord, kind_
 from proxy.request.clients import ClientIds
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
 from proxy.request.models import MODELS_PATH, list_models, merges_models
-from proxy.request.parsed import content_of, headers_of, method_of, path_of, path_qs_of, version_of
+from proxy.request.parsed import (
+    content_of,
+    headers_of,
+    method_of,
+    path_of,
+    path_qs_of,
+    status_of,
+    version_of,
+)
 from proxy.request.passthrough import pass_through
 from proxy.request.responses import (
     WholeAnswer,
@@ -124,7 +132,7 @@ class Handler:
         ends_here = True
         try:
             response = await self._dispatch(request, record)
-            record.status = response.status
+            record.status = status_of(response)
             if record.bytes_out is None and isinstance(response, web.Response):
                 record.bytes_out = response.content_length
             if isinstance(response, WholeAnswer):

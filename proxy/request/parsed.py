@@ -1,5 +1,5 @@
-"""What aiohttp parsed of a client's request, read where its request keeps it; compiled, as
-every request reads it.
+"""What aiohttp parsed of a client's request, read where its request keeps it, and the status
+of an answer; compiled, as every request reads them.
 
 aiohttp's request gives its method, headers, version, URL and body stream through cached
 properties: each read is a descriptor call and a dictionary lookup, and the first of each a
@@ -53,6 +53,11 @@ def keeps_alive(request: web.BaseRequest) -> bool:
 def content_of(request: web.BaseRequest) -> StreamReader:
     """``request.content``: the body's stream."""
     return request._payload
+
+
+def status_of(response: web.StreamResponse) -> int:
+    """``response.status``: a property, a Python call on Python 3.11."""
+    return response._status
 
 
 def has_body(request: web.BaseRequest) -> bool:

@@ -78,7 +78,7 @@ def name_server(response: web.StreamResponse) -> None:
     """Every answer the proxy writes carries its ``Server`` header instead of aiohttp's; a
     pass-through keeps the upstream's own, when it sent one."""
     if not (isinstance(response, (WholeAnswer, Relayed)) and response.keeps_server):
-        response.headers[hdrs.SERVER] = SERVER
+        response._headers[hdrs.SERVER] = SERVER  # not the property: a Python call
 
 
 async def server_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -115,6 +115,10 @@ class WholeAnswer(web.Response):
     steps. tests/meta/test_layers.py checks the internals it sets."""
 
     _record: RequestRecord | None = None  # what ends once the answer is written
+    # aiohttp's, which prepare reads and sets: declared for the build's type check, which runs
+    # without aiohttp installed (tests/meta/test_build.py).
+    _eof_sent: bool
+    _keep_alive: bool | None
     keeps_server = False  # a pass-through's, whose upstream sent its own (server_header)
     # aiohttp asks each answer with getattr(answer, "__http_exception__", False): on a class
     # without it, an AttributeError is made and caught on every request.
@@ -141,30 +145,35 @@ class WholeAnswer(web.Response):
         (its metrics are counted before, ``RequestRecord.counted``). A coroutine's first steps
         run before any cancellation can reach it, so ``prepare``, which aiohttp calls right after
         the handler returns, ends it whatever happens."""
-        if self.prepared:
+        if self._eof_sent or self._payload_writer is not None:  # prepared (see prepare)
             return False
         self._record = record
         return True
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        # Each property aiohttp's answer and request give is read here where they keep it (in
+        # order: body, prepared, compression, status, headers, keep_alive, reason, transport,
+        # writer): a property is a Python call, 500 instructions each on Python 3.11.
         try:
-            body = self.body
+            body = self._body
+            status = self._status
             if (
-                self.prepared
+                self._eof_sent
+                or self._payload_writer is not None
                 or not isinstance(body, bytes)
                 or self._cookies  # the property would make an empty jar
-                or self.compression
-                or must_be_empty_body(method_of(request), self.status)
+                or self._compression
+                or must_be_empty_body(method_of(request), status)
             ):
                 return await super().prepare(request)
-            headers = self.headers
+            headers = self._headers
             headers[hdrs.CONTENT_LENGTH] = str(len(body))
             if body:
                 headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
             if hdrs.DATE not in headers:
                 headers[hdrs.DATE] = rfc822_formatted_time()
             headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
-            keep_alive = self.keep_alive
+            keep_alive = self._keep_alive
             if keep_alive is None:
                 keep_alive = self._keep_alive = keeps_alive(request)
             version = version_of(request)
@@ -180,13 +189,14 @@ class WholeAnswer(web.Response):
                 name_server(self)  # the hook's work, without its coroutines
             elif hooks:
                 await request._prepare_hook(self)
-            status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
+            status_line = f"HTTP/{version.major}.{version.minor} {status} {self._reason}"
             head = _serialize_headers(status_line, headers)
-            transport = request.transport
+            protocol = request._protocol
+            transport = None if protocol is None else protocol.transport
             if transport is None or transport.is_closing():
                 raise ConnectionResetError("the client's connection is closing")
             transport.write(head + body)  # head and body in one write
-            writer = request.writer
+            writer = request._payload_writer
             writer.output_size += len(head) + len(body)
             self._eof_sent = True  # aiohttp's write_eof, called next, has nothing left to do
             self._body_length = writer.output_size

@@ -82,16 +82,25 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     aiohttp.base_protocol.BaseProtocol: ("writing_paused", "_reading_paused"),
 }  # fmt: skip
 INSTANCE_MEMBERS = {
-    web.StreamResponse: ("_req", "_keep_alive", "_eof_sent", "_body_length"),
+    web.StreamResponse: (
+        "_req", "_keep_alive", "_eof_sent", "_body_length",
+        # WholeAnswer.prepare, proxy.request.parsed's status_of and ClientConnection.start: what
+        # the answer's properties return, each a Python call.
+        "_status", "_reason", "_headers", "_compression", "_payload_writer",
+    ),
     # WholeAnswer.relayed: a web.Response made without its __init__.
     web.Response: ("_body", "_compressed_body", "_zlib_executor_size", "_zlib_executor"),
     aiohttp.web_server.Server: ("_kwargs",),
     web.Request: ("_match_info", "_task"),
-    # proxy.request.parsed: what the request's cached properties return, set by its __init__.
-    web.BaseRequest: ("_method", "_headers", "_rel_url", "_version", "_payload", "_message"),
+    # proxy.request.parsed: what the request's cached properties return, set by its __init__;
+    # WholeAnswer.prepare: what its transport and writer properties return.
+    web.BaseRequest: (
+        "_method", "_headers", "_rel_url", "_version", "_payload", "_message", "_protocol",
+        "_payload_writer",
+    ),
     # _prepare_hooks: the apps a request's on_response_prepare runs in.
     UrlMappingMatchInfo: ("_apps",),
-}
+}  # fmt: skip
 MEMBERS = frozenset(m for ms in (*PRIVATE_MEMBERS.values(), *INSTANCE_MEMBERS.values()) for m in ms)
 
 Sources = Mapping[str, str]  # module name -> its source
