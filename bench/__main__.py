@@ -81,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
                    help="load generator; auto: wrk when found, except with --smoke")  # fmt: skip
     c.add_argument("--skip", type=lambda s: set(s.split(",")), default=set(),
                    help="leave out: nginx, wrk, litellm, sglang-router, smg, prometheus,\n"
-                   "forwarder, lean, floor")  # fmt: skip
+                   "forwarder, lean, floor, quiet")  # fmt: skip
     c.add_argument("--profile", nargs="?", const="py-spy", metavar="PY_SPY",
                    help="record n-proxy with py-spy: its hot spots in the report")  # fmt: skip
     r = p.add_argument_group("output")

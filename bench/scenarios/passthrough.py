@@ -24,6 +24,9 @@ DIRECT = "direct"
 FORWARDER = "aiohttp forwarder"
 LEAN = "lean forwarder"  # the aiohttp forwarder on n-proxy's own client: aiohttp's server and it
 FLOOR = "httptools floor"  # n-proxy's client behind a bare httptools protocol: no server framework
+# n-proxy with no line per request (log_level: warning), as the gateways run (--log-level error):
+# shown beside them (wire), never in place of n-proxy as users run it, which the goals judge.
+QUIET = f"{PROXY} quiet"
 FANOUT_N = 4  # wire: each n-proxy a second time, as a contender sent n = FANOUT_N
 FANOUT = f"{PROXY} n={FANOUT_N}"
 HEADLINE = 16  # the concurrency the goals are stated at
@@ -190,6 +193,9 @@ def _run(ctx: Context, upstream: Server, wire: bool = False) -> Row:
     proxies = ctx.proxies(upstream.url)
     fanouts = {f"{label} n={FANOUT_N}": server for label, server in proxies.items()} if wire else {}
     contenders |= proxies | fanouts
+    if wire and ctx.wants("quiet"):
+        quiet = stack.PROXY_CONFIG + "log_level: warning\n"
+        contenders[QUIET] = stack.start_proxy(fleet, work, upstream.url, QUIET, config=quiet)
     workers = f"{PROXY} x{count}"
     if not wire and count > 1:
         contenders[workers] = stack.start_proxy(fleet, work, upstream.url, workers, workers=count)
@@ -197,7 +203,8 @@ def _run(ctx: Context, upstream: Server, wire: bool = False) -> Row:
         contenders["litellm"] = stack.start_litellm(fleet, work, tools.litellm, upstream)
     for kind, binary in tools.gateways.items():
         contenders[kind] = stack.start_gateway(fleet, kind, binary, upstream)
-    up = ctx.ready(contenders, {"nginx", FORWARDER, LEAN, FLOOR, workers, "litellm", *GATEWAYS})
+    optional = {"nginx", FORWARDER, LEAN, FLOOR, QUIET, workers, "litellm", *GATEWAYS}
+    up = ctx.ready(contenders, optional)
     data = measure(ctx, up, lambda name, case: chat_request(FANOUT_N if name in fanouts else 1))
     return {"upstream": upstream.name, **data, "summary": summarize(data["runs"])}
 
@@ -222,6 +229,9 @@ def _render(data: Row) -> list[str]:
     levels = dict.fromkeys((high, _levels(data)[0]))  # c=16 first, then c=1
     gateways = [(f"n-proxy pass-through CPU/req over {g}'s (c={c})", cpu(PROXY, g, c=c))
                 for g in GATEWAYS for c in levels]  # fmt: skip
+    # Like for like: the gateways log no line per request.
+    gateways += [(f"{QUIET} (no request log) CPU/req over {g}'s (c={c})", cpu(QUIET, g, c=c))
+                 for g in GATEWAYS for c in levels]  # fmt: skip
     ratios = [
         ("n-proxy pass-through CPU/req over the aiohttp forwarder's", cpu(PROXY, FORWARDER)),
         ("n-proxy pass-through CPU/req over nginx's", cpu(PROXY, "nginx")),

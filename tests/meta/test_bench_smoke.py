@@ -129,6 +129,7 @@ def test_wire_scenario_measures_every_contender(tmp_path: Path, bench_env: Bench
         "httptools floor",
         "n-proxy",
         "n-proxy n=4",
+        "n-proxy quiet",
     }
     assert expected <= set(served) <= expected | INSTALLED
     for name, row in served.items():
