@@ -3,7 +3,7 @@ of an answer; compiled, as every request reads them.
 
 aiohttp's request gives its method, headers, version, URL and body stream through cached
 properties: each read is a descriptor call and a dictionary lookup, and the first of each a
-call of its own too, about 1,000 instructions (2.3 % of a pass-through's). Its ``__init__`` sets
+call of its own too (1.6 % of a pass-through's instructions in all). Its ``__init__`` sets
 the attributes they return; these read them. One of the modules that use aiohttp's private
 members (tests/meta/test_layers.py checks them).
 """
