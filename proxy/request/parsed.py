@@ -61,5 +61,6 @@ def status_of(response: web.StreamResponse) -> int:
 
 
 def has_body(request: web.BaseRequest) -> bool:
-    """``request.body_exists``: a body is framed (a length or chunks), even an empty one."""
+    """``request.body_exists``: a body is framed, by chunks (even none but the last) or by a
+    length above zero."""
     return type(request._payload) is not EmptyStreamReader
