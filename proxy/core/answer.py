@@ -10,9 +10,12 @@ unasked); a JSON body carries it near its end.
 from __future__ import annotations
 
 import re
-from typing import Any, final
+from typing import Any, Final, final
 
 import orjson
+
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_json_loads: Final = orjson.loads
 
 # The tail read for an answer's usage: a usage chunk and ``[DONE]`` are a few hundred bytes.
 TAIL_BYTES = 16 * 1024
@@ -54,12 +57,12 @@ def answer_facts(data: bytes) -> AnswerFacts:
     of a body) holds; each None where it holds none."""
     if data[:1] == b"{" or data.lstrip()[:1] == b"{":
         try:
-            body = orjson.loads(data)
+            body = _json_loads(data)
         except orjson.JSONDecodeError:
             body = None
         if isinstance(body, dict):
             return body_facts(body)
-    facts = _stream_facts(data) if b"data:" in data else NOTHING
+    facts = _stream_facts(data) if data.find(b"data:") >= 0 else NOTHING  # no `in`: sse.py
     if facts.usage is None:
         return AnswerFacts(_usage_object(data), facts.id, facts.model)
     return facts
@@ -89,7 +92,7 @@ def _stream_facts(data: bytes) -> AnswerFacts:
         if not payload.startswith(b"{"):
             continue
         try:
-            event = orjson.loads(payload)
+            event = _json_loads(payload)
         except orjson.JSONDecodeError:
             continue
         if not isinstance(event, dict):
@@ -113,7 +116,7 @@ def _usage_object(data: bytes) -> dict[str, Any] | None:
     end = data.find(b"}", start)
     while end != -1:
         try:
-            usage = orjson.loads(data[start : end + 1])
+            usage = _json_loads(data[start : end + 1])
         except orjson.JSONDecodeError:
             end = data.find(b"}", end + 1)
             continue

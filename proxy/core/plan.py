@@ -11,11 +11,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeGuard
+from typing import Any, Final, Literal, TypeGuard
 
 import orjson
 
 from proxy.core.errors import InvalidRequest
+
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_json_loads: Final = orjson.loads
+_json_dumps: Final = orjson.dumps
 
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
@@ -93,7 +97,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     is read again, already validated, by ``json``, which keeps every integer exact.
     """
     try:
-        body = orjson.loads(raw)
+        body = _json_loads(raw)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -264,7 +268,7 @@ def _child(shape: _Shape, p: int, i: int, prompt: object) -> Child:
 
 def _dumps(body: dict[str, Any]) -> bytes:
     try:
-        return orjson.dumps(body)
+        return _json_dumps(body)
     except orjson.JSONEncodeError:
         pass  # integers past 64 bits, or nesting deeper than orjson writes
     try:

@@ -6,9 +6,15 @@ splitter (`_LineSplitter`) feeds a field/event decoder (`SSEDecoder`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 _BOM = b"\xef\xbb\xbf"
+# Bytes looked for by their value: ``_CR in chunk`` is one memchr, where CPython's
+# ``b"\r" in chunk`` first tries its operand as an integer, and raises and clears a TypeError
+# on every call, and ``chunk.find(b"\r")`` parses its arguments as a method call: 20, 210 and
+# 90 ns on a token chunk.
+_CR: Final = 13
+_LF: Final = 10
 MAX_EVENT_BYTES = 32 * 1024 * 1024
 _SPLIT_BY_FIND_FROM = 8192  # bytes; see `_split`
 
@@ -62,14 +68,14 @@ def _split_cr(lf_lines: list[bytes], rest: bytes) -> tuple[list[bytes], bytes]:
     """
     lines: list[bytes] = []
     for line in lf_lines:
-        if b"\r" in line:
+        if _CR in line:
             pieces = _split(line, b"\r")
             if not pieces[-1]:
                 pieces.pop()  # the CR was the first half of a CRLF
             lines += pieces
         else:
             lines.append(line)
-    if b"\r" in rest:
+    if _CR in rest:
         pieces = _split(rest, b"\r")
         rest = pieces.pop()
         lines += pieces
@@ -109,7 +115,7 @@ class _LineSplitter:
             self._cr_pending = False
             if chunk.startswith(b"\n"):
                 chunk = chunk[1:]
-        if b"\n" not in chunk and b"\r" not in chunk:
+        if _LF not in chunk and _CR not in chunk:
             # Only part of a line (long lines arrive in many reads): append, never rescan.
             self._tail += chunk
             if len(self._tail) > self._limit:
@@ -119,7 +125,7 @@ class _LineSplitter:
             chunk = b"".join((self._tail, chunk))
         lines = _split(chunk, b"\n")
         rest = lines.pop()
-        if b"\r" in chunk:
+        if _CR in chunk:
             lines, rest = _split_cr(lines, rest)
             # A CR at the very end already ends its line; only remember to swallow an LF
             # that may open the next chunk, so a split CRLF never counts as two line ends.
@@ -175,22 +181,18 @@ class SSEDecoder:
         token, costs two scans and a slice: no decode, no ``Event``, no list of lines; a read
         holding several such events (a reader that fell behind) costs a split and a slice each.
         """
-        # ``find``, not ``in``, on this per-chunk path: CPython's ``b"\r" in chunk`` first tries
-        # the operand as an integer byte, and raises and clears a TypeError on every call.
         if (
             chunk.endswith(b"\n\n")
             and not self._data
             and not self._event
             and self._retry is None
             and self._lines.idle()
-            and chunk.find(b"\r") < 0
+            and _CR not in chunk
         ):
-            if (
-                chunk.startswith(b"data: ")
-                and chunk.find(b"\n") == len(chunk) - 2
-                and len(chunk) - 2 <= self._limit
-            ):
-                return [(chunk[6:-2], "message")]
+            if chunk.startswith(b"data: ") and len(chunk) - 2 <= self._limit:
+                data = chunk[6:-2]
+                if _LF not in data:  # the chunk's only line end is its last
+                    return [(data, "message")]
             events = self._whole_raw_events(chunk)
             if events is not None:
                 return events
@@ -201,7 +203,7 @@ class SSEDecoder:
         events: list[RawEvent] = []
         limit = self._limit
         for piece in chunk[:-2].split(b"\n\n"):
-            if not piece.startswith(b"data: ") or piece.find(b"\n") >= 0 or len(piece) > limit:
+            if not piece.startswith(b"data: ") or _LF in piece or len(piece) > limit:
                 return None
             events.append((piece[6:], "message"))
         self._retry = None
@@ -218,7 +220,7 @@ class SSEDecoder:
             and not self._event
             and self._retry is None
             and self._lines.idle()
-            and b"\r" not in chunk
+            and _CR not in chunk
         ):
             events = self._whole_data_events(chunk)
             if events is not None:
@@ -235,7 +237,7 @@ class SSEDecoder:
         events = []
         limit = self._limit
         for piece in chunk[:-2].split(b"\n\n"):
-            if not piece.startswith(b"data: ") or b"\n" in piece or len(piece) > limit:
+            if not piece.startswith(b"data: ") or _LF in piece or len(piece) > limit:
                 return None
             events.append(Event(piece[6:].decode("utf-8", "replace"), "message", self._id))
         self._retry = None

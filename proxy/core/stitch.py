@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -20,6 +20,10 @@ from proxy.core.errors import error_body
 from proxy.core.plan import Child, Plan, is_number
 from proxy.core.template import Learner, Template
 from proxy.core.usage import merge_usage
+
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_json_loads: Final = orjson.loads
+_json_dumps: Final = orjson.dumps
 
 DONE = b"data: [DONE]\n\n"
 
@@ -198,7 +202,7 @@ class StreamStitcher:
         if lesson is not None and (template := lesson.template(payload)) is not None:
             stream.template = template
         self.chunks += 1
-        return opening + b"data: " + orjson.dumps(payload) + b"\n\n"
+        return opening + b"data: " + _json_dumps(payload) + b"\n\n"
 
     def _hold_usage_chunk(self, child: Child, payload: dict[str, Any]) -> None:
         """A chunk without choices: the first one with usage shapes the merged tail
@@ -291,7 +295,7 @@ class StreamStitcher:
         out = []
         for index in sorted(c.index for c in self.plan.children):
             choice = {"index": index, **body, "logprobs": None, "finish_reason": None}
-            out.append(b"data: " + orjson.dumps({**envelope, "choices": [choice]}) + b"\n\n")
+            out.append(b"data: " + _json_dumps({**envelope, "choices": [choice]}) + b"\n\n")
         self.chunks += len(out)
         return b"".join(out)
 
@@ -348,7 +352,7 @@ class StreamStitcher:
                 }
             )
         chunk.pop("metrics", None)  # one child's timings, not the request's: vLLM sends none
-        return b"data: " + orjson.dumps(chunk) + b"\n\n" + DONE
+        return b"data: " + _json_dumps(chunk) + b"\n\n" + DONE
 
 
 _ENVELOPE = ("id", "object", "created", "model", "system_fingerprint")
@@ -372,11 +376,11 @@ def _payload(child: Child, data: bytes, event: str) -> dict[str, Any]:
 def _loads(data: bytes) -> Any:
     """The payload, or None when it is not JSON; undecodable bytes read as U+FFFD (WHATWG)."""
     try:
-        return orjson.loads(data)
+        return _json_loads(data)
     except orjson.JSONDecodeError:
         pass
     try:
-        return orjson.loads(data.decode("utf-8", "replace"))
+        return _json_loads(data.decode("utf-8", "replace"))
     except orjson.JSONDecodeError:
         return None
 
@@ -412,7 +416,7 @@ def _only_announces(payload: dict[str, Any]) -> bool:
 def error_event(error: StreamError) -> bytes:
     """One error event, then the one ``[DONE]`` (docs/behaviour.md#errors; vLLM's mid-stream
     error shape)."""
-    return b"data: " + orjson.dumps(error_body(str(error), "server_error")) + b"\n\n" + DONE
+    return b"data: " + _json_dumps(error_body(str(error), "server_error")) + b"\n\n" + DONE
 
 
 def _message(payload: dict[str, Any]) -> str:

@@ -5,7 +5,7 @@ bytes (``Template``). A speed-up only: a template gives exactly the bytes the fu
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Final
 
 import orjson
 
@@ -16,12 +16,15 @@ _NOT_SLOTS = frozenset(
 _SLOT = "\x00n-proxy template slot\x00"
 _SLOT_JSON = orjson.dumps(_SLOT)
 _MAX_DEPTH = 32
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_json_loads: Final = orjson.loads
+_json_dumps: Final = orjson.dumps
 
 Slot = tuple[str | int, ...]
 """Where a value sits in a payload: keys and list positions from the top."""
 
 
-class Template(NamedTuple):
+class Template:
     """A child's plain chunk as ``child_head + <one JSON value> + child_tail``, and the same
     chunk stitched as ``head + <that value> + tail``.
 
@@ -34,25 +37,33 @@ class Template(NamedTuple):
     multi-line ``data:`` event), escapes and number spellings come out as the full path's.
     Anything else takes the full path: ``[DONE]``, the finishing chunk, usage, a role, a
     second changed value, any byte around the value that is not the learned one.
+
+    A plain class, not a NamedTuple: compiled, ``fill`` is then a direct call, once a chunk.
     """
 
-    child_head: bytes
-    child_tail: bytes
-    head: bytes
-    tail: bytes
+    __slots__ = ("child_head", "child_tail", "head", "tail")
+
+    def __init__(self, child_head: bytes, child_tail: bytes, head: bytes, tail: bytes) -> None:
+        self.child_head = child_head
+        self.child_tail = child_tail
+        self.head = head
+        self.tail = tail
 
     def fill(self, data: bytes) -> bytes | None:
         value = _respelled(data, self.child_head, self.child_tail)
         return None if value is None else self.head + value + self.tail
 
 
-class Lesson(NamedTuple):
+class Lesson:
     """What one plain chunk taught: where its one changed value sits, and the child's own
     bytes around it."""
 
-    slot: Slot
-    child_head: bytes
-    child_tail: bytes
+    __slots__ = ("child_head", "child_tail", "slot")
+
+    def __init__(self, slot: Slot, child_head: bytes, child_tail: bytes) -> None:
+        self.slot = slot
+        self.child_head = child_head
+        self.child_tail = child_tail
 
     def template(self, stitched: dict[str, Any]) -> Template | None:
         """The template, given the same chunk as the full path rewrote it."""
@@ -108,12 +119,12 @@ def _respelled(data: bytes, head: bytes, tail: bytes) -> bytes | None:
     if end < len(head) or not data.startswith(head) or not data.endswith(tail):
         return None
     try:
-        value = orjson.loads(data[len(head) : end])
+        value = _json_loads(data[len(head) : end])
     except orjson.JSONDecodeError:
         return None
     if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         return None
-    return orjson.dumps(value)
+    return _json_dumps(value)
 
 
 def _plain(payload: dict[str, Any]) -> bool:
@@ -132,7 +143,7 @@ def _one_change(previous: bytes, payload: dict[str, Any]) -> Slot | None:
     """Where ``payload`` differs from the ``previous`` chunk, when that is one string or number
     that the stitcher neither rewrites nor reads."""
     try:
-        before = orjson.loads(previous)
+        before = _json_loads(previous)
     except orjson.JSONDecodeError:
         return None
     found: list[Slot] = []
@@ -181,7 +192,7 @@ def _split_at(payload: dict[str, Any], path: Slot) -> tuple[bytes, bytes] | None
     value = parent[path[-1]]
     parent[path[-1]] = _SLOT
     try:
-        raw = orjson.dumps(payload)
+        raw = _json_dumps(payload)
     finally:
         parent[path[-1]] = value
     head, found, tail = raw.partition(_SLOT_JSON)

@@ -18,6 +18,10 @@ from multidict import istr
 from proxy.core import X_REQUEST_ID
 from proxy.observe.record import Observer, RequestRecord
 
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_json_dumps: Final = orjson.dumps
+_time: Final = time.time
+
 logger = logging.getLogger("n_proxy")
 _INFO = logging.INFO
 Format = Callable[[float, str, str, dict[str, Any]], str]  # (created, level, message, fields)
@@ -37,12 +41,12 @@ class Direct:
         self.json = line is json_line
 
     def write(self, fields: dict[str, Any]) -> None:
-        created = time.time()
+        created = _time()
         if self.json:
             # json_line's object, spliced rather than merged into a copy of the fields: the
             # request line's names are its own, none of them "ts", "level" or "msg".
-            head = b'{"ts":' + orjson.dumps(_ts(created)) + _REQUEST
-            body = orjson.dumps(fields, default=str)  # default: as json_line's
+            head = b'{"ts":' + _json_dumps(_ts(created)) + _REQUEST
+            body = _json_dumps(fields, default=str)  # default: as json_line's
             self.handler.add((head + (b"," + body[1:] if len(body) > 2 else b"}")).decode())
         else:
             self.handler.add(self.line(created, "info", "request", fields))
@@ -75,7 +79,7 @@ def json_line(created: float, level: str, message: str, fields: dict[str, Any]) 
     line: dict[str, Any] = {"ts": _ts(created), "level": level, "msg": message}
     line.update(fields)
     # default: an odd value in a library's fields must not lose the line
-    return orjson.dumps(line, default=str).decode()
+    return _json_dumps(line, default=str).decode()
 
 
 class RequestLine(Observer):

@@ -12,7 +12,7 @@ import asyncio
 import uuid
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import orjson
 from aiohttp import web
@@ -39,6 +39,10 @@ from proxy.request.responses import WholeAnswer
 from proxy.request.sink import client_sink
 from proxy.request.writer import merge
 from proxy.upstream import Exchange, Ticket, Tickets, UpstreamRequest, Upstreams, upstream_error
+
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_json_loads: Final = orjson.loads
+_json_dumps: Final = orjson.dumps
 
 T = TypeVar("T")
 # The upstream client stops reading a child's socket once it buffers twice this (inflated bytes
@@ -142,7 +146,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
             if response.status >= 300:
                 raise ChildFailed(response.status, raw, response.content_type)
         try:
-            body = orjson.loads(raw)
+            body = _json_loads(raw)
         except orjson.JSONDecodeError:
             body = None
         if not isinstance(body, dict):
@@ -169,7 +173,7 @@ async def respond_json(fanout: Fanout) -> web.Response:
     record.usage, record.response_id, record.response_model = facts.usage, facts.id, facts.model
     record.finish_reasons = finish_reasons(stitched)
     return WholeAnswer(
-        body=orjson.dumps(stitched),
+        body=_json_dumps(stitched),
         content_type="application/json",
         headers={"X-Request-Id": plan.parent_id},
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+from typing import Final
 
 import aiohttp
 import orjson
@@ -57,6 +58,9 @@ from proxy.request.responses import (
     error_response,
 )
 from proxy.upstream import Upstreams
+
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_json_loads: Final = orjson.loads
 
 
 class Requests:
@@ -295,7 +299,7 @@ class Handler:
         except UnsupportedEncoding:
             return None  # unreadable here: the default route gets it as it came
         try:
-            parsed = orjson.loads(plain)
+            parsed = _json_loads(plain)
         except orjson.JSONDecodeError as exc:
             raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
         return parsed if isinstance(parsed, dict) else None
@@ -321,7 +325,7 @@ def _error_request_id(request: web.Request, body: bytes) -> str:
     """The id of a fan-out request refused before it had a plan: the client's (header, else a
     plain JSON body's ``request_id``) or a fresh one, as its children would have had."""
     try:
-        parsed = orjson.loads(body) if body else None
+        parsed = _json_loads(body) if body else None
     except orjson.JSONDecodeError:
         parsed = None
     return _parent_id(request, parsed if isinstance(parsed, dict) else {})

@@ -33,6 +33,9 @@ class Mailbox:
     """
 
     def __init__(self, size: int) -> None:
+        # Made in the running loop: its waits make their futures on it without asking asyncio
+        # again, a getpid(2) on Python 3.11 each time.
+        self._loop = asyncio.get_running_loop()
         self._items: deque[tuple[int, Item]] = deque()
         self._size = size
         self._getter: asyncio.Future[None] | None = None
@@ -81,7 +84,7 @@ class Mailbox:
 
     async def _taken(self) -> None:
         """Until the writer next takes what is waiting."""
-        putter = asyncio.get_running_loop().create_future()
+        putter = self._loop.create_future()
         self._putters.append(putter)
         try:
             await putter
@@ -92,7 +95,7 @@ class Mailbox:
     async def take(self) -> list[tuple[int, Item]] | None:
         """Everything waiting (at least one item), [] once cut, None when woken by ``ping``."""
         if not self._items and self.cut_reason is None and not self._pinged:
-            getter = self._getter = asyncio.get_running_loop().create_future()
+            getter = self._getter = self._loop.create_future()
             await getter
         if self.cut_reason is not None:
             return []

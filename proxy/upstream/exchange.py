@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from types import TracebackType
-from typing import Literal, Protocol, final
+from typing import Final, Literal, Protocol, final
 
 from multidict import CIMultiDict
 
@@ -28,6 +28,10 @@ from proxy.observe import ChildRecord, Metrics
 from proxy.upstream.replicas import Replica
 from proxy.upstream.slots import Place, Tab
 from proxy.upstream.state import UpstreamState
+
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_monotonic: Final = time.monotonic
+_perf_counter: Final = time.perf_counter
 
 
 @final
@@ -122,8 +126,8 @@ def admission(
     except Overloaded:
         metrics.rejected.labels(state.upstream.name).inc()
         raise
-    urls = state.replicas.place(count, time.monotonic())
-    joined = time.perf_counter()
+    urls = state.replicas.place(count, _monotonic())
+    joined = _perf_counter()
     pairs = zip(urls, places, strict=True)
     return Tickets(tuple(Ticket(state, url, place, joined, client) for url, place in pairs))
 

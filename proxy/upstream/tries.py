@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from typing import Final, Protocol
 
 from multidict import CIMultiDict
 
@@ -22,6 +22,10 @@ from proxy.upstream.replicas import Replica
 from proxy.upstream.retry import Reason, Verdict, parse_retry_after
 from proxy.upstream.slots import Place
 from proxy.upstream.state import UpstreamState
+
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_monotonic: Final = time.monotonic
+_time: Final = time.time
 
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 _DISCARD_SECONDS = 1.0  # ... if it comes this soon: a retry must not wait on a stalled body
@@ -72,10 +76,10 @@ class Tries:
         replicas = state.replicas
         tried: list[str] = []
         replica = replicas.get(url)
-        state.retry.budget.requested(time.monotonic())
+        state.retry.budget.requested(_monotonic())
         while True:
             if replica is None:  # discovery dropped it since placement: a current one instead
-                replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
+                replica = replicas.get(replicas.retry_to(tried, _monotonic()))
                 assert replica is not None
             tried.append(replica.url)
             child.sent(replica.url, request.headers)
@@ -108,7 +112,7 @@ class Tries:
                     return response, replica, None
                 reason = status
                 header = response.headers.get("Retry-After")
-                wait = None if header is None else parse_retry_after(header, time.time())
+                wait = None if header is None else parse_retry_after(header, _time())
                 verdict = self._judge(state, replica, len(tried), status, wait)
                 if verdict.outcome != "retry":
                     place = self._fallback_place(state, verdict, client) if fallback else None
@@ -125,7 +129,7 @@ class Tries:
                 "upstream retry", upstream=upstream.name, replica=replica.url, reason=str(reason),
                 retry=len(tried), delay_ms=round(verdict.delay * 1000, 1),
             )  # fmt: skip
-            replica = replicas.get(replicas.retry_to(tried, time.monotonic()))
+            replica = replicas.get(replicas.retry_to(tried, _monotonic()))
 
     def _judge(
         self,
@@ -136,7 +140,7 @@ class Tries:
         retry_after: float | None,
     ) -> Verdict:
         """The retry policy's verdict on a failed try; a refusal by the budget counted."""
-        verdict = state.retry.decide(tries, reason, retry_after, time.monotonic())
+        verdict = state.retry.decide(tries, reason, retry_after, _monotonic())
         if verdict.outcome == "budget":
             name = state.upstream.name
             self._metrics.retries_refused.labels(name, str(reason)).inc()
@@ -192,7 +196,7 @@ class Tries:
             await place.wait()
             self._metrics.fallbacks.labels(state.upstream.name, other.upstream.name).inc()
             log_event("upstream fallback", upstream=state.upstream.name, to=other.upstream.name)
-            (url,) = other.replicas.place(1, time.monotonic())
+            (url,) = other.replicas.place(1, _monotonic())
             headers = rebased_headers(
                 request.headers, state.upstream.headers, other.upstream.headers
             )
