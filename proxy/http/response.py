@@ -103,6 +103,7 @@ class UpstreamResponse:
     def __init__(self, connection: Reading, method: str, limit: int, inflate: bool) -> None:
         self.connection = connection  # the one it arrives on, for ``ConnectionPool.release``
         self._loop = connection.loop
+        self._clock = self._loop.time  # bound once: read after every read of a relay
         self.method = method
         self.status = 0
         self.reason = ""
@@ -215,7 +216,7 @@ class UpstreamResponse:
     def after_read(self) -> None:
         """After one ``data_received``: relayed pieces leave in one write, input is inflated."""
         if self.mode == RELAY:
-            self.last_data = self._loop.time()
+            self.last_data = self._clock()
             out = self._out
             if out:
                 data = out[0] if len(out) == 1 else b"".join(out)
@@ -334,7 +335,7 @@ class UpstreamResponse:
 
     def start_idle(self, idle: float) -> None:
         self._idle = idle
-        self.last_data = self._loop.time()
+        self.last_data = self._clock()
         if self.state < COMPLETE:
             self._idle_timer = self._loop.call_later(idle, self._check_idle)
 
@@ -358,7 +359,7 @@ class UpstreamResponse:
         if self.state >= COMPLETE:
             return
         since = self._idle_since()
-        now = self._loop.time()
+        now = self._clock()
         if since is not None and now - since >= self._idle:
             self.fail(ResponseTimeout(f"no data from upstream for {self._idle} s"))
             return
@@ -390,7 +391,7 @@ class UpstreamResponse:
             if state == COMPLETE:
                 return None
             self.connection.resume()
-            self._waiting_since = self._loop.time()
+            self._waiting_since = self._clock()
             try:
                 await self._park()
             finally:
@@ -462,7 +463,7 @@ class UpstreamResponse:
             if paused():
                 self.connection.pause()
                 await drain()
-                self.last_data = self._loop.time()  # the idle clock stood still meanwhile
+                self.last_data = self._clock()  # the idle clock stood still meanwhile
                 continue
             if inflater is not None and inflater.pending:
                 self._pump()
