@@ -6,6 +6,7 @@ pays for them. The handler that writes them and the text format are ``proxy.obse
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -93,7 +94,7 @@ class RequestLine(Observer):
 
 def _ts(created: float) -> float:
     """A JSON line's time: seconds to the millisecond, rounded with integers as ``ms``."""
-    return round(created * 1000) / 1000
+    return math.floor(created * 1000 + 0.5) / 1000
 
 
 def request_fields(record: RequestRecord) -> dict[str, Any]:
@@ -125,9 +126,10 @@ def request_fields(record: RequestRecord) -> dict[str, Any]:
 
 
 def ms(seconds: float) -> float:
-    """Milliseconds to the microsecond: ``round(seconds * 1000, 3)`` at a third of its cost
-    (a float rounded to digits goes through its decimal string)."""
-    return round(seconds * 1e6) / 1000
+    """Milliseconds to the microsecond: ``round(seconds * 1000, 3)``, a half microsecond up, at
+    a fraction of its cost (a float rounded to digits goes through its decimal string; compiled,
+    ``math.floor`` is a C call, where ``round`` is the builtin looked up and called)."""
+    return math.floor(seconds * 1e6 + 0.5) / 1000
 
 
 # The line's request id when the client sent none: unique per process, cheap per request.
