@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Final
 
 from aiohttp import hdrs, web
 
@@ -16,6 +17,8 @@ from proxy.request.parsed import headers_of
 # Made at start, never written anywhere: an id is stable within this process only, and neither
 # it nor a log line holding it gives back the key it was made from.
 _KEY = os.urandom(32)
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_AUTHORIZATION: Final = hdrs.AUTHORIZATION
 
 
 def _keyed(value: str) -> str:
@@ -52,7 +55,7 @@ class ClientIds:
         identify = self._identify
         headers = headers_of(request)
         if identify == "authorization":
-            value = headers.get(hdrs.AUTHORIZATION)
+            value = headers.get(_AUTHORIZATION)
             if value is not None:
                 return keyed_id(value)
         elif identify == "header":

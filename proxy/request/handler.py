@@ -61,6 +61,10 @@ from proxy.upstream import Upstreams
 
 # Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
 _json_loads: Final = orjson.loads
+_HTTP_10: Final = aiohttp.HttpVersion10
+_CONTENT_ENCODING: Final = hdrs.CONTENT_ENCODING
+_partial: Final = functools.partial
+_timeout: Final = asyncio.timeout
 
 
 class Requests:
@@ -153,7 +157,7 @@ class Handler:
 
     async def _dispatch(self, request: web.Request, record: RequestRecord) -> web.StreamResponse:
         config = self.config
-        if version_of(request) < aiohttp.HttpVersion10:
+        if version_of(request) < _HTTP_10:
             # An HTTP/0.9-style request line ("GET /"): nothing of it goes upstream.
             message = "malformed request line: no HTTP version"
             return error_response(InvalidRequest(message), close=True)
@@ -230,7 +234,7 @@ class Handler:
             if content.is_eof():  # the whole body came with the head: taken as it lies
                 body = content.read_nowait()
                 return body if len(body) <= config.max_body_bytes else _too_large(config)
-            async with asyncio.timeout(config.client_timeouts.body):
+            async with _timeout(config.client_timeouts.body):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:  # request.read()'s cap: the app's client_max_size
             return _too_large(config)
@@ -256,7 +260,7 @@ class Handler:
         nothing but the body and headers it is given.
         """
         config = self.config
-        coding = record.headers.get(hdrs.CONTENT_ENCODING)
+        coding = record.headers.get(_CONTENT_ENCODING)
         codings = content_codings(coding) if coding is not None else []  # most requests have none
         if endpoint is not None:
             plain = inflate(body, codings, config.max_body_bytes) if codings else body
@@ -273,7 +277,7 @@ class Handler:
             return upstream, None
         plan = plan_request(
             parsed,
-            functools.partial(_parent_id, request, parsed),
+            _partial(_parent_id, request, parsed),
             config.max_n,
             endpoint=endpoint,
             max_children=self.max_children,

@@ -4,6 +4,8 @@ and end-to-end headers preserved; the body relayed from the upstream protocol it
 
 from __future__ import annotations
 
+from typing import Final
+
 from aiohttp import hdrs, web
 
 from proxy.config import Upstream
@@ -15,6 +17,9 @@ from proxy.request.parsed import has_body, headers_of, path_qs_of
 from proxy.request.responses import ExactHead, Relayed, WholeAnswer
 from proxy.request.sink import client_sink
 from proxy.upstream import Exchange, UpstreamRequest, Upstreams
+
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_SERVER: Final = hdrs.SERVER
 
 _WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
 
@@ -47,7 +52,7 @@ async def _relay(
     upstream_response = exchange.response
     status = upstream_response.status
     record.bytes_out = 0  # answered: what is written from here is counted
-    keeps_server = hdrs.SERVER in upstream_response.headers
+    keeps_server = _SERVER in upstream_response.headers
     length = upstream_response.content_length
     exact = upstream_response.escaped  # bytes aiohttp's writer would not write back
     if length is not None and length <= _WHOLE_BODY and record.method != "HEAD" and not exact:

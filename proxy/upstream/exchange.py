@@ -128,8 +128,8 @@ def admission(
         raise
     urls = state.replicas.place(count, _monotonic())
     joined = _perf_counter()
-    pairs = zip(urls, places, strict=True)
-    return Tickets(tuple(Ticket(state, url, place, joined, client) for url, place in pairs))
+    # By index, not zip: compiled, a builtin is looked up on its module at every call.
+    return Tickets(tuple([Ticket(state, urls[i], places[i], joined, client) for i in range(count)]))
 
 
 # The response to relay, the replica it came from (its ``outstanding`` counts it until the
