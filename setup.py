@@ -37,6 +37,7 @@ COMPILED = [
     # (docs/performance.md#the-per-request-path).
     "proxy/core/headers.py",
     "proxy/core/remembered.py",  # what header filtering and the upstream head remember by name
+    "proxy/core/url.py",  # an upstream's Origin, whose fields the pool reads every request
     "proxy/core/plan.py",
     "proxy/core/answer.py",
     "proxy/core/usage.py",
