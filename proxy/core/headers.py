@@ -47,7 +47,9 @@ X_REQUEST_ID: Final = istr("X-Request-Id")
 # A header name's verdict: sent on, dropped, or dropped as ``Connection`` (whose tokens name more
 # to drop), remembered by the name as it came: a dict lookup where a ``str.lower`` and two set
 # lookups were, 16,000 instructions a pass-through with the tokens' below.
-_KEEP, _DROP, _CONNECTION = 0, 1, 2
+_KEEP: Final = 0
+_DROP: Final = 1
+_CONNECTION: Final = 2
 _NAMES = 512  # names remembered a direction, of at most _LONGEST characters
 _LONGEST = 128
 
@@ -69,8 +71,8 @@ def _response_verdict(name: str) -> int:
     return _verdict(name, _RESPONSE_DROP)
 
 
-_request_verdicts = Remembered(_request_verdict, _NAMES, _LONGEST)
-_response_verdicts = Remembered(_response_verdict, _NAMES, _LONGEST)
+_request_verdicts: Final = Remembered(_request_verdict, _NAMES, _LONGEST)
+_response_verdicts: Final = Remembered(_response_verdict, _NAMES, _LONGEST)
 
 
 def _filtered(headers: Headers, verdicts: Remembered[int]) -> CIMultiDict[str]:
@@ -97,7 +99,7 @@ def _named_in(connection: str) -> tuple[str, ...]:
     )
 
 
-_named = Remembered(_named_in, _NAMES, 64)
+_named: Final = Remembered(_named_in, _NAMES, 64)
 
 
 def request_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDict[str]:

@@ -83,8 +83,8 @@ class Plan:
 
 # A run of 19 digits may not fit in 64 bits. Looked for as 19 zeros in the body with every digit
 # made a zero: a substring search, a tenth of what the regex ``\d{19}`` costs on every body.
-_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
-_HUGE_INT = b"0" * 19
+_DIGITS_AS_ZERO: Final = bytes.maketrans(b"123456789", b"000000000")
+_HUGE_INT: Final = b"0" * 19
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

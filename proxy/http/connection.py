@@ -37,7 +37,7 @@ from proxy.http.errors import BadResponse
 from proxy.http.response import UpstreamResponse
 
 MAX_HEAD = 256 * 1024  # status line and headers together, interim (1xx) heads included
-_NO_BODY_STATUS = frozenset({204, 304})
+_NO_BODY_STATUS: Final = frozenset({204, 304})
 _CRLF: Final = b"\r\n"
 _TRANSFER_ENCODING: Final = istr("Transfer-Encoding")  # its lower case made once
 _CHUNKED_END = 4  # a chunked body and a head both end in CRLF CRLF after a visible byte
@@ -446,7 +446,9 @@ def _crlf_run(data: bytes, most: int) -> int:
 # A header name's part in a request head: copied, the Host, or left out (the framing is the
 # proxy's own); remembered by the name as it came, a dict lookup where a ``str.lower`` and
 # comparisons were.
-_COPY, _HOST, _OMIT = 0, 1, 2
+_COPY: Final = 0
+_HOST: Final = 1
+_OMIT: Final = 2
 
 
 def _part(name: str) -> int:
@@ -458,7 +460,7 @@ def _part(name: str) -> int:
     return _COPY
 
 
-_parts = Remembered(_part, 512, 128)
+_parts: Final = Remembered(_part, 512, 128)
 
 
 def request_head(

@@ -23,8 +23,8 @@ from proxy.observe.record import Observer, RequestRecord
 _json_dumps: Final = orjson.dumps
 _time: Final = time.time
 
-logger = logging.getLogger("n_proxy")
-_INFO = logging.INFO
+logger: Final = logging.getLogger("n_proxy")
+_INFO: Final = logging.INFO
 Format = Callable[[float, str, str, dict[str, Any]], str]  # (created, level, message, fields)
 _REQUEST = b',"level":"info","msg":"request"'  # a request line's JSON after its ts
 # The name as multidict's own string: its lower case, for a lookup, is made once.

@@ -15,10 +15,10 @@ The record knows neither its observers nor the layers that report to it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
-from time import perf_counter  # not loop.time(): uvloop's has millisecond steps
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from mypy_extensions import mypyc_attr
 
@@ -26,6 +26,10 @@ from proxy.core import answer_facts
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
+
+# Not loop.time(): uvloop's has millisecond steps. Read from a C static when compiled
+# (docs/architecture.md#working-on-a-compiled-module).
+_perf_counter: Final = time.perf_counter
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # the tracing, the log line, the tests' own
@@ -116,7 +120,7 @@ class RequestRecord:
         self, observers: Observers, method: str, path: str, headers: Mapping[str, str]
     ) -> None:
         self.observers = observers
-        self.started = perf_counter()
+        self.started = _perf_counter()
         self.method = method
         self.path = path
         self.headers = headers  # the client's, as it sent them
@@ -172,7 +176,7 @@ class RequestRecord:
         observer's count. Once; ``ended`` does it when nothing did before."""
         if self.ended_at:
             return
-        self.ended_at = perf_counter()
+        self.ended_at = _perf_counter()
         if self.tail and not self.fanned_out:
             facts = answer_facts(self.tail)
             self.usage, self.response_id, self.response_model = facts.usage, facts.id, facts.model
@@ -247,7 +251,7 @@ class ChildRecord:
 
     def admitted(self, joined: float) -> None:
         """Its place in line is granted; it joined the line at ``joined``."""
-        self.queued = waited = perf_counter() - joined
+        self.queued = waited = _perf_counter() - joined
         record = self.record
         if record.queued is None:
             record.queued = waited
@@ -258,7 +262,7 @@ class ChildRecord:
         """A try goes to ``replica``: the first, or one after ``retry``."""
         self.replica = replica
         if not self.sent_at:
-            self.sent_at = now = perf_counter()
+            self.sent_at = now = _perf_counter()
             record = self.record
             if record.sent_at is None:
                 record.sent_at = now
@@ -274,13 +278,13 @@ class ChildRecord:
 
     def head(self, status: int) -> None:
         self.status = status
-        self.head_at = perf_counter()
+        self.head_at = _perf_counter()
         for hook in self.record.observers.head:
             hook(self)
 
     def ended(self, failure: BaseException | None) -> None:
         """Its exchange is over: the body read or relayed, or ``failure`` (a cancellation too)."""
-        self.done_at = now = perf_counter()
+        self.done_at = now = _perf_counter()
         record = self.record
         record.done_at = now
         for hook in record.observers.child_ended:

@@ -31,7 +31,7 @@ def _keyed(value: str) -> str:
 # A client sends the same key request after request, and its hash was 3,800 instructions of a
 # pass-through: remembered, 256 keys of up to 2 KiB at most (a JWT fits). The keys stay in this
 # process's memory, as the requests that carried them were; nothing writes them anywhere.
-_ids = Remembered(_keyed, 256, 2048)
+_ids: Final = Remembered(_keyed, 256, 2048)
 
 
 def keyed_id(value: str) -> str:

@@ -21,7 +21,7 @@ from proxy.upstream import Exchange, UpstreamRequest, Upstreams
 # Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
 _SERVER: Final = hdrs.SERVER
 
-_WHOLE_BODY = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
+_WHOLE_BODY: Final = 256 * 1024  # pass-through bodies up to this size are read whole, then sent
 
 
 async def pass_through(

@@ -29,7 +29,7 @@ _time: Final = time.time
 
 _DISCARD_LIMIT = 64 * 1024  # a retried answer's body up to this is read, keeping its connection
 _DISCARD_SECONDS = 1.0  # ... if it comes this soon: a retry must not wait on a stalled body
-_RELAY_BUFFER = 32 * 1024  # a pass-through body: bytes read ahead of the client at most
+_RELAY_BUFFER: Final = 32 * 1024  # a pass-through body: bytes read ahead of the client at most
 
 
 class Sleeper(Protocol):
