@@ -62,7 +62,8 @@ def answer_facts(data: bytes) -> AnswerFacts:
             body = None
         if isinstance(body, dict):
             return body_facts(body)
-    facts = _stream_facts(data) if data.find(b"data:") >= 0 else NOTHING  # no `in`: sse.py
+    # find, not `in`: with a bytes operand, `in` first raises and clears a TypeError
+    facts = _stream_facts(data) if data.find(b"data:") >= 0 else NOTHING
     if facts.usage is None:
         return AnswerFacts(_usage_object(data), facts.id, facts.model)
     return facts

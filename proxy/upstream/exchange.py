@@ -128,8 +128,13 @@ def admission(
         raise
     urls = state.replicas.place(count, _monotonic())
     joined = _perf_counter()
-    # By index, not zip: compiled, a builtin is looked up on its module at every call.
-    return Tickets(tuple([Ticket(state, urls[i], places[i], joined, client) for i in range(count)]))
+    # By index, not zip: compiled, a builtin is looked up on its module at every call. As
+    # zip(strict=True) did, a replica for each place, or a ValueError.
+    if len(urls) != len(places):
+        raise ValueError(f"{len(urls)} replicas placed for {len(places)} places")
+    return Tickets(
+        tuple([Ticket(state, urls[i], places[i], joined, client) for i in range(len(places))])
+    )
 
 
 # The response to relay, the replica it came from (its ``outstanding`` counts it until the
