@@ -91,24 +91,25 @@ class UpstreamConnection(asyncio.Protocol):
         key: tuple[str, int, str | None],
         closed_early: Callable[[tuple[str, int, str | None]], None] | None = None,
     ) -> None:
-        self.loop = loop
-        self.key = key
-        self.closed_early = closed_early  # told when the server closes it just after an answer
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        # First what every read reads, side by side at the object's start (as the response's).
         self.response: UpstreamResponse | None = None
         self.state = IDLE  # a ConnectionState, as its int
-        self.paused = False  # reading paused (``pause``)
-        self.idle_since = 0.0
-        self._head_room = MAX_HEAD
-        self._last_body = b""  # the last body piece parsed: how the message ends
-        self._recent = b""  # the last bytes received: at least 8, unless fewer came
-        self._chunked = False  # the final head's framing: the message ends in CRLF CRLF
         # A chunked body's reads: the parser's last step was the head's or a chunk's end
         # (``_edge``), and the last read ended right there (``_at_boundary``: the next read may
         # skip the parser, ``_whole_chunks``).
         self._edge = False
         self._at_boundary = False
+        self._recent = b""  # the last bytes received: at least 8, unless fewer came
+        self.loop = loop
+        self.key = key
+        self.closed_early = closed_early  # told when the server closes it just after an answer
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.paused = False  # reading paused (``pause``)
+        self.idle_since = 0.0
+        self._head_room = MAX_HEAD
+        self._last_body = b""  # the last body piece parsed: how the message ends
+        self._chunked = False  # the final head's framing: the message ends in CRLF CRLF
         self._unsent: memoryview | None = None  # request body bytes not handed to the transport
         self._writing_paused = False  # the transport's buffer is past its high-water mark
         self._poller: Any = None  # its socket's select.poll, made at its first reuse (``stale``)

@@ -18,6 +18,7 @@ A response is in one ``ResponseState`` at a time, and read in one ``Mode``::
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ from enum import IntEnum
 from typing import Final, Protocol
 
 from multidict import CIMultiDict, istr
+from mypy_extensions import mypyc_attr
 
 from proxy.core import INFLATED, Inflater
 from proxy.http.chunks import BodyPiece, chunk_pieces
@@ -40,9 +42,23 @@ def _wake(future: asyncio.Future[None] | None) -> None:
 # Takes relayed bytes; True when it is full now, so reading pauses until its drain (one call
 # per read: the write and the test that follows it are one).
 BodySink = Callable[[bytes], bool]
-# The same for bytes that are whole chunks in chunked framing, as the upstream sent them, with
-# the number of body bytes they hold: a relay to a chunked client writes them on as they are.
-FramedSink = Callable[[bytes, int], bool]
+
+# The loop's clock, shared: uvloop's loop time and asyncio's are CLOCK_MONOTONIC's, in whole
+# milliseconds for uvloop, so a timer set from it fires no earlier than meant. A method bound
+# for each response was an object of its own, a cache miss on every read of 1,000 streams.
+_monotonic: Final = time.monotonic
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # the tests' own
+class FramedSink:
+    """The same as a ``BodySink`` for bytes that are whole chunks in chunked framing, as the
+    upstream sent them, with the number of body bytes they hold: a relay to a chunked client
+    writes them on as they are. A class, which ``proxy.request.sink.BodyWriter`` is, so that the
+    compiled relay calls it directly: a bound method was an object of its own to read per chunk
+    (docs/performance.md, "What 1,000 streams miss")."""
+
+    def write_framed(self, data: bytes, size: int) -> bool:
+        raise NotImplementedError
 
 
 class ResponseState(IntEnum):
@@ -101,9 +117,16 @@ def _ignore(data: bytes) -> None:
 
 class UpstreamResponse:
     def __init__(self, connection: Reading, method: str, limit: int, inflate: bool) -> None:
+        # First what a relay reads on every read, side by side at the object's start: a field
+        # further in can be a cache line of its own, missed on each read of 1,000 streams.
+        self.mode = ITERATE  # a Mode, as its int
+        self._framed: FramedSink | None = None  # RELAY: where whole chunks go as they came
+        self._inflater: Inflater | None = None
+        self.last_data = 0.0  # RELAY: when bytes last came
+        self._pieces = False  # RELAY: ``_out`` holds pieces (read without touching the list)
+        self.state = HEAD  # a ResponseState, as its int
         self.connection = connection  # the one it arrives on, for ``ConnectionPool.release``
         self._loop = connection.loop
-        self._clock = self._loop.time  # bound once: read after every read of a relay
         self.method = method
         self.status = 0
         self.reason = ""
@@ -111,13 +134,10 @@ class UpstreamResponse:
         # A header value or the reason held bytes that are not UTF-8: see
         # proxy.request.passthrough.ExactHead.
         self.escaped = False
-        self.state = HEAD  # a ResponseState, as its int
         self.error: BaseException | None = None  # why it FAILED
-        self.mode = ITERATE  # a Mode, as its int
         self.until_close = False  # a body delimited by the connection closing
         self._limit = limit
         self._inflate = inflate
-        self._inflater: Inflater | None = None
         self.head: asyncio.Future[None] = self._loop.create_future()
         self._chunks: deque[bytes] = deque()  # ITERATE: bytes the consumer has not taken
         self._buffered = 0
@@ -125,9 +145,7 @@ class UpstreamResponse:
         self._waiting_since: float | None = None  # ITERATE: when the consumer began to wait
         self._sink: BodySink = _nowhere  # RELAY: where bytes go as they arrive
         self._sink_full: Callable[[], bool] = _never
-        self._framed: FramedSink | None = None  # RELAY: where whole chunks go as they came
         self._out: list[bytes] = []  # RELAY: this read's pieces, written in one go after it
-        self.last_data = 0.0  # RELAY: when bytes last came
         self._idle = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self.on_body: BodyPiece = self._buffer  # a body piece parsed (``_bind_body``)
@@ -178,9 +196,13 @@ class UpstreamResponse:
         if self._inflater is not None:
             self.on_body = self._inflater.feed
         elif self.mode == RELAY:
-            self.on_body = self._out.append
+            self.on_body = self._collect
         else:
             self.on_body = self._buffer
+
+    def _collect(self, data: bytes) -> None:
+        self._out.append(data)
+        self._pieces = True
 
     def _buffer(self, data: bytes) -> None:
         self._chunks.append(data)
@@ -216,9 +238,10 @@ class UpstreamResponse:
     def after_read(self) -> None:
         """After one ``data_received``: relayed pieces leave in one write, input is inflated."""
         if self.mode == RELAY:
-            self.last_data = self._clock()
-            out = self._out
-            if out:
+            self.last_data = _monotonic()
+            if self._pieces:
+                self._pieces = False
+                out = self._out
                 data = out[0] if len(out) == 1 else b"".join(out)
                 out.clear()
                 self._to_sink(data)
@@ -234,7 +257,7 @@ class UpstreamResponse:
             chunk_pieces(data, self.on_body)
             return
         try:
-            full = framed(data, size)
+            full = framed.write_framed(data, size)
         except Exception as exc:  # the client is gone: the relay raises it
             self.fail(exc)
             return
@@ -335,7 +358,7 @@ class UpstreamResponse:
 
     def start_idle(self, idle: float) -> None:
         self._idle = idle
-        self.last_data = self._clock()
+        self.last_data = _monotonic()
         if self.state < COMPLETE:
             self._idle_timer = self._loop.call_later(idle, self._check_idle)
 
@@ -359,7 +382,7 @@ class UpstreamResponse:
         if self.state >= COMPLETE:
             return
         since = self._idle_since()
-        now = self._clock()
+        now = _monotonic()
         if since is not None and now - since >= self._idle:
             self.fail(ResponseTimeout(f"no data from upstream for {self._idle} s"))
             return
@@ -391,7 +414,7 @@ class UpstreamResponse:
             if state == COMPLETE:
                 return None
             self.connection.resume()
-            self._waiting_since = self._clock()
+            self._waiting_since = _monotonic()
             try:
                 await self._park()
             finally:
@@ -463,7 +486,7 @@ class UpstreamResponse:
             if paused():
                 self.connection.pause()
                 await drain()
-                self.last_data = self._clock()  # the idle clock stood still meanwhile
+                self.last_data = _monotonic()  # the idle clock stood still meanwhile
                 continue
             if inflater is not None and inflater.pending:
                 self._pump()

@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 from aiohttp import web
 
 from proxy.core import TAIL_BYTES, ClientGone
+from proxy.http.response import FramedSink
 from proxy.observe import RequestRecord
 
 
@@ -33,8 +34,8 @@ class Sink(NamedTuple):
     # whatever ended it (a second call changes nothing).
     settle: Callable[[], None]
     # Writes whole chunks in chunked framing as they are (a relay's, from a chunked upstream),
-    # with their body bytes' count; None when the response is not chunked.
-    framed: Callable[[bytes, int], bool] | None
+    # with their body bytes' count (its ``write_framed``); None when the response is not chunked.
+    framed: FramedSink | None
 
 
 def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: bool) -> Sink:
@@ -79,7 +80,7 @@ def client_sink(request: web.Request, record: RequestRecord, *, first_chunk: boo
         if record.route != "other":  # an LLM answer: what it says of its usage is in its end
             record.tail = body.tail()
 
-    return Sink(body.write, full, drain, settle, body.write_framed if chunked else None)
+    return Sink(body.write, full, drain, settle, body if chunked else None)
 
 
 class Transport(Protocol):
@@ -90,10 +91,11 @@ class Transport(Protocol):
     def get_write_buffer_size(self) -> int: ...
 
 
-class BodyWriter:
+class BodyWriter(FramedSink):
     """Writes a body into ``transport``, framed as chunks when ``chunked``. Each write says
     whether the transport is past its high-water mark ``high`` or closing now: the one test
-    per chunk. With ``stamp``, the first write's time is kept (``first_at``, else -1)."""
+    per chunk. With ``stamp``, the first write's time is kept (``first_at``, else -1). A relay
+    hands it whole chunks directly (``FramedSink``)."""
 
     def __init__(self, transport: Transport, high: int, chunked: bool, stamp: bool) -> None:
         # The transport's methods, bound once: a method called on an object of a class mypyc

@@ -14,7 +14,7 @@ import pytest
 
 from proxy.http.chunks import chunk_pieces, whole_chunks
 from proxy.http.connection import UpstreamConnection
-from proxy.http.response import COMPLETE, UpstreamResponse
+from proxy.http.response import COMPLETE, FramedSink, UpstreamResponse
 
 HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 CASES = 300  # random bodies, each cut into reads at random places
@@ -167,7 +167,7 @@ def connected(inflate: bool = False) -> tuple[UpstreamConnection, UpstreamRespon
     return connection, response
 
 
-class Relayed:
+class Relayed(FramedSink):
     """What a relay to a chunked client writes, framed as the client gets it, and the reads it
     wrote on as they came."""
 
@@ -179,7 +179,7 @@ class Relayed:
         self.client.append(b"%x\r\n%b\r\n" % (len(data), data))
         return False
 
-    def framed(self, data: bytes, size: int) -> bool:
+    def write_framed(self, data: bytes, size: int) -> bool:
         assert size == len(b"".join(parse(HEAD + data + b"0\r\n\r\n").pieces))  # its body bytes
         self.client.append(data)
         self.as_they_came.append(data)
@@ -199,9 +199,7 @@ async def relay(cut: list[bytes]) -> tuple[Relayed, UpstreamResponse]:
     async def drain() -> None:
         raise AssertionError("never full")
 
-    task = asyncio.ensure_future(
-        response.relay(relayed.write, lambda: False, drain, relayed.framed)
-    )
+    task = asyncio.ensure_future(response.relay(relayed.write, lambda: False, drain, relayed))
     await asyncio.sleep(0)  # the relay has begun
     for data in reads:
         connection.data_received(data)

@@ -240,9 +240,10 @@ async def relayed(connection: ModuleType, response: ModuleType, cut: list[bytes]
         written.append(("piece", data))
         return False
 
-    def framed(data: bytes, size: int) -> bool:
-        written.append(("as it came", data, size))
-        return False
+    class Framed(response.FramedSink):  # type: ignore[name-defined,misc]
+        def write_framed(self, data: bytes, size: int) -> bool:
+            written.append(("as it came", data, size))
+            return False
 
     async def drain() -> None:
         raise AssertionError("never full")
@@ -252,7 +253,7 @@ async def relayed(connection: ModuleType, response: ModuleType, cut: list[bytes]
         upstream.data_received(data)
         if answer.head.done():
             break
-    task = asyncio.ensure_future(answer.relay(write, lambda: False, drain, framed))
+    task = asyncio.ensure_future(answer.relay(write, lambda: False, drain, Framed()))
     await asyncio.sleep(0)
     for data in pending:
         upstream.data_received(data)

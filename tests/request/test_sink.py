@@ -164,13 +164,13 @@ def test_whole_chunks_are_written_as_they_came_to_a_chunked_response_only() -> N
     counted = record()
     sink, transport, _ = sink_for(True, counted)
     assert sink.framed is not None
-    assert sink.framed(b"5\r\nhello\r\n3\r\nabc\r\n", 8) is False
+    assert sink.framed.write_framed(b"5\r\nhello\r\n3\r\nabc\r\n", 8) is False
     assert transport.written == [b"5\r\nhello\r\n3\r\nabc\r\n"]
     sink.settle()
     assert counted.bytes_out == 8  # the body's bytes, as the relay counted them
     assert counted.first_chunk_at is not None
     transport.closing = True
     with pytest.raises(ConnectionResetError):
-        sink.framed(b"1\r\nx\r\n", 1)
+        sink.framed.write_framed(b"1\r\nx\r\n", 1)
     plain, _, _ = sink_for(False)
     assert plain.framed is None  # a response of known length, or to HTTP/1.0
