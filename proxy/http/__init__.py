@@ -15,7 +15,7 @@ from proxy.http.errors import (
     ResponseTimeout,
 )
 from proxy.http.pool import ConnectionPool
-from proxy.http.response import UpstreamResponse
+from proxy.http.response import FramedSink, UpstreamResponse
 
 __all__ = [
     "BadResponse",
@@ -25,6 +25,7 @@ __all__ = [
     "ConnectTimeout",
     "ConnectionPool",
     "Disconnected",
+    "FramedSink",
     "HTTPClientError",
     "ResponseTimeout",
     "UpstreamResponse",

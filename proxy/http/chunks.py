@@ -83,6 +83,13 @@ def whole_chunks(data: bytes) -> int:
     return total
 
 
+def chunk_payload(data: bytes) -> bytes:
+    """The chunks' data of ``data``, which ``whole_chunks`` passed, in one piece."""
+    pieces: list[bytes] = []
+    chunk_pieces(data, pieces.append)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
 def chunk_pieces(data: bytes, into: BodyPiece) -> None:
     """Each chunk's data of ``data``, which ``whole_chunks`` passed, to ``into``."""
     at = 0

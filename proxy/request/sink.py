@@ -19,7 +19,7 @@ from typing import NamedTuple, Protocol
 from aiohttp import web
 
 from proxy.core import TAIL_BYTES, ClientGone
-from proxy.http.response import FramedSink
+from proxy.http import FramedSink
 from proxy.observe import RequestRecord
 
 
