@@ -98,11 +98,16 @@ class BodyWriter(FramedSink):
     hands it whole chunks directly (``FramedSink``)."""
 
     def __init__(self, transport: Transport, high: int, chunked: bool, stamp: bool) -> None:
-        # The transport's methods, bound once: a method called on an object of a class mypyc
-        # did not compile is looked up on its type at every call, three times a chunk here.
-        self._send = transport.write
-        self._closing = transport.is_closing
-        self._buffered = transport.get_write_buffer_size
+        # The transport's methods, taken once from its class: a method called on an object of a
+        # class mypyc did not compile is looked up on its type at every call, three times a
+        # chunk here. Its class's own functions, not methods bound to it: those would be three
+        # objects of each writer's, a cache miss a chunk at 1,000 streams; these, every
+        # writer's.
+        kind = type(transport)
+        self._transport = transport
+        self._send: Callable[[Transport, bytes], None] = kind.write
+        self._closing: Callable[[Transport], bool] = kind.is_closing
+        self._buffered: Callable[[Transport], int] = kind.get_write_buffer_size
         self._high = high
         self._chunked = chunked
         self._stamp = stamp
@@ -123,8 +128,9 @@ class BodyWriter(FramedSink):
     def write_framed(self, data: bytes, size: int) -> bool:
         """``data`` as it goes on the wire, holding ``size`` body bytes: from ``write``, or
         whole chunks in chunked framing already (to a chunked response only). As ``write``."""
+        transport = self._transport
         closing = self._closing
-        if closing():
+        if closing(transport):
             raise ClientGone()
         if self._stamp:
             self._stamp = False
@@ -132,8 +138,8 @@ class BodyWriter(FramedSink):
         self.written += size
         self._before_last = self._last
         self._last = data
-        self._send(data)
-        return self._buffered() > self._high or closing()
+        self._send(transport, data)
+        return self._buffered(transport) > self._high or closing(transport)
 
     def tail(self) -> bytes:
         """The body's last bytes written, at most ``TAIL_BYTES`` of each of the last two writes
