@@ -12,7 +12,7 @@ import zlib
 import httptools
 import pytest
 
-from proxy.http.chunks import chunk_pieces, whole_chunks
+from proxy.http.chunks import chunk_payload, chunk_pieces, whole_chunks
 from proxy.http.connection import UpstreamConnection
 from proxy.http.response import COMPLETE, FramedSink, UpstreamResponse
 
@@ -62,6 +62,7 @@ def test_whole_chunks_are_counted_and_cut_as_the_parser_cuts_them(data: bytes) -
     pieces: list[bytes] = []
     chunk_pieces(data, pieces.append)
     assert pieces == parsed.pieces
+    assert chunk_payload(data) == b"".join(parsed.pieces)  # a fan-out child's read, in one
 
 
 @pytest.mark.parametrize(
