@@ -5,9 +5,12 @@ pays for them. The handler that writes them and the text format are ``proxy.obse
 
 from __future__ import annotations
 
+import asyncio
+import io
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from itertools import count
@@ -15,6 +18,7 @@ from typing import Any, Final
 
 import orjson
 from multidict import istr
+from mypy_extensions import mypyc_attr
 
 from proxy.core import X_REQUEST_ID
 from proxy.observe.record import Observer, RequestRecord
@@ -22,6 +26,8 @@ from proxy.observe.record import Observer, RequestRecord
 # Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
 _json_dumps: Final = orjson.dumps
 _time: Final = time.time
+_thread_id: Final = threading.get_ident
+_running_loop: Final = asyncio.get_running_loop
 
 logger: Final = logging.getLogger("n_proxy")
 _INFO: Final = logging.INFO
@@ -31,13 +37,77 @@ _REQUEST = b',"level":"info","msg":"request"'  # a request line's JSON after its
 _TRACEPARENT: Final = istr("traceparent")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the tests' own
+class Lines:
+    """The lines of ``proxy.observe.log``'s handler, written in batches: one write per tick of
+    the event loop, not one syscall per request. Compiled, as every request adds one: the
+    handler's ``add`` and ``stream`` are this one's.
+
+    A line waits at most one tick of the loop (``call_soon``); outside a loop it is written at
+    once, so nothing is held back at start-up or shutdown.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[str] = []
+        self.stream = stream
+        # The loop the last write was scheduled on, and its thread: asking asyncio for the
+        # running loop is a getpid(2) on Python 3.11, one a request at concurrency 1.
+        self._loop: Any = None
+        self._in_thread = 0
+        self._checked: object = None  # the stream last looked at, and whether it writes out
+        self._through = False
+
+    def add(self, line: str) -> None:
+        lines = self.lines
+        lines.append(line)
+        if len(lines) > 1:
+            return  # a write is already scheduled
+        loop, thread = self._loop, _thread_id()
+        # A loop running in this thread is the running loop: a thread runs one at a time.
+        if loop is None or thread != self._in_thread or not loop.is_running():
+            try:
+                loop = _running_loop()
+            except RuntimeError:
+                self.write()
+                return
+            self._loop, self._in_thread = loop, thread
+        loop.call_soon(self.write)
+
+    def write(self) -> None:
+        """The lines so far, in one write. Where that write reaches the file by itself (stderr's
+        does, ``writes_out``), it is the whole of it: logging's flush, a lock taken for a stream
+        flush that finds nothing to do, is left to the handler's ``flush`` (logging's shutdown
+        calls it)."""
+        lines = self.lines
+        if lines:
+            self.lines = []  # a line another thread adds from here waits for the next write
+            stream = self.stream
+            stream.write("\n".join(lines) + "\n")
+            if stream is not self._checked:
+                self._checked, self._through = stream, writes_out(stream)
+            if not self._through:
+                stream.flush()
+
+
+def writes_out(stream: object) -> bool:
+    """Whether a write of whole lines to ``stream`` reaches its file with no flush: a
+    line-buffered text stream (stderr on a terminal), or one that writes through to an
+    unbuffered file (stderr into a pipe or a file, from Python 3.9)."""
+    if getattr(stream, "line_buffering", False):
+        return True
+    return getattr(stream, "write_through", False) is True and isinstance(
+        getattr(stream, "buffer", None), io.FileIO
+    )
+
+
 class Direct:
     """The proxy's own handler and its format, set by ``proxy.observe.log.setup_logging``:
     while it is the logger's only handler, a request line is handed to it at once, without a
     ``LogRecord`` and its caller lookup."""
 
-    def __init__(self, handler: Any, line: Format) -> None:
-        self.handler = handler  # proxy.observe.log's _BatchingHandler: add(line) writes a line
+    def __init__(self, handler: Any, lines: Lines, line: Format) -> None:
+        self.handler = handler  # proxy.observe.log's _BatchingHandler, whose lines are ``lines``
+        self.lines = lines
         self.line = line  # the format's line: json_line, or the text formatter's
         self.json = line is json_line
 
@@ -48,9 +118,9 @@ class Direct:
             # request line's names are its own, none of them "ts", "level" or "msg".
             head = b'{"ts":' + _json_dumps(_ts(created)) + _REQUEST
             body = _json_dumps(fields, default=str)  # default: as json_line's
-            self.handler.add((head + (b"," + body[1:] if len(body) > 2 else b"}")).decode())
+            self.lines.add((head + (b"," + body[1:] if len(body) > 2 else b"}")).decode())
         else:
-            self.handler.add(self.line(created, "info", "request", fields))
+            self.lines.add(self.line(created, "info", "request", fields))
 
 
 _direct: Direct | None = None

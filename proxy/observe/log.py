@@ -7,15 +7,12 @@ folded into the line's ``exc`` field instead of spilling lines into the stream.
 
 from __future__ import annotations
 
-import asyncio
-import io
 import logging
 import sys
-import threading
 import time
 from typing import Any, Literal
 
-from proxy.observe.line import Direct, json_line, write_directly
+from proxy.observe.line import Direct, Lines, json_line, write_directly
 from proxy.observe.line import log_request as log_request  # the request line's one entry
 from proxy.observe.line import logger as logger  # the proxy's logger, named there once
 
@@ -88,21 +85,20 @@ def _escaped(text: str, table: dict[int, str]) -> str:
 
 
 class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
-    """Writes lines in batches: one write per event-loop tick, not one syscall per request.
-
-    A line waits at most one tick of the loop (``call_soon``); outside a loop it is written at
-    once, so nothing is held back at start-up or shutdown.
-    """
+    """Writes lines in batches, one write per event-loop tick (``proxy.observe.line.Lines``,
+    compiled): its stream is its lines' stream."""
 
     def __init__(self) -> None:
+        self._lines = Lines(sys.stderr)
         super().__init__(sys.stderr)
-        self._lines: list[str] = []
-        # The loop the last flush was scheduled on, and its thread: asking asyncio for the
-        # running loop is a getpid(2) on Python 3.11, one a request at concurrency 1.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = 0
-        self._checked: object = None  # the stream last looked at, and whether it writes out
-        self._direct = False
+
+    @property
+    def stream(self) -> Any:
+        return self._lines.stream
+
+    @stream.setter
+    def stream(self, stream: Any) -> None:
+        self._lines.stream = stream
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -113,48 +109,11 @@ class _BatchingHandler(logging.StreamHandler):  # type: ignore[type-arg]
         self.add(line)
 
     def add(self, line: str) -> None:
-        self._lines.append(line)
-        if len(self._lines) > 1:
-            return  # a flush is already scheduled
-        loop, thread = self._loop, threading.get_ident()
-        # A loop running in this thread is the running loop: a thread runs one at a time.
-        if loop is None or thread != self._thread or not loop.is_running():
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                self.flush()
-                return
-            self._loop, self._thread = loop, thread
-        loop.call_soon(self._write_lines)
-
-    def _write_lines(self) -> None:
-        """The lines so far, in one write. Where that write reaches the file by itself (stderr's
-        does, ``_writes_out``), it is the whole of it: logging's flush, a lock taken for a stream
-        flush that finds nothing to do, is left to ``flush`` (logging's shutdown calls it)."""
-        lines = self._lines
-        if lines:
-            self._lines = []  # a line another thread adds from here waits for the next write
-            stream = self.stream
-            stream.write("\n".join(lines) + "\n")
-            if stream is not self._checked:
-                self._checked, self._direct = stream, _writes_out(stream)
-            if not self._direct:
-                stream.flush()
+        self._lines.add(line)
 
     def flush(self) -> None:
-        self._write_lines()
+        self._lines.write()
         super().flush()
-
-
-def _writes_out(stream: object) -> bool:
-    """Whether a write of whole lines to ``stream`` reaches its file with no flush: a
-    line-buffered text stream (stderr on a terminal), or one that writes through to an
-    unbuffered file (stderr into a pipe or a file, from Python 3.9)."""
-    if getattr(stream, "line_buffering", False):
-        return True
-    return getattr(stream, "write_through", False) is True and isinstance(
-        getattr(stream, "buffer", None), io.FileIO
-    )
 
 
 def setup_logging(fmt: str, level: str = "info") -> None:
@@ -163,7 +122,7 @@ def setup_logging(fmt: str, level: str = "info") -> None:
     handler = _BatchingHandler()
     formatter = _JsonFormatter() if fmt == "json" else _TextFormatter()
     handler.setFormatter(formatter)
-    write_directly(Direct(handler, json_line if fmt == "json" else formatter.line))
+    write_directly(Direct(handler, handler._lines, json_line if fmt == "json" else formatter.line))
     number = logging.getLevelName(level.upper())
     logger.handlers[:] = [handler]
     logger.setLevel(number)

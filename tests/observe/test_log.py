@@ -27,6 +27,7 @@ from proxy.config.models import ClientTimeouts, Listen, single_upstream_config
 from proxy.observe import line as request_line
 from proxy.observe import log
 from proxy.observe.clienterrors import LINES_PER_SECOND
+from proxy.observe.line import json_line
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
 from proxy.request.responses import WholeAnswer
 from proxy.server.generations import Generations
@@ -434,19 +435,24 @@ async def test_a_whole_answer_is_written_before_its_request_line(
     setup("json", stream)
     requests: list[web.Request] = []
     written: list[int] = []
-    dispatch, add = Generations.dispatch, log._BatchingHandler.add
+    dispatch = Generations.dispatch
 
     def recorded(self: Generations, request: web.Request) -> Awaitable[web.StreamResponse]:
         requests.append(request)
         return dispatch(self, request)
 
-    def added(self: log._BatchingHandler, line: str) -> None:
-        if '"msg":"request"' in line:
-            written.append(requests[-1].writer.output_size)
-        add(self, line)
+    class Added(request_line.Lines):
+        def add(self, line: str) -> None:
+            if '"msg":"request"' in line:
+                written.append(requests[-1].writer.output_size)
+            super().add(line)
 
     monkeypatch.setattr(Generations, "dispatch", recorded)
-    monkeypatch.setattr(log._BatchingHandler, "add", added)
+    direct = request_line._direct
+    assert direct is not None
+    handler = direct.handler
+    handler._lines = Added(stream)  # the request line's way in, and every other line's
+    request_line.write_directly(request_line.Direct(handler, handler._lines, json_line))
     server = await running(backend)
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 3, "n": n}
     try:
@@ -607,4 +613,4 @@ def test_a_ticks_lines_are_in_the_file_at_the_tick_with_a_flush_only_where_one_i
 
 def test_stderr_itself_writes_its_lines_out() -> None:
     """What the handler counts on for the proxy's own stream, on this Python."""
-    assert log._writes_out(sys.__stderr__)
+    assert request_line.writes_out(sys.__stderr__)
