@@ -3,13 +3,20 @@ writer, and the answers the proxy writes itself.
 """
 
 from proxy.request.handler import Handler, InFlight, Requests
-from proxy.request.responses import SERVER, error_page, server_header, status_response
+from proxy.request.responses import (
+    SERVER,
+    WholeAnswer,
+    error_page,
+    server_header,
+    status_response,
+)
 
 __all__ = [
     "SERVER",
     "Handler",
     "InFlight",
     "Requests",
+    "WholeAnswer",
     "error_page",
     "server_header",
     "status_response",

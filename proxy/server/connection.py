@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import warnings
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, cast
@@ -21,13 +22,14 @@ from aiohttp.helpers import ceil_timeout
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import StreamReader
+from aiohttp.web_exceptions import HTTPException
 from aiohttp.web_protocol import _PAYLOAD_ACCESS_ERROR, ERROR, RequestHandler, _ErrInfo
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
 from proxy.config import Config
 from proxy.core import InvalidRequest, RequestTimeout
 from proxy.observe import ClientErrors, Metrics, kind_of, lacks_version
-from proxy.request import error_page, status_response
+from proxy.request import WholeAnswer, error_page, status_response
 from proxy.server.backlog import listen_backlog
 
 
@@ -60,18 +62,22 @@ _HTTP09_PAGE = error_page(400, InvalidRequest("malformed request line: no HTTP v
 _FIRST_LINE = 8190  # bytes of a connection's first line looked at: aiohttp's max_line_size
 _MESSAGE = 300  # characters of the parser's message in a 400's body
 
-# The digest of aiohttp's own loop over a connection's requests that ClientConnection.start
-# copies: aiohttp 3.14.4's and 3.14.5's.
-_COPIED_START = "2e565fd40c8e04fb"
+# The digests of aiohttp's own loop over a connection's requests and of its step for one
+# request, which ClientConnection.start and _handle_request copy: aiohttp 3.14.4's and 3.14.5's.
+_COPIED = {"start": "2e565fd40c8e04fb", "_handle_request": "a88a34ee65a2714c"}
 
 
 def _copies_start() -> bool:
-    """Whether the installed aiohttp's ``RequestHandler.start`` is the one copied."""
-    try:
-        source = inspect.getsource(RequestHandler.start)
-    except (OSError, TypeError):  # no source to compare: its own loop serves
-        return False
-    return hashlib.sha256(source.encode()).hexdigest()[:16] == _COPIED_START
+    """Whether the installed aiohttp's ``RequestHandler.start`` and ``_handle_request`` are the
+    ones copied."""
+    for name, digest in _COPIED.items():
+        try:
+            source = inspect.getsource(getattr(RequestHandler, name))
+        except (OSError, TypeError):  # no source to compare: its own loop serves
+            return False
+        if hashlib.sha256(source.encode()).hexdigest()[:16] != digest:
+            return False
+    return True
 
 
 COPIES_START = _copies_start()
@@ -283,6 +289,60 @@ class ClientConnection(ErrorPages):
                 self._task_handler = None
                 if self.transport is not None:
                     self.transport.close()
+
+        async def _handle_request(
+            self,
+            request: web.BaseRequest,
+            start_time: float | None,
+            request_handler: Handle,
+        ) -> tuple[web.StreamResponse, bool]:
+            """aiohttp's step for one request (``RequestHandler._handle_request``, as of aiohttp
+            3.14.4), with a whole answer's end here: ``finish_response`` would release a
+            multipart form's files (``request._finish``), have it prepared (which writes it
+            whole, ``WholeAnswer``) and its end written (nothing left), then log its access; two
+            coroutines and 3,000 instructions a pass-through."""
+            self._request_in_progress = True
+            try:
+                try:
+                    self._current_request = request
+                    resp = await request_handler(request)
+                finally:
+                    self._current_request = None
+            except HTTPException as exc:
+                resp, reset = await self.finish_response(request, exc, start_time)
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError as exc:
+                self.log_debug("Request handler timed out.", exc_info=exc)
+                resp = self.handle_error(request, 504)
+                resp, reset = await self.finish_response(request, resp, start_time)
+            except Exception as exc:
+                resp = self.handle_error(request, 500, exc)
+                resp, reset = await self.finish_response(request, resp, start_time)
+            else:
+                if type(resp) is WholeAnswer and not self._upgraded and self.access_logger is None:
+                    request._finish()
+                    try:
+                        await resp.prepare(request)
+                        if not resp._eof_sent:  # an answer with no body: aiohttp's steps
+                            await resp.write_eof()
+                        reset = False
+                    except ConnectionError:
+                        reset = True
+                else:
+                    if getattr(resp, "__http_exception__", False):  # aiohttp's #2415
+                        warnings.warn(
+                            "returning HTTPException object is deprecated (#2415) and will be "
+                            "removed, please raise the exception instead",
+                            DeprecationWarning,
+                            stacklevel=1,
+                        )
+                    resp, reset = await self.finish_response(request, resp, start_time)
+            finally:
+                self._request_in_progress = False
+                if self._handler_waiter is not None:
+                    self._handler_waiter.set_result(None)
+            return resp, reset
 
         async def _linger(self, payload: StreamReader) -> None:
             """A body the handler left unread: read and dropped for up to ``lingering_time``, then

@@ -42,6 +42,7 @@ CROSSED = {"server", "request", "upstream", "http", "core", "observe"}
 AWAIT_CHAIN: set[tuple[str, str]] = set()
 if connection.COPIES_START:  # the connection's loop awaits the handler in its own task
     AWAIT_CHAIN.add(("proxy.server.connection", "ClientConnection.start"))
+    AWAIT_CHAIN.add(("proxy.server.connection", "ClientConnection._handle_request"))
 # Into the upstream layer, per request and per child (dunder methods are the ``async with`` of
 # the object an entry returned, not entries of their own).
 ENTRIES = {
