@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from http import HTTPStatus
+from typing import Any
 
 import orjson
 from aiohttp import hdrs, web
@@ -92,16 +93,27 @@ _SERVER_HEADER_ONLY = (server_header,)
 def _prepare_hooks(request: web.BaseRequest) -> tuple[object, ...]:
     """What ``request._prepare_hook`` runs: the ``on_response_prepare`` handlers of the
     request's apps; ``_SERVER_HEADER_ONLY`` itself when that is all (the proxy app's own), so a
-    whole answer can set that header itself and skip the signal, three coroutines a request."""
+    whole answer can set that header itself and skip the signal, three coroutines a request.
+    The last match's are kept: the listener gives every request the same one
+    (``proxy.server.connection.direct_route``), and a started app's signals are frozen."""
+    global _last_hooks
     match = getattr(request, "_match_info", None)
     if match is None:
         return ()
+    last, hooks = _last_hooks
+    if match is last:
+        return hooks
     apps = match._apps
-    if len(apps) == 1:  # the proxy's: one app, no sub-apps
-        hooks = apps[0].on_response_prepare
-        if len(hooks) == 1 and hooks[0] is server_header:
-            return _SERVER_HEADER_ONLY
-    return tuple(hook for app in apps for hook in app.on_response_prepare)
+    if len(apps) == 1 and list(apps[0].on_response_prepare) == [server_header]:
+        hooks = _SERVER_HEADER_ONLY  # the proxy's: one app, no sub-apps, its one hook
+    else:
+        hooks = tuple(hook for app in apps for hook in app.on_response_prepare)
+    if all(app.frozen for app in apps):
+        _last_hooks = (match, hooks)
+    return hooks
+
+
+_last_hooks: tuple[object, tuple[object, ...]] = (None, ())
 
 
 class WholeAnswer(web.Response):
@@ -119,6 +131,9 @@ class WholeAnswer(web.Response):
     # without aiohttp installed (tests/meta/test_build.py).
     _eof_sent: bool
     _keep_alive: bool | None
+    _state: dict[Any, Any]
+    _status: int
+    _reason: str
     keeps_server = False  # a pass-through's, whose upstream sent its own (server_header)
     # aiohttp asks each answer with getattr(answer, "__http_exception__", False): on a class
     # without it, an AttributeError is made and caught on every request.
@@ -132,7 +147,15 @@ class WholeAnswer(web.Response):
         they are: ``web.Response.__init__`` would check arguments a pass-through never gives,
         then copy them. What it sets is set here (tests/meta/test_layers.py checks the names)."""
         answer = cls.__new__(cls)
-        web.StreamResponse.__init__(answer, status=status, reason=reason, _real_headers=headers)
+        # web.StreamResponse.__init__'s and _set_status's sets, without their two calls.
+        if reason is None:
+            reason = _REASONS.get(status, "")
+        elif "\r" in reason or "\n" in reason:
+            raise ValueError("Reason cannot contain \\r or \\n")
+        answer._state = {}
+        answer._headers = headers
+        answer._status = status
+        answer._reason = reason
         answer._body = body
         answer._compressed_body = None
         answer._zlib_executor_size = MAX_SYNC_CHUNK_SIZE
@@ -211,6 +234,8 @@ class WholeAnswer(web.Response):
             await writer.drain()  # a slow reader: no next answer piles up behind this one
         return None
 
+
+_REASONS = {status.value: status.phrase for status in HTTPStatus}  # as aiohttp's REASON_PHRASES
 
 _FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # as aiohttp's writer (RFC 9110 §5.5)
 

@@ -87,6 +87,8 @@ INSTANCE_MEMBERS = {
         # WholeAnswer.prepare, proxy.request.parsed's status_of and ClientConnection.start: what
         # the answer's properties return, each a Python call.
         "_status", "_reason", "_headers", "_compression", "_payload_writer",
+        # WholeAnswer.relayed: what web.StreamResponse.__init__ sets.
+        "_state",
     ),
     # WholeAnswer.relayed: a web.Response made without its __init__.
     web.Response: ("_body", "_compressed_body", "_zlib_executor_size", "_zlib_executor"),
@@ -345,13 +347,22 @@ async def test_each_private_aiohttp_attribute_the_server_reads_is_still_set() ->
             assert hasattr(made[owner], member), f"{owner.__qualname__}().{member} is gone"
 
 
-def test_a_relayed_whole_answer_is_made_as_aiohttp_makes_a_response() -> None:
+@pytest.mark.parametrize(("status", "reason"), [(201, "Made"), (404, None), (599, None)])
+def test_a_relayed_whole_answer_is_made_as_aiohttp_makes_a_response(
+    status: int, reason: str | None
+) -> None:
     """``WholeAnswer.relayed`` skips ``web.Response.__init__``: on the installed aiohttp, what
-    it sets must be all that ``__init__`` sets, to the same values, its headers taken as given
-    (``StreamResponse``'s ``_real_headers``)."""
+    it sets must be all that ``__init__`` sets, to the same values (a missing reason the same
+    phrase, or none), its headers taken as given (``StreamResponse``'s ``_real_headers``); a
+    reason with a line break is refused as aiohttp refuses it."""
     headers = CIMultiDict({"Content-Type": "application/json", "X-Request-Id": "r"})
-    made = WholeAnswer(status=201, reason="Made", headers=headers, body=b"{}")
-    relayed = WholeAnswer.relayed(201, "Made", headers, b"{}")
+    made = WholeAnswer(status=status, reason=reason, headers=headers, body=b"{}")
+    relayed = WholeAnswer.relayed(status, reason, headers, b"{}")
+    for broken in ("A\r\nB: c", "A\nB"):
+        with pytest.raises(ValueError, match="Reason cannot contain"):
+            WholeAnswer.relayed(status, broken, headers, b"{}")
+        with pytest.raises(ValueError, match="Reason cannot contain"):
+            WholeAnswer(status=status, reason=broken, headers=headers, body=b"{}")
     assert relayed.headers is headers
     assert vars(relayed).keys() == vars(made).keys()
     for name, value in vars(made).items():
