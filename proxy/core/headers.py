@@ -7,7 +7,7 @@ Hop-by-hop headers (``Proxy-*`` among them), and any named in ``Connection``, ne
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Final, TypeAlias
 
 from multidict import CIMultiDict, CIMultiDictProxy, istr
@@ -75,11 +75,11 @@ _request_verdicts: Final = Remembered(_request_verdict, _NAMES, _LONGEST)
 _response_verdicts: Final = Remembered(_response_verdict, _NAMES, _LONGEST)
 
 
-def _filtered(headers: Headers, verdicts: Remembered[int]) -> CIMultiDict[str]:
+def _filtered(headers: Iterable[tuple[str, str]], verdicts: Remembered[int]) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     add = out.add
     named: list[str] = []  # what Connection names, dropped too, wherever it stands
-    for name, value in headers.items():
+    for name, value in headers:
         verdict = verdicts.of(name)
         if verdict == _KEEP:
             add(name, value)
@@ -104,7 +104,7 @@ _named: Final = Remembered(_named_in, _NAMES, 64)
 
 def request_headers(incoming: Headers, injected: Mapping[str, str]) -> CIMultiDict[str]:
     """End-to-end request headers for the upstream; configured headers replace the client's."""
-    out = _filtered(incoming, _request_verdicts)
+    out = _filtered(incoming.items(), _request_verdicts)
     for name, value in injected.items():
         out[name] = value
     return out
@@ -142,8 +142,12 @@ def rebased_headers(
     return out
 
 
-def response_headers(incoming: Headers) -> CIMultiDict[str]:
-    return _filtered(incoming, _response_verdicts)
+def response_headers(incoming: Headers | list[tuple[str, str]]) -> CIMultiDict[str]:
+    """End-to-end response headers for the client, from a head's headers or their fields (a
+    list is iterated without an iterator object per header)."""
+    if isinstance(incoming, list):
+        return _filtered(incoming, _response_verdicts)
+    return _filtered(incoming.items(), _response_verdicts)
 
 
 def client_request_id(header: str | None, body_request_id: object) -> str | None:

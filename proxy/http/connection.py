@@ -310,7 +310,7 @@ class UpstreamConnection(asyncio.Protocol):
             raise _Beyond
         response = self.response
         if response is not None:
-            response.headers = CIMultiDict()
+            response.fields = []
 
     def on_status(self, status: bytes) -> None:
         if self.response is not None:
@@ -318,7 +318,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.response is not None:
-            self.response.headers.add(self._text(name), self._text(value))
+            self.response.fields.append((self._text(name), self._text(value)))
 
     def _text(self, raw: bytes) -> str:
         """Header bytes as aiohttp's server writes them back unchanged: UTF-8. Bytes that are
@@ -338,7 +338,7 @@ class UpstreamConnection(asyncio.Protocol):
             if status == 101:
                 raise ValueError("upstream switched protocols")
             return  # an interim response: the real head follows
-        headers = response.headers
+        headers = response.headers = CIMultiDict(response.fields)  # one call, not one a header
         no_body = response.method == "HEAD" or status in _NO_BODY_STATUS
         chunked = False
         coded = headers.getall(_TRANSFER_ENCODING, None)

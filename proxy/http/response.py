@@ -132,6 +132,7 @@ class UpstreamResponse:
         self.status = 0
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
+        self.fields: list[tuple[str, str]] = []  # the head's headers in order, as they came
         # A header value or the reason held bytes that are not UTF-8: see
         # proxy.request.passthrough.ExactHead.
         self.escaped = False

@@ -63,14 +63,14 @@ async def _relay(
         if record.route != "other" and 200 <= status < 300:
             record.tail = data
         whole = WholeAnswer.relayed(
-            status, upstream_response.reason, response_headers(upstream_response.headers), data
+            status, upstream_response.reason, response_headers(upstream_response.fields), data
         )
         whole.keeps_server = keeps_server
         return whole
     response = (ExactHead if exact else Relayed)(
         status=status,
         reason=upstream_response.reason,
-        headers=response_headers(upstream_response.headers),
+        headers=response_headers(upstream_response.fields),
     )
     response.keeps_server = keeps_server
     if length is not None:
