@@ -203,9 +203,8 @@ def ms(seconds: float) -> float:
 
 
 # The line's request id when the client sent none: unique per process, cheap per request.
-_ID_PREFIX = os.urandom(6).hex() + "-"
+_ID_FORMAT: Final = os.urandom(6).hex() + "-%x"  # one % a line: an f-string is two calls
 _next_id: Final = count(1).__next__
-_format: Final = format  # a builtin is looked up on its module at every call, compiled
 
 
 def logged_id(headers: Mapping[str, str]) -> str:
@@ -214,7 +213,7 @@ def logged_id(headers: Mapping[str, str]) -> str:
     incoming = headers.get(X_REQUEST_ID)
     if incoming is not None:
         return incoming[:200]
-    return _ID_PREFIX + _format(_next_id(), "x")  # an f-string compiles to two str.format calls
+    return _ID_FORMAT % _next_id()
 
 
 def _incoming_trace_id(headers: Mapping[str, str]) -> str | None:

@@ -129,6 +129,11 @@ class Handler:
         # 400 with the plan's own wording, not a 429 the client would retry for ever.
         cap = config.clients.max_children
         self.max_children = min(config.max_children, cap) if cap else config.max_children
+        # What every request reads of the config, as fields of this compiled class: a field of
+        # a pydantic model is a Python attribute read through its __getattr__ hook.
+        self.fanout_paths = frozenset(config.fanout_paths)
+        self.max_body_bytes = config.max_body_bytes
+        self.max_n = config.max_n
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         record = RequestRecord(
@@ -167,7 +172,7 @@ class Handler:
         if self.merges_models and path == MODELS_PATH and method == "GET":
             record.upstream = config.default_upstream
             return await list_models(request, self.upstreams, record, client)
-        fans_out = method == "POST" and path in config.fanout_paths
+        fans_out = method == "POST" and path in self.fanout_paths
         body = await self._read_body(request)
         if not isinstance(body, bytes):  # not web.StreamResponse: an ABC, a slower test
             if fans_out and not body.prepared:  # a 413: the answer of a fan-out request too
@@ -233,7 +238,7 @@ class Handler:
         try:
             if content.is_eof():  # the whole body came with the head: taken as it lies
                 body = content.read_nowait()
-                return body if len(body) <= config.max_body_bytes else _too_large(config)
+                return body if len(body) <= self.max_body_bytes else _too_large(config)
             async with _timeout(config.client_timeouts.body):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:  # request.read()'s cap: the app's client_max_size
@@ -259,11 +264,10 @@ class Handler:
         Raises ``ProxyError`` for a body the proxy refuses (docs/behaviour.md#validation); reads
         nothing but the body and headers it is given.
         """
-        config = self.config
         coding = record.headers.get(_CONTENT_ENCODING)
         codings = content_codings(coding) if coding is not None else []  # most requests have none
         if endpoint is not None:
-            plain = inflate(body, codings, config.max_body_bytes) if codings else body
+            plain = inflate(body, codings, self.max_body_bytes) if codings else body
             parsed: dict[str, object] | None = parse_body(plain)
         else:
             parsed = self._routing_json(request, body, codings)
@@ -278,7 +282,7 @@ class Handler:
         plan = plan_request(
             parsed,
             _partial(_parent_id, request, parsed),
-            config.max_n,
+            self.max_n,
             endpoint=endpoint,
             max_children=self.max_children,
         )

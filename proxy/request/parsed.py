@@ -10,12 +10,15 @@ members (tests/meta/test_layers.py checks them).
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from aiohttp import web
 from aiohttp.http_writer import HttpVersion
 from aiohttp.streams import EmptyStreamReader, StreamReader
 from multidict import CIMultiDictProxy
+
+# Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
+_EMPTY: Final = EmptyStreamReader
 
 
 def method_of(request: web.BaseRequest) -> str:
@@ -63,4 +66,4 @@ def status_of(response: web.StreamResponse) -> int:
 def has_body(request: web.BaseRequest) -> bool:
     """``request.body_exists``: a body is framed, by chunks (even none but the last) or by a
     length above zero."""
-    return type(request._payload) is not EmptyStreamReader
+    return type(request._payload) is not _EMPTY

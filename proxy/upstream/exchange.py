@@ -247,7 +247,7 @@ class Exchange:
         too."""
         response = self.response
         upstream = self._ticket.state.upstream
-        limit = self._upstreams.config.max_response_bytes
+        limit = self._ticket.state.max_response_bytes
         length = response.content_length
         try:
             if length is not None and length > limit:

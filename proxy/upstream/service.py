@@ -65,7 +65,8 @@ class Upstreams:
         self.resolve = resolver or resolve
         previous = newest(other._states for other in earlier)
         self._states: dict[str, UpstreamState] = {
-            u.name: UpstreamState(u, metrics, previous.get(u.name)) for u in config.upstreams
+            u.name: UpstreamState(u, metrics, config.max_response_bytes, previous.get(u.name))
+            for u in config.upstreams
         }
         for state in self._states.values():
             state.publish()

@@ -24,11 +24,23 @@ class UpstreamState:
     """What the proxy holds for one upstream: replicas, slots, retry policy, requests in flight."""
 
     def __init__(
-        self, upstream: Upstream, metrics: Metrics, earlier: UpstreamState | None = None
+        self,
+        upstream: Upstream,
+        metrics: Metrics,
+        max_response_bytes: int,
+        earlier: UpstreamState | None = None,
     ) -> None:
-        """``earlier``: the same upstream's state in a config a reload replaced, still alive:
-        its line (resized only at the hand-over, ``take_over``) and its replicas are this one's."""
+        """``max_response_bytes``: the config's. ``earlier``: the same upstream's state in a
+        config a reload replaced, still alive: its line (resized only at the hand-over,
+        ``take_over``) and its replicas are this one's."""
         self.upstream = upstream
+        # What every request reads of the config, as fields of this compiled class: a field of
+        # a pydantic model is a Python attribute read through its __getattr__ hook.
+        timeouts = upstream.timeouts
+        self.connect_timeout: float = timeouts.connect
+        self.first_byte_timeout: float = timeouts.first_byte
+        self.idle_timeout: float = timeouts.idle
+        self.max_response_bytes = max_response_bytes
         self.slots = Slots(upstream.max_concurrency, upstream.max_queue, grace(upstream))
         if earlier is not None:
             self.slots = earlier.slots

@@ -13,7 +13,6 @@ from typing import Final, Protocol
 
 from multidict import CIMultiDict
 
-from proxy.config import Upstream
 from proxy.core import Overloaded, rebased_headers
 from proxy.http import BodyTooLong, ConnectionPool, HTTPClientError, UpstreamResponse
 from proxy.observe import ChildRecord, Metrics, log_event
@@ -88,7 +87,7 @@ class Tries:
             failed: UpstreamResponse | None = None
             place: Place | None = None
             try:
-                response = await self._open(replica, request, upstream)
+                response = await self._open(replica, request, state)
             except (TimeoutError, HTTPClientError) as exc:
                 replica.outstanding -= 1
                 reason = failure_kind(exc)
@@ -157,7 +156,7 @@ class Tries:
         budget share goes back, and nothing counts it."""
         try:
             if failed is not None:
-                await self.discard(failed, state.upstream.timeouts.idle)
+                await self.discard(failed, state.idle_timeout)
             await self._clock.sleep(verdict.delay)
         except BaseException:
             state.retry.unsent(verdict)
@@ -192,7 +191,7 @@ class Tries:
         other = self._states[state.upstream.fallback]
         try:
             if failed is not None:
-                await self.discard(failed, state.upstream.timeouts.idle)
+                await self.discard(failed, state.idle_timeout)
             await place.wait()
             self._metrics.fallbacks.labels(state.upstream.name, other.upstream.name).inc()
             log_event("upstream fallback", upstream=state.upstream.name, to=other.upstream.name)
@@ -209,15 +208,14 @@ class Tries:
         return response, replica, place
 
     def _open(
-        self, replica: Replica, request: UpstreamRequest, upstream: Upstream
+        self, replica: Replica, request: UpstreamRequest, state: UpstreamState
     ) -> Awaitable[UpstreamResponse]:
         """One HTTP request to one replica, up to its response headers. Not a coroutine itself:
         the caller awaits the pool's, one coroutine fewer a request."""
-        timeouts = upstream.timeouts
         return self._connections.request(
             replica.url, request.method, request.path_qs, with_host(request.headers, replica),
-            request.body, connect=timeouts.connect, first_byte=timeouts.first_byte,
-            idle=timeouts.idle, inflate=request.inflate,
+            request.body, connect=state.connect_timeout, first_byte=state.first_byte_timeout,
+            idle=state.idle_timeout, inflate=request.inflate,
             buffer=2 * (request.read_bufsize or _RELAY_BUFFER), tls_name=replica.tls_name,
         )  # fmt: skip
 
