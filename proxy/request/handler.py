@@ -43,6 +43,7 @@ from proxy.request.clients import ClientIds
 from proxy.request.fanout import Fanout, Fanouts, respond_json, respond_stream
 from proxy.request.models import MODELS_PATH, list_models, merges_models
 from proxy.request.parsed import (
+    body_as_it_lies,
     content_of,
     headers_of,
     method_of,
@@ -234,9 +235,12 @@ class Handler:
     async def _read_body(self, request: web.Request) -> bytes | web.StreamResponse:
         """The whole request body, or the answer that ends the request instead (413, 408)."""
         config = self.config
+        whole = body_as_it_lies(request)  # the whole body came with the head: taken as it lies
+        if whole is not None:
+            return whole if len(whole) <= self.max_body_bytes else _too_large(config)
         content = content_of(request)
         try:
-            if content.is_eof():  # the whole body came with the head: taken as it lies
+            if content.is_eof():  # the whole body is in, in pieces
                 body = content.read_nowait()
                 return body if len(body) <= self.max_body_bytes else _too_large(config)
             async with _timeout(config.client_timeouts.body):

@@ -58,6 +58,35 @@ def content_of(request: web.BaseRequest) -> StreamReader:
     return request._payload
 
 
+def body_as_it_lies(request: web.BaseRequest) -> bytes | None:
+    """``request.content.read_nowait()`` of a body that came whole with its head, taken from its
+    reader's buffer: the reader at its end, with no error, nobody waiting, nothing of it read
+    yet, no chunk boundaries kept, and one piece under its low-water mark in its buffer (so the
+    connection's reading, which such a body did not pause, has nothing to resume). None for any
+    other body: read as aiohttp reads it. Six Python calls fewer a request."""
+    content = request._payload
+    if type(content) is _EMPTY:
+        return b""
+    buffer = content._buffer
+    if (
+        not content._eof
+        or content._exception is not None
+        or content._waiter is not None
+        or content._buffer_offset
+        or content._http_chunk_splits is not None
+        or len(buffer) != 1
+    ):
+        return None
+    data: bytes = buffer[0]
+    size = len(data)
+    if size >= content._low_water:
+        return None
+    buffer.clear()
+    content._size -= size
+    content._cursor += size
+    return data
+
+
 def status_of(response: web.StreamResponse) -> int:
     """``response.status``: a property, a Python call on Python 3.11."""
     return response._status

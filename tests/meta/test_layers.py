@@ -20,6 +20,7 @@ Every check is a function of module sources, so each is also run on literal inpu
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib
 import inspect
 from collections.abc import Iterable, Mapping
@@ -27,16 +28,19 @@ from pathlib import Path
 
 import aiohttp.base_protocol
 import aiohttp.http_writer
+import aiohttp.streams
 import aiohttp.web_protocol
 import aiohttp.web_runner
 import aiohttp.web_server
 import pytest
 from aiohttp import web
+from aiohttp.streams import StreamReader
 from aiohttp.test_utils import make_mocked_request
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 from multidict import CIMultiDict
 
+from proxy.request import parsed
 from proxy.request.responses import Relayed, WholeAnswer
 from proxy.server import connection
 
@@ -80,6 +84,11 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     # the handler's flow control, read by the client sink.
     aiohttp.http_writer.StreamWriter: ("chunked", "send_headers"),
     aiohttp.base_protocol.BaseProtocol: ("writing_paused", "_reading_paused"),
+    # proxy.request.parsed.body_as_it_lies: a body that came with its head, read as it lies.
+    aiohttp.streams.StreamReader: (
+        "_buffer", "_eof", "_exception", "_waiter", "_buffer_offset", "_http_chunk_splits",
+        "_low_water", "_size", "_cursor",
+    ),
 }  # fmt: skip
 INSTANCE_MEMBERS = {
     web.StreamResponse: (
@@ -345,6 +354,59 @@ async def test_each_private_aiohttp_attribute_the_server_reads_is_still_set() ->
     for owner, members in INSTANCE_MEMBERS.items():
         for member in members:
             assert hasattr(made[owner], member), f"{owner.__qualname__}().{member} is gone"
+
+
+class _Reading:
+    """A protocol as a body's reader sees it: whether, and how, it was asked to resume."""
+
+    def __init__(self) -> None:
+        self.resumed: list[bool] = []
+        self._reading_paused = False
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        self.resumed.append(resume_parser)
+
+
+def _reader(pieces: list[bytes], *, eof: bool = True, chunked: bool = False) -> StreamReader:
+    reader = StreamReader(_Reading(), 2**16, loop=asyncio.get_running_loop())  # type: ignore[arg-type]
+    for piece in pieces:
+        if chunked:
+            reader.begin_http_chunk_receiving()
+        reader.feed_data(piece)
+        if chunked:
+            reader.end_http_chunk_receiving()
+    if eof:
+        reader.feed_eof()
+    return reader
+
+
+def _state(reader: StreamReader) -> tuple[object, ...]:
+    return (reader._size, reader._cursor, list(reader._buffer), reader._buffer_offset)
+
+
+async def test_a_body_taken_as_it_lies_leaves_its_reader_as_read_nowait_does() -> None:
+    """``body_as_it_lies`` takes a body that came whole with its head from its reader's buffer:
+    the same bytes, the reader left as ``read_nowait`` leaves it; any other body (in pieces, not
+    all in, chunked, past the low-water mark, with an error) is left to aiohttp's reads."""
+    for pieces in ([b'{"model": "m"}'], [b"x" * 1000]):
+        taken, read = _reader(pieces), _reader(pieces)
+        request = make_mocked_request("POST", "/", payload=taken)
+        assert parsed.body_as_it_lies(request) == read.read_nowait() == pieces[0]
+        assert _state(taken) == _state(read)
+        assert taken.at_eof()
+    left = [
+        _reader([b"a", b"b"]),
+        _reader([b"ab"], eof=False),
+        _reader([b"ab"], chunked=True),
+        _reader([b"x" * 2**16]),
+    ]
+    failed = _reader([b"ab"])
+    failed.set_exception(ValueError("broken"))
+    for reader in [*left, failed]:
+        before = _state(reader)
+        assert parsed.body_as_it_lies(make_mocked_request("POST", "/", payload=reader)) is None
+        assert _state(reader) == before
+    assert parsed.body_as_it_lies(make_mocked_request("GET", "/")) == b""  # no body at all
 
 
 @pytest.mark.parametrize(("status", "reason"), [(201, "Made"), (404, None), (599, None)])
