@@ -8,7 +8,7 @@ from __future__ import annotations
 from proxy.config import Config
 from proxy.core import UpstreamTimeout, UpstreamUnavailable, token_counts
 from proxy.observe.metrics import STATUS_CLASSES, Metrics, TokenSeries
-from proxy.observe.plain import Count, Observe
+from proxy.observe.plain import Count, Observe, counted, observed
 from proxy.observe.record import ChildRecord, Observer, RequestRecord
 
 
@@ -93,8 +93,8 @@ class RequestMetrics(Observer):
         timings = self._timings.get((route, model))
         if timings is None:
             timings = self._timings[(route, model)] = (
-                self._metrics.time_to_first_token.labels(route, model),
-                self._metrics.time_per_output_token.labels(route, model),
+                observed(self._metrics.time_to_first_token.labels(route, model)),
+                observed(self._metrics.time_per_output_token.labels(route, model)),
             )
         to_first, per_token = timings
         to_first.observe(first_at - record.started)
@@ -113,12 +113,12 @@ class _UpstreamSeries:
     def __init__(self, metrics: Metrics, name: str) -> None:
         self._name = name
         self._responses = metrics.upstream_responses
-        self.queue_wait: Observe = metrics.queue_wait.labels(name)
-        self.ttfb: Observe = metrics.upstream_ttfb.labels(name)
-        self.duration: Observe = metrics.upstream_duration.labels(name)
-        self.timeout: Count = self._responses.labels(name, "timeout")
-        self.unreachable: Count = self._responses.labels(name, "unreachable")
-        self.aborted: Count = metrics.children_aborted.labels(name)
+        self.queue_wait = observed(metrics.queue_wait.labels(name))
+        self.ttfb = observed(metrics.upstream_ttfb.labels(name))
+        self.duration = observed(metrics.upstream_duration.labels(name))
+        self.timeout = counted(self._responses.labels(name, "timeout"))
+        self.unreachable = counted(self._responses.labels(name, "unreachable"))
+        self.aborted = counted(metrics.children_aborted.labels(name))
         self._by_class: list[Count | None] = [None] * 10  # status // 100 % 10 -> its count
 
     def answered(self, status: int) -> Count:
@@ -126,5 +126,7 @@ class _UpstreamSeries:
         at = status // 100 % 10
         count = self._by_class[at]
         if count is None:
-            count = self._by_class[at] = self._responses.labels(self._name, STATUS_CLASSES[at])
+            count = self._by_class[at] = counted(
+                self._responses.labels(self._name, STATUS_CLASSES[at])
+            )
         return count

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from proxy.observe.catalog import OTHER, ModelCatalog
 from proxy.observe.census import GAUGES
-from proxy.observe.plain import Count, Observe, PlainCounter, PlainHistogram
+from proxy.observe.plain import Count, Observe, PlainCounter, PlainHistogram, counted, observed
 
 if TYPE_CHECKING:
     from proxy.config import Config
@@ -383,7 +383,7 @@ class Metrics:
     def token_series(self, route: str, upstream: str, model: str) -> TokenSeries:
         """The four token counts of one (route, upstream, model) label set."""
         prompt, completion, cached, reasoning = (
-            family.labels(route, upstream, model) for family in self._token_families()
+            counted(family.labels(route, upstream, model)) for family in self._token_families()
         )
         return TokenSeries(prompt, completion, cached, reasoning)
 
@@ -405,9 +405,9 @@ class Metrics:
         out) label set."""
         fanned = "true" if fanned_out else "false"
         return (
-            self.requests.labels(route, str(status), fanned),
-            self.request_duration.labels(route, fanned),
-            self.first_chunk.labels(route, fanned),
+            counted(self.requests.labels(route, str(status), fanned)),
+            observed(self.request_duration.labels(route, fanned)),
+            observed(self.first_chunk.labels(route, fanned)),
         )
 
     def sampled(self) -> Iterator[Metric]:
