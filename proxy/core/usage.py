@@ -94,14 +94,16 @@ def token_counts(usage: Mapping[str, Any]) -> Tokens:
     """The tokens ``usage`` reports, 0 for what it does not (OpenAI's fields: ``prompt_tokens``,
     ``completion_tokens``, ``prompt_tokens_details.cached_tokens``,
     ``completion_tokens_details.reasoning_tokens``)."""
-    prompt_details = usage.get("prompt_tokens_details")
-    completion_details = usage.get("completion_tokens_details")
+    # A dict's get is a C call when compiled; a Mapping's is a method looked up at each call.
+    fields: dict[str, Any] = usage if isinstance(usage, dict) else dict(usage)
+    prompt_details = fields.get("prompt_tokens_details")
+    completion_details = fields.get("completion_tokens_details")
     cached = reasoning = 0
     if _mapping(prompt_details):
         cached = _int(prompt_details.get("cached_tokens"))
     if _mapping(completion_details):
         reasoning = _int(completion_details.get("reasoning_tokens"))
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    prompt, completion = fields.get("prompt_tokens"), fields.get("completion_tokens")
     return Tokens(
         prompt if type(prompt) is int else 0,
         completion if type(completion) is int else 0,
