@@ -76,15 +76,15 @@ _response_verdicts: Final = Remembered(_response_verdict, _NAMES, _LONGEST)
 
 
 def _filtered(headers: Iterable[tuple[str, str]], verdicts: Remembered[int]) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    add = out.add
+    kept: list[tuple[str, str]] = []  # made a CIMultiDict in one call, not an add a header
     named: list[str] = []  # what Connection names, dropped too, wherever it stands
-    for name, value in headers:
-        verdict = verdicts.of(name)
+    for pair in headers:
+        verdict = verdicts.of(pair[0])
         if verdict == _KEEP:
-            add(name, value)
+            kept.append(pair)
         elif verdict == _CONNECTION:
-            named += _named.of(value)
+            named += _named.of(pair[1])
+    out = CIMultiDict(kept)
     for token in named:
         out.popall(token, None)
     return out
