@@ -6,12 +6,14 @@ failure becomes the proxy's own error. ``Upstreams`` (``proxy.upstream.service``
 
 from __future__ import annotations
 
+import fnmatch
 import time
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Final, Literal, Protocol, final
 
 from multidict import CIMultiDict
+from mypy_extensions import mypyc_attr
 
 from proxy.config import Config, Upstream
 from proxy.core import ClientLimited, Overloaded, UpstreamTimeout, UpstreamUnavailable
@@ -26,12 +28,13 @@ from proxy.http import (
 )
 from proxy.observe import ChildRecord, Metrics
 from proxy.upstream.replicas import Replica
-from proxy.upstream.slots import Place, Tab
+from proxy.upstream.slots import Place, Tab, Tabs
 from proxy.upstream.state import UpstreamState
 
 # Read from a C static when compiled (docs/architecture.md#working-on-a-compiled-module).
 _monotonic: Final = time.monotonic
 _perf_counter: Final = time.perf_counter
+_fnmatchcase: Final = fnmatch.fnmatchcase
 
 
 @final
@@ -142,16 +145,6 @@ def admission(
 Answered = tuple[UpstreamResponse, Replica, Place | None]
 
 
-class Service(Protocol):
-    """What an exchange asks of the service that made it (``proxy.upstream.service``)."""
-
-    config: Config
-    connections: ConnectionPool
-
-    @property
-    def tries(self) -> Answerer: ...
-
-
 class Answerer(Protocol):
     """The tries of an upstream request (``proxy.upstream.tries``, which imports this module)."""
 
@@ -186,7 +179,7 @@ class Exchange:
     response: UpstreamResponse  # its head in once entered
 
     def __init__(
-        self, upstreams: Service, ticket: Ticket, request: UpstreamRequest, child: ChildRecord
+        self, upstreams: Front, ticket: Ticket, request: UpstreamRequest, child: ChildRecord
     ) -> None:
         self._upstreams = upstreams
         self._ticket = ticket
@@ -203,8 +196,10 @@ class Exchange:
         child = self.child
         child.admitted(ticket.joined)
         ticket.state.exchanges += 1
+        tries = self._upstreams.tries
+        assert tries is not None
         try:
-            self.response, self._replica, self._fallback = await self._upstreams.tries.answer(
+            self.response, self._replica, self._fallback = await tries.answer(
                 ticket.state, ticket.url, self._request, child, client=ticket.client
             )
         except BaseException as exc:
@@ -280,3 +275,63 @@ def failure_kind(exc: BaseException) -> Literal["connect", "reset"] | None:
         case Disconnected() | ClientClosed():
             return "reset"
     return None
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # proxy.upstream.service.Upstreams
+class Front:
+    """What every request asks of the upstreams: where it goes (``route``), its places in line
+    (``admit``) and its exchanges (``exchange``). Compiled, with what they read as fields of this
+    class; ``proxy.upstream.service.Upstreams`` subclasses it with the rest (health checks,
+    discovery, a reload's hand-over), as a Python class the tests can patch."""
+
+    def __init__(
+        self,
+        config: Config,
+        metrics: Metrics,
+        states: dict[str, UpstreamState],
+        connections: ConnectionPool,
+        tabs: Tabs,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._states = states
+        self.connections = connections
+        self.tries: Answerer | None = None  # the service's (proxy.upstream.tries), once made
+        # Each route as (path prefix or None, model glob or None, its upstream), in config order.
+        self._routes = [
+            (r.path_prefix, r.model, config.upstream(r.upstream)) for r in config.routes
+        ]
+        self._default = config.upstream(config.default_upstream)
+        # Each client's places over every upstream (clients.max_children), one for every config.
+        self.tabs = tabs
+        self._max_children = config.clients.max_children
+
+    def route(self, path: str, model: str | None) -> Upstream:
+        """Where a request goes: the first route whose path prefix and model glob (case-sensitive)
+        it matches, else the default upstream. Configuration alone decides, never the request's
+        ``Host`` or an absolute URI: no open proxy."""
+        for prefix, glob, upstream in self._routes:
+            if prefix is not None and not path.startswith(prefix):
+                continue
+            if glob is not None and (model is None or not _fnmatchcase(model, glob)):
+                continue
+            return upstream
+        return self._default
+
+    def admit(self, upstream: Upstream, count: int, client: str = "") -> Tickets:
+        """``count`` requests of ``client`` (its id) into the upstream, in one step: a place each
+        in the client's line (429 on arrival when the client is at ``clients.max_children`` or
+        the upstream's line is full), then a replica each by its ``placement``, over the healthy
+        replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
+        cap = self._max_children
+        tab = self.tabs.tab(client) if cap else None  # counted only for a cap
+        return admission(self._states[upstream.name], count, client, tab, cap, self.metrics)
+
+    def exchange(self, ticket: Ticket, request: UpstreamRequest, child: ChildRecord) -> Exchange:
+        """One upstream request, once its place is granted: ``async with`` it (``Exchange``).
+
+        Failures listed in ``retry_on`` are retried before the answer is given out: nothing of a
+        retried answer can have reached the client (docs/behaviour.md#failover). The response is
+        closed (never reused) if its body is left unread.
+        """
+        return Exchange(self, ticket, request, child)

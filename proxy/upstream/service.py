@@ -14,7 +14,6 @@ does its I/O.
 from __future__ import annotations
 
 import asyncio
-import fnmatch
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -23,14 +22,10 @@ from proxy.http import (
     ConnectionPool,
     HTTPClientError,
 )
-from proxy.observe import ChildRecord, Metrics, log_event, logger
+from proxy.observe import Metrics, log_event, logger
 from proxy.upstream.discovery import Resolver, discover, resolve
 from proxy.upstream.exchange import (
-    Exchange,
-    Ticket,
-    Tickets,
-    UpstreamRequest,
-    admission,
+    Front,
 )
 from proxy.upstream.replicas import Replica
 from proxy.upstream.slots import Tabs
@@ -42,7 +37,7 @@ WATCHDOG_INTERVAL = 5.0  # seconds between checks of every upstream's slot queue
 WATCHDOG_PATIENCE = 300.0  # a head waiter that saw no slot freed for this long is reported
 
 
-class Upstreams:
+class Upstreams(Front):
     """Every upstream of the config: which one a request goes to (``route``), its admission, its
     exchanges with retries and fallback, its health checks and DNS discovery (not "a pool":
     ``ConnectionPool`` is the connections').
@@ -60,37 +55,29 @@ class Upstreams:
         """``earlier``: the upstreams of the configs this one is to replace whose requests may
         still run, newest first. An upstream one of them names takes over its line and replicas
         (``UpstreamState``); ``take_over`` is the hand-over itself."""
-        self.config = config
-        self.metrics = metrics
-        self.resolve = resolver or resolve
         previous = newest(other._states for other in earlier)
-        self._states: dict[str, UpstreamState] = {
+        states = {
             u.name: UpstreamState(u, metrics, config.max_response_bytes, previous.get(u.name))
             for u in config.upstreams
         }
+        # Each client's places over every upstream (clients.max_children), one for every config.
+        tabs = earlier[0].tabs if earlier else Tabs()
+        super().__init__(config, metrics, states, ConnectionPool(), tabs)
+        self.resolve = resolver or resolve
         for state in self._states.values():
             state.publish()
         self.loops: list[asyncio.Task[None]] = []
-        self.connections = ConnectionPool()
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # between tries
-        self.tries = Tries(self, self._states, self.connections, metrics)
+        self.tries = self._tries = Tries(self, self._states, self.connections, metrics)
         self.checked_health: dict[str, bool] = {}  # upstream name -> any replica passed
         self.checked_replicas: dict[str, dict[str, bool]] = {}  # name -> replica -> takes work
         self.health_checked = asyncio.Event()
-        # Each route as (path prefix or None, model glob or None, its upstream), in config order.
-        self._routes = [
-            (r.path_prefix, r.model, config.upstream(r.upstream)) for r in config.routes
-        ]
-        self._default = config.upstream(config.default_upstream)
         self.routes_by_model = any(r.model is not None for r in config.routes)
         # GET /v1/models asks each of these and merges their lists, when there are several:
         # the default upstream first, then each upstream a route names, in config order.
         named = [config.default_upstream, *(r.upstream for r in config.routes)]
         self.model_lists = tuple(config.upstream(name) for name in dict.fromkeys(named))
         self._required = [u.name for u in config.upstreams if u.readiness == "required"]
-        # Each client's places over every upstream (clients.max_children), one for every config.
-        self.tabs: Tabs = earlier[0].tabs if earlier else Tabs()
-        self._max_children = config.clients.max_children
 
     async def start(self) -> None:
         """The service's own loops: the slot watchdog, each upstream's health checks and, where
@@ -142,18 +129,6 @@ class Upstreams:
             return all(self.checked_health.get(name, False) for name in self._required)
         return any(self.checked_health.values())
 
-    def route(self, path: str, model: str | None) -> Upstream:
-        """Where a request goes: the first route whose path prefix and model glob (case-sensitive)
-        it matches, else the default upstream. Configuration alone decides, never the request's
-        ``Host`` or an absolute URI: no open proxy."""
-        for prefix, glob, upstream in self._routes:
-            if prefix is not None and not path.startswith(prefix):
-                continue
-            if glob is not None and (model is None or not fnmatch.fnmatchcase(model, glob)):
-                continue
-            return upstream
-        return self._default
-
     async def _discover(self, upstream: Upstream) -> None:
         while True:
             await self.discover(upstream)
@@ -161,15 +136,6 @@ class Upstreams:
 
     def state(self, upstream: Upstream) -> UpstreamState:
         return self._states[upstream.name]
-
-    def admit(self, upstream: Upstream, count: int, client: str = "") -> Tickets:
-        """``count`` requests of ``client`` (its id) into the upstream, in one step: a place each
-        in the client's line (429 on arrival when the client is at ``clients.max_children`` or
-        the upstream's line is full), then a replica each by its ``placement``, over the healthy
-        replicas that are not ejected (docs/behaviour.md#admission, #failover)."""
-        cap = self._max_children
-        tab = self.tabs.tab(client) if cap else None  # counted only for a cap
-        return admission(self._states[upstream.name], count, client, tab, cap, self.metrics)
 
     async def _watch(self) -> None:
         """Report queued children that the queue in front of them does not explain: a slot leak
@@ -192,15 +158,6 @@ class Upstreams:
         }  # fmt: skip
         logger.warning("slot watchdog", extra={"fields": fields})
         state.slots.repair()
-
-    def exchange(self, ticket: Ticket, request: UpstreamRequest, child: ChildRecord) -> Exchange:
-        """One upstream request, once its place is granted: ``async with`` it (``Exchange``).
-
-        Failures listed in ``retry_on`` are retried before the answer is given out: nothing of a
-        retried answer can have reached the client (docs/behaviour.md#failover). The response is
-        closed (never reused) if its body is left unread.
-        """
-        return Exchange(self, ticket, request, child)
 
     async def healthy(self, upstream: Upstream, timeout: float = 2.0) -> bool:
         """Check every replica (docs/behaviour.md#failover); the upstream is healthy when any
@@ -234,7 +191,7 @@ class Upstreams:
                     tls_name=replica.tls_name,
                 )  # fmt: skip
                 status = response.status
-                await self.tries.discard(response, timeout)
+                await self._tries.discard(response, timeout)
                 return status < 500
         except (TimeoutError, HTTPClientError):
             return False

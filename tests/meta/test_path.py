@@ -1,6 +1,6 @@
 """What one streaming fan-out runs through, on the production path, as a reader needs it:
 
-- it enters the upstream layer once per child (``Upstreams.exchange``, whose object the child
+- it enters the upstream layer once per child (``Front.exchange``, whose object the child
   then uses with ``async with``), besides once each per request to route, admit and release;
 - every function a chunk calls is in a module the build compiles (setup.py's ``COMPILED``); the
   only Python frames a chunk resumes are the request's own await chain above the stream's writer;
@@ -46,9 +46,9 @@ if connection.COPIES_START:  # the connection's loop awaits the handler in its o
 # Into the upstream layer, per request and per child (dunder methods are the ``async with`` of
 # the object an entry returned, not entries of their own).
 ENTRIES = {
-    ("proxy.upstream.service", "Upstreams.route"): 1,
-    ("proxy.upstream.service", "Upstreams.admit"): 1,
-    ("proxy.upstream.service", "Upstreams.exchange"): CHILDREN,
+    ("proxy.upstream.exchange", "Front.route"): 1,
+    ("proxy.upstream.exchange", "Front.admit"): 1,
+    ("proxy.upstream.exchange", "Front.exchange"): CHILDREN,
     ("proxy.upstream.exchange", "Tickets.release"): 1,
 }
 _COROUTINE = 0x80 | 0x100 | 0x200  # CO_COROUTINE, CO_ITERABLE_COROUTINE, CO_ASYNC_GENERATOR
