@@ -31,7 +31,7 @@ from proxy.http.connection import (
     request_head,
 )
 from proxy.http.errors import ClientClosed, ConnectFailed, ConnectTimeout, Disconnected
-from proxy.http.response import UpstreamResponse
+from proxy.http.response import HeadClock, UpstreamResponse
 from proxy.observe import log_event
 
 BODY_BUFFER = 64 * 1024  # bytes read ahead of the consumer at most, inflated bytes included
@@ -71,6 +71,7 @@ class ConnectionPool:
         self._origins: dict[str, Origin] = {}
         self._tls: ssl.SSLContext | None = None
         self._closed = False
+        self._clock: HeadClock | None = None  # the waits for heads, on the connections' loop
 
     def idle_connections(self) -> int:
         """How many idle connections are kept alive for reuse, every origin's together (the
@@ -115,7 +116,9 @@ class ConnectionPool:
             self.in_use.add(connection)
             try:
                 connection.send(head, body)
-                await response.wait_head(first_byte if first_byte is not None else 86400.0)
+                await response.wait_head(
+                    first_byte if first_byte is not None else 86400.0, self._head_clock(connection)
+                )
             except Disconnected:
                 self._drop(connection)
                 if (
@@ -136,6 +139,12 @@ class ConnectionPool:
                 raise
             response.start_idle(idle)
             return response
+
+    def _head_clock(self, connection: UpstreamConnection) -> HeadClock:
+        clock = self._clock
+        if clock is None or clock.loop is not connection.loop:
+            clock = self._clock = HeadClock(connection.loop)
+        return clock
 
     async def _connect(
         self, origin: Origin, timeout: float | None, tls_name: str | None, fresh: bool = False

@@ -353,16 +353,18 @@ class UpstreamResponse:
 
     # ---- head and timeouts
 
-    async def wait_head(self, first_byte: float) -> None:
-        # The failure is made if the timer fires, not for every response: an exception and a
-        # float formatted into its message were a few thousand instructions a request.
-        timer = self._loop.call_later(first_byte, self._no_head, first_byte)
+    async def wait_head(self, first_byte: float, clock: HeadClock) -> None:
+        """Until the head is in; failed with ``ResponseTimeout`` after ``first_byte`` seconds,
+        by ``clock``."""
+        wait = clock.start(self, first_byte)
         try:
             await self.head
         finally:
-            timer.cancel()
+            wait.end()
 
-    def _no_head(self, first_byte: float) -> None:
+    def no_head(self, first_byte: float) -> None:
+        # The failure is made when the wait is due, not for every response: an exception and a
+        # float formatted into its message were a few thousand instructions a request.
         self.fail(ResponseTimeout(f"no response head from upstream within {first_byte} s"))
 
     def start_idle(self, idle: float) -> None:
@@ -510,3 +512,98 @@ class UpstreamResponse:
             await self._parked
         finally:
             self._parked = None
+
+
+class HeadClock:
+    """The waits for response heads on one loop, due ``first_byte`` seconds after each began.
+
+    A timer made and cancelled for each request cost 3,900 instructions of a pass-through; the
+    waits of one ``first_byte`` value instead stand in a line, in the order they began, which is
+    the order they fall due, and one loop timer per line is set at its first running wait's
+    deadline. A wait that ends (its head came, or its request went) is cleared where it stands;
+    the timer, when it fires, fails the waits due and sets itself at the next running one. The
+    line is cut as it grows: what ended before its first running wait goes, and when mostly
+    ended waits stand behind a long one, the line is remade of the running ones."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lines: dict[float, _Line] = {}
+
+    def start(self, response: UpstreamResponse, first_byte: float) -> _Wait:
+        line = self._lines.get(first_byte)
+        if line is None:
+            line = self._lines[first_byte] = _Line(first_byte)
+        line.tidy()
+        wait = _Wait(response, _monotonic() + first_byte, line)
+        line.waits.append(wait)
+        line.running += 1
+        if line.timer is None:
+            line.timer = self.loop.call_later(first_byte, self._due, line)
+        return wait
+
+    def _due(self, line: _Line) -> None:
+        line.timer = None
+        now = _monotonic() + _EARLY
+        waits = line.waits
+        i = line.first
+        while i < len(waits):
+            wait = waits[i]
+            response = wait.response
+            if response is not None and wait.at > now:
+                line.first = i
+                line.timer = self.loop.call_later(wait.at - now + _EARLY, self._due, line)
+                return
+            i += 1
+            if response is not None:
+                wait.end()
+                response.no_head(line.first_byte)
+        if line.waits is waits:  # else a wait began meanwhile, and the line was remade
+            line.waits = []
+            line.first = 0
+
+
+_EARLY: Final = 0.001  # a wait this close to its deadline is due: the loop's clock is in ms
+_KEPT: Final = 64  # ended waits a line keeps before it is cut
+
+
+class _Line:
+    """The waits of one ``first_byte`` value, oldest first; those before ``first`` have ended."""
+
+    def __init__(self, first_byte: float) -> None:
+        self.first_byte = first_byte
+        self.waits: list[_Wait] = []
+        self.first = 0
+        self.running = 0  # waits not ended
+        self.timer: asyncio.TimerHandle | None = None
+
+    def tidy(self) -> None:
+        """Drop the ended waits at the front; remake the line when most of it has ended."""
+        waits = self.waits
+        first = self.first
+        while first < len(waits) and waits[first].response is None:
+            first += 1
+        if first == len(waits):
+            if first:
+                self.waits = []
+            first = 0
+        elif len(waits) - first > _KEPT and len(waits) - first > 4 * self.running:
+            self.waits = [wait for wait in waits[first:] if wait.response is not None]
+            first = 0
+        elif first > _KEPT and 2 * first > len(waits):
+            del waits[:first]
+            first = 0
+        self.first = first
+
+
+class _Wait:
+    """One response's wait for its head; ``response`` is None once it ended."""
+
+    def __init__(self, response: UpstreamResponse, at: float, line: _Line) -> None:
+        self.response: UpstreamResponse | None = response
+        self.at = at
+        self.line = line
+
+    def end(self) -> None:
+        if self.response is not None:
+            self.response = None
+            self.line.running -= 1
