@@ -133,6 +133,8 @@ class UpstreamResponse:
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
         self.fields: list[tuple[str, str]] = []  # the head's headers in order, as they came
+        self._length: int | None = None  # its Content-Length, once read (content_length)
+        self._length_read = False
         # A header value or the reason held bytes that are not UTF-8: see
         # proxy.request.passthrough.ExactHead.
         self.escaped = False
@@ -164,14 +166,19 @@ class UpstreamResponse:
 
     @property
     def content_length(self) -> int | None:
-        """The body's length as the consumer will see it, when known."""
-        raw = self.headers.get(_CONTENT_LENGTH)
-        if raw is None or self._inflater is not None:
+        """The body's length as the consumer will see it, when known (read from the head once:
+        the pass-through and the exchange each ask)."""
+        if self._inflater is not None:
             return None
-        try:
-            return int(raw)
-        except ValueError:
-            return None
+        if not self._length_read:
+            self._length_read = True
+            raw = self.headers.get(_CONTENT_LENGTH)
+            if raw is not None:
+                try:
+                    self._length = int(raw)
+                except ValueError:
+                    pass
+        return self._length
 
     # ---- parser side (called from UpstreamConnection.data_received)
 
