@@ -207,9 +207,12 @@ class WholeAnswer(web.Response):
                 elif version == HttpVersion10:
                     headers[hdrs.CONNECTION] = "keep-alive"
             self._req = request
-            hooks = _prepare_hooks(request)
+            last, hooks = _last_hooks  # _prepare_hooks, without its call for the usual match
+            if getattr(request, "_match_info", None) is not last:
+                hooks = _prepare_hooks(request)
             if hooks is _SERVER_HEADER_ONLY:
-                name_server(self)  # the hook's work, without its coroutines
+                if not self.keeps_server:  # name_server's work, without its call
+                    headers[hdrs.SERVER] = SERVER
             elif hooks:
                 await request._prepare_hook(self)
             status_line = f"HTTP/{version.major}.{version.minor} {status} {self._reason}"
