@@ -69,9 +69,10 @@ COMPILED = [
     "proxy/request/passthrough.py",
 ]
 # Not proxy/observe/log.py: its handler and formatters subclass the logging module's classes
-# (the request line it writes is proxy/observe/line.py's).
-# Not the service: 1.4 % fewer instructions per pass-through, and the tests replace its health
-# probe on the class, which a compiled class forbids.
+# (the request line it writes, and the batch its lines wait in, are proxy/observe/line.py's).
+# Not the service: the tests replace its health probe on the class, which a compiled class
+# forbids; what every request asks of it (route, admit, exchange) is proxy/upstream/exchange.py's
+# Front, which it subclasses.
 # Not proxy/request/responses.py: its answers subclass aiohttp's StreamResponse, which mypyc
 # compiles into a class whose instances aiohttp's own __init__ then fails on (SystemError). And
 # mypyc cannot subclass ConnectionResetError, so ClientGone is in proxy/core/errors.py.
