@@ -75,10 +75,13 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
         "_handle_request", "_keepalive", "_close", "_keepalive_timeout",
         "_next_keepalive_close_time", "_keepalive_handle", "_process_keepalive",
         "_task_handler", "_lingering_time", "_logging_enabled",
+        # ClientConnection._handle_request: aiohttp's step for one request, a whole answer's end
+        # in it.
+        "_upgraded", "_handler_waiter",
     ),
     aiohttp.web_runner.BaseSite: ("_runner", "_backlog", "_server"),
     web.StreamResponse: ("_write_headers", "_cookies"),
-    web.Request: ("_prepare_hook",),
+    web.Request: ("_prepare_hook", "_finish"),
     web.PlainResource: ("_match",),
     # The concrete writer behind ``request.writer`` (an AbstractStreamWriter has neither) and
     # the handler's flow control, read by the client sink.
