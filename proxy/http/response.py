@@ -174,10 +174,7 @@ class UpstreamResponse:
             self._length_read = True
             raw = self.headers.get(_CONTENT_LENGTH)
             if raw is not None:
-                try:
-                    self._length = int(raw)
-                except ValueError:
-                    pass
+                self._length = _length_of(raw)
         return self._length
 
     # ---- parser side (called from UpstreamConnection.data_received)
@@ -519,6 +516,13 @@ class UpstreamResponse:
             await self._parked
         finally:
             self._parked = None
+
+
+def _length_of(raw: str) -> int | None:
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 class HeadClock:

@@ -199,7 +199,8 @@ class ClientConnection(ErrorPages):
         if self._first_line is None or not self._http09(data):
             _received(self, data)
         if self._messages or self._request_in_progress:
-            self._disarm()  # headers complete: the body's deadline is proxy.request.handler's
+            if self._header_timer is not None:  # headers complete: the body's deadline is
+                self._disarm()  # proxy.request.handler's
             if self._request_in_progress and self._messages:
                 self._fail_body()
         elif self._header_timer is None and not self._force_close:
@@ -321,7 +322,8 @@ class ClientConnection(ErrorPages):
                 resp, reset = await self.finish_response(request, resp, start_time)
             else:
                 if type(resp) is WholeAnswer and not self._upgraded and self.access_logger is None:
-                    request._finish()
+                    if request._post is not None:  # a form read: its files closed (_finish)
+                        request._finish()
                     try:
                         await resp.prepare(request)
                         if not resp._eof_sent:  # an answer with no body: aiohttp's steps

@@ -111,6 +111,8 @@ INSTANCE_MEMBERS = {
     web.BaseRequest: (
         "_method", "_headers", "_rel_url", "_version", "_payload", "_message", "_protocol",
         "_payload_writer",
+        # ClientConnection._handle_request: a form read, whose files _finish closes.
+        "_post",
     ),
     # _prepare_hooks: the apps a request's on_response_prepare runs in.
     UrlMappingMatchInfo: ("_apps",),
