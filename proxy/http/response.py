@@ -133,8 +133,7 @@ class UpstreamResponse:
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
         self.fields: list[tuple[str, str]] = []  # the head's headers in order, as they came
-        self._length: int | None = None  # its Content-Length, once read (content_length)
-        self._length_read = False
+        self._length: int | None = None  # its head's Content-Length (``content_length``)
         # A header value or the reason held bytes that are not UTF-8: see
         # proxy.request.passthrough.ExactHead.
         self.escaped = False
@@ -166,22 +165,17 @@ class UpstreamResponse:
 
     @property
     def content_length(self) -> int | None:
-        """The body's length as the consumer will see it, when known (read from the head once:
-        the pass-through and the exchange each ask)."""
-        if self._inflater is not None:
-            return None
-        if not self._length_read:
-            self._length_read = True
-            raw = self.headers.get(_CONTENT_LENGTH)
-            if raw is not None:
-                self._length = _length_of(raw)
-        return self._length
+        """The body's length as the consumer will see it, when known (read from the head once,
+        ``on_head``: the pass-through and the exchange each ask)."""
+        return None if self._inflater is not None else self._length
 
     # ---- parser side (called from UpstreamConnection.data_received)
 
     def on_head(self, status: int, until_close: bool) -> None:
         self.status = status
         self.until_close = until_close
+        raw = self.headers.get(_CONTENT_LENGTH)
+        self._length = None if raw is None else _length_of(raw)
         if self._inflate:
             coding = self.headers.get(_CONTENT_ENCODING, "").strip().lower()
             if coding in INFLATED:

@@ -105,9 +105,9 @@ class Direct:
     while it is the logger's only handler, a request line is handed to it at once, without a
     ``LogRecord`` and its caller lookup."""
 
-    def __init__(self, handler: Any, lines: Lines, line: Format) -> None:
-        self.handler = handler  # proxy.observe.log's _BatchingHandler, whose lines are ``lines``
-        self.lines = lines
+    def __init__(self, handler: Any, line: Format) -> None:
+        self.handler = handler  # proxy.observe.log's _BatchingHandler
+        self.lines: Lines = handler._lines  # where its lines wait for the loop's next tick
         self.line = line  # the format's line: json_line, or the text formatter's
         self.json = line is json_line
 

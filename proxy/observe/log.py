@@ -122,7 +122,7 @@ def setup_logging(fmt: str, level: str = "info") -> None:
     handler = _BatchingHandler()
     formatter = _JsonFormatter() if fmt == "json" else _TextFormatter()
     handler.setFormatter(formatter)
-    write_directly(Direct(handler, handler._lines, json_line if fmt == "json" else formatter.line))
+    write_directly(Direct(handler, json_line if fmt == "json" else formatter.line))
     number = logging.getLevelName(level.upper())
     logger.handlers[:] = [handler]
     logger.setLevel(number)

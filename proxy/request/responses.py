@@ -94,15 +94,13 @@ def _prepare_hooks(request: web.BaseRequest) -> tuple[object, ...]:
     """What ``request._prepare_hook`` runs: the ``on_response_prepare`` handlers of the
     request's apps; ``_SERVER_HEADER_ONLY`` itself when that is all (the proxy app's own), so a
     whole answer can set that header itself and skip the signal, three coroutines a request.
-    The last match's are kept: the listener gives every request the same one
+    The last match's are kept in ``_last_hooks``, which ``WholeAnswer.prepare`` reads before it
+    calls this: the listener gives every request the same match
     (``proxy.server.connection.direct_route``), and a started app's signals are frozen."""
     global _last_hooks
     match = getattr(request, "_match_info", None)
     if match is None:
         return ()
-    last, hooks = _last_hooks
-    if match is last:
-        return hooks
     apps = match._apps
     if len(apps) == 1 and list(apps[0].on_response_prepare) == [server_header]:
         hooks = _SERVER_HEADER_ONLY  # the proxy's: one app, no sub-apps, its one hook

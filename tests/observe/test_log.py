@@ -452,7 +452,7 @@ async def test_a_whole_answer_is_written_before_its_request_line(
     assert direct is not None
     handler = direct.handler
     handler._lines = Added(stream)  # the request line's way in, and every other line's
-    request_line.write_directly(request_line.Direct(handler, handler._lines, json_line))
+    request_line.write_directly(request_line.Direct(handler, json_line))
     server = await running(backend)
     body = {"model": "m", "messages": MESSAGES, "max_tokens": 3, "n": n}
     try:
