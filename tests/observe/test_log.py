@@ -29,6 +29,7 @@ from proxy.observe import log
 from proxy.observe.clienterrors import LINES_PER_SECOND
 from proxy.observe.line import json_line
 from proxy.observe.metrics import PROTOCOL_ERROR_KINDS
+from proxy.observe.record import Observers, RequestRecord
 from proxy.request.responses import WholeAnswer
 from proxy.server.generations import Generations
 from proxy.server.process import Server
@@ -107,6 +108,26 @@ def test_the_request_line_is_the_json_line_of_its_fields(stream: io.StringIO) ->
     for fields, text in zip(cases, written, strict=True):
         ts = json.loads(text)["ts"]
         assert text == request_line.json_line(ts, "info", "request", fields)
+
+
+@pytest.mark.parametrize("other_handler", [False, True])
+def test_a_records_line_is_the_json_line_of_its_fields(
+    stream: io.StringIO, other_handler: bool
+) -> None:
+    """The observer's line, whether written at once (spliced) or through logging (another
+    handler as well): byte for byte ``json_line`` of ``request_fields``."""
+    setup("json", stream)
+    if other_handler:
+        log.logger.addHandler(logging.NullHandler())
+    record = RequestRecord(Observers([]), "POST", "/v1/chat/completions", {"X-Request-Id": 'a\n"'})
+    record.usage = {"prompt_tokens": 3, "completion_tokens": 5}
+    record.status, record.n, record.model = 200, 2, "m"
+    record.counted()
+    request_line.RequestLine().ended(record)
+    (text,) = stream.getvalue().splitlines()
+    fields = request_line.request_fields(record)
+    assert text == json_line(json.loads(text)["ts"], "info", "request", fields)
+    assert json.loads(text)["request_id"] == 'a\n"'
 
 
 def test_text_request_line_reads_like_logging_s_own(stream: io.StringIO) -> None:
