@@ -62,17 +62,23 @@ _HTTP09_PAGE = error_page(400, InvalidRequest("malformed request line: no HTTP v
 _FIRST_LINE = 8190  # bytes of a connection's first line looked at: aiohttp's max_line_size
 _MESSAGE = 300  # characters of the parser's message in a 400's body
 
-# The digests of aiohttp's own loop over a connection's requests and of its step for one
-# request, which ClientConnection.start and _handle_request copy: aiohttp 3.14.4's and 3.14.5's.
-_COPIED = {"start": "2e565fd40c8e04fb", "_handle_request": "a88a34ee65a2714c"}
+# The digests of what ClientConnection.start and _handle_request copy from aiohttp (3.14.4's
+# and 3.14.5's): its loop over a connection's requests, its step for one request, and the sets
+# of the request and writer each request is given (``made_request``).
+_COPIED: dict[tuple[type, str], str] = {
+    (RequestHandler, "start"): "2e565fd40c8e04fb",
+    (RequestHandler, "_handle_request"): "a88a34ee65a2714c",
+    (web.Application, "_make_request"): "e59bd224e5f8dfe5",
+    (web.BaseRequest, "__init__"): "dae5bbed7d90f1dd",
+    (StreamWriter, "__init__"): "22bf627a5f2d9d9c",
+}
 
 
 def _copies_start() -> bool:
-    """Whether the installed aiohttp's ``RequestHandler.start`` and ``_handle_request`` are the
-    ones copied."""
-    for name, digest in _COPIED.items():
+    """Whether the installed aiohttp's members that ``_COPIED`` names are the ones copied."""
+    for (owner, name), digest in _COPIED.items():
         try:
-            source = inspect.getsource(getattr(RequestHandler, name))
+            source = inspect.getsource(getattr(owner, name))
         except (OSError, TypeError):  # no source to compare: its own loop serves
             return False
         if hashlib.sha256(source.encode()).hexdigest()[:16] != digest:
@@ -81,6 +87,54 @@ def _copies_start() -> bool:
 
 
 COPIES_START = _copies_start()
+
+_new = object.__new__
+_MAKE_REQUEST = web.Application._make_request
+
+
+def made_request(
+    factory: Callable[..., web.BaseRequest],
+    message: Any,
+    payload: StreamReader,
+    protocol: RequestHandler,
+    task: asyncio.Task[None],
+) -> web.BaseRequest:
+    """``factory(message, payload, protocol, StreamWriter(protocol, loop), task)``. For the
+    request factory of a plain ``web.Application`` (its ``_make_request``) and a target that is
+    a path, as ``BaseRequest.__init__`` and ``StreamWriter.__init__`` set them, without their
+    calls: each is a type's call into a Python ``__init__``, with keywords, where these sets run
+    in the caller's frame. 2,500 instructions a request."""
+    url = message.url
+    if getattr(factory, "__func__", None) is not _MAKE_REQUEST or url.absolute:
+        return factory(message, payload, protocol, StreamWriter(protocol, protocol._loop), task)
+    app = factory.__self__  # type: ignore[attr-defined]
+    writer = _new(StreamWriter)
+    writer._protocol = protocol
+    writer.loop = protocol._loop
+    writer._on_chunk_sent = None
+    writer._on_headers_sent = None
+    writer._headers_buf = None
+    writer._headers_written = False
+    writer.on_body_write = None
+    request = _new(web.Request)
+    request._message = message
+    request._protocol = protocol
+    request._payload_writer = writer
+    request._payload = payload
+    request._headers = message.headers
+    request._method = message.method
+    request._version = message.version
+    request._cache = {}
+    request._rel_url = url
+    request._state = {}
+    request._task = task
+    request._client_max_size = app._client_max_size
+    request._client_max_fields = app._client_max_fields
+    request._loop = app._loop
+    request._transport_sslcontext = protocol.ssl_context
+    request._transport_peername = protocol.peername
+    request._transport_sockname = protocol.sockname
+    return request
 
 
 def _cancelling() -> bool:
@@ -250,11 +304,11 @@ class ClientConnection(ErrorPages):
                 # The connection's task passed, never named in a local: a cancelled request's
                 # traceback holds this frame, and a local naming the task would make a cycle
                 # that only the (rarely run, see proxy.server.memory) collector breaks.
-                request = factory(
+                request = made_request(
+                    factory,
                     message,
                     payload,
                     self,
-                    StreamWriter(self, loop),
                     self._task_handler or asyncio.current_task(loop),  # type: ignore[arg-type]
                 )
                 began = loop.time() if self._logging_enabled else None  # for an access log

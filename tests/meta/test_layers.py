@@ -34,6 +34,8 @@ import aiohttp.web_runner
 import aiohttp.web_server
 import pytest
 from aiohttp import web
+from aiohttp.http_parser import HttpRequestParser
+from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import StreamReader
 from aiohttp.test_utils import make_mocked_request
 from aiohttp.web_protocol import RequestHandler
@@ -82,6 +84,7 @@ PRIVATE_MEMBERS: dict[type, tuple[str, ...]] = {
     aiohttp.web_runner.BaseSite: ("_runner", "_backlog", "_server"),
     web.StreamResponse: ("_write_headers", "_cookies"),
     web.Request: ("_prepare_hook", "_finish"),
+    web.Application: ("_make_request",),  # proxy.server.connection.made_request
     web.PlainResource: ("_match",),
     # The concrete writer behind ``request.writer`` (an AbstractStreamWriter has neither) and
     # the handler's flow control, read by the client sink.
@@ -105,6 +108,8 @@ INSTANCE_MEMBERS = {
     # WholeAnswer.relayed: a web.Response made without its __init__.
     web.Response: ("_body", "_compressed_body", "_zlib_executor_size", "_zlib_executor"),
     aiohttp.web_server.Server: ("_kwargs",),
+    # proxy.server.connection.made_request: the app's, which its request factory reads.
+    web.Application: ("_loop", "_client_max_size", "_client_max_fields"),
     web.Request: ("_match_info", "_task"),
     # proxy.request.parsed: what the request's cached properties return, set by its __init__;
     # WholeAnswer.prepare: what its transport and writer properties return.
@@ -352,6 +357,7 @@ async def test_each_private_aiohttp_attribute_the_server_reads_is_still_set() ->
         web.StreamResponse: web.StreamResponse(),
         web.Response: web.Response(),
         aiohttp.web_server.Server: web.Server(nothing),
+        web.Application: web.Application(),
         web.Request: make_mocked_request("GET", "/"),
         web.BaseRequest: make_mocked_request("POST", "/p?q=1", headers={"A": "b"}),
         UrlMappingMatchInfo: UrlMappingMatchInfo({}, route),
@@ -457,6 +463,44 @@ def test_the_connections_loop_is_a_copy_of_the_installed_aiohttps() -> None:
     changes that loop fails here: port the change to the copy, then its digest."""
     assert connection.COPIES_START, "aiohttp's RequestHandler.start changed"
     assert connection.ClientConnection.start is not RequestHandler.start
+
+
+async def test_a_request_made_without_its_init_is_as_the_apps_factory_makes_it() -> None:
+    """``made_request`` sets what ``BaseRequest.__init__`` and ``StreamWriter.__init__`` set, to
+    the same values, for the request factory of a plain app; a target that is a whole URL, and
+    any other factory, are the factory's to make."""
+    loop = asyncio.get_running_loop()
+    app = web.Application(client_max_size=5000)
+    app._loop = loop  # as the runner sets it
+
+    async def nothing(request: web.BaseRequest) -> web.StreamResponse:
+        return web.Response()
+
+    protocol = RequestHandler(web.Server(nothing), loop=loop)
+    parser = HttpRequestParser(protocol, loop, 2**16)
+    head = b"Host: h\r\nContent-Length: 2\r\n\r\n{}"
+    task = asyncio.current_task()
+    assert task is not None
+    for target in (b"/p?q=1", b"http://other/p"):
+        (message, payload), *_ = parser.feed_data(b"POST " + target + b" HTTP/1.1\r\n" + head)[0]
+        made = connection.made_request(app._make_request, message, payload, protocol, task)
+        writer = StreamWriter(protocol, loop)
+        want = app._make_request(message, payload, protocol, writer, task)
+        assert type(made) is type(want) is web.Request
+        assert vars(made).keys() == vars(want).keys()
+        for name, value in vars(want).items():
+            if name != "_payload_writer":
+                assert vars(made)[name] == value, name
+        assert vars(made._payload_writer) == vars(writer)
+        assert made.url == want.url
+    calls = []
+
+    def factory(*args: object) -> web.BaseRequest:
+        calls.append(args)
+        return want
+
+    assert connection.made_request(factory, message, payload, protocol, task) is want
+    assert len(calls) == 1
 
 
 def test_another_aiohttps_loop_is_left_to_serve(monkeypatch: pytest.MonkeyPatch) -> None:
