@@ -103,7 +103,7 @@ def made_request(
     request factory of a plain ``web.Application`` (its ``_make_request``) and a target that is
     a path, as ``BaseRequest.__init__`` and ``StreamWriter.__init__`` set them, without their
     calls: each is a type's call into a Python ``__init__``, with keywords, where these sets run
-    in the caller's frame. 2,500 instructions a request."""
+    in the caller's frame. 2,000 instructions a request."""
     url = message.url
     if getattr(factory, "__func__", None) is not _MAKE_REQUEST or url.absolute:
         return factory(message, payload, protocol, StreamWriter(protocol, protocol._loop), task)
