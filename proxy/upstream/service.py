@@ -45,6 +45,8 @@ class Upstreams(Front):
     ``checked_health`` and ``checked_replicas`` hold each upstream's last health round, as
     ``/readyz`` shows it; ``health_checked`` is set once every upstream has had one."""
 
+    tries: Tries  # Front's, made here: its exchanges' tries, and the discard of what they leave
+
     def __init__(
         self,
         config: Config,
@@ -68,7 +70,7 @@ class Upstreams(Front):
             state.publish()
         self.loops: list[asyncio.Task[None]] = []
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # between tries
-        self.tries = self._tries = Tries(self, self._states, self.connections, metrics)
+        self.tries = Tries(self, self._states, self.connections, metrics)
         self.checked_health: dict[str, bool] = {}  # upstream name -> any replica passed
         self.checked_replicas: dict[str, dict[str, bool]] = {}  # name -> replica -> takes work
         self.health_checked = asyncio.Event()
@@ -191,7 +193,7 @@ class Upstreams(Front):
                     tls_name=replica.tls_name,
                 )  # fmt: skip
                 status = response.status
-                await self._tries.discard(response, timeout)
+                await self.tries.discard(response, timeout)
                 return status < 500
         except (TimeoutError, HTTPClientError):
             return False
