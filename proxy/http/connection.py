@@ -471,22 +471,31 @@ def request_head(
     headers: Mapping[str, str] | CIMultiDict[str],
     body: bytes | None,
 ) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1\r\n", ""]
+    # The head's pieces, joined once: a header's four pieces are appended as they are, not
+    # built into a line of their own first. ``breaks``: the line breaks the pieces hold.
+    pieces = [method, " ", target, " HTTP/1.1\r\nHost: ", host, "\r\n"]
+    breaks = 2
     for name, value in headers.items():
         part = _parts.of(name)
         if part == _COPY:
-            lines.append(f"{name}: {value}\r\n")
+            pieces.append(name)
+            pieces.append(": ")
+            pieces.append(value)
+            pieces.append("\r\n")
+            breaks += 1
         elif part == _HOST:
-            host = value  # a replica reached by address keeps the configured host name
-    lines[1] = f"Host: {host}\r\n"
+            pieces[4] = value  # a replica reached by address keeps the configured host name
     if body is not None:
-        lines.append(f"Content-Length: {len(body)}\r\n")
-    lines.append("\r\n")
-    text = "".join(lines)
+        pieces.append(f"Content-Length: {len(body)}\r\n\r\n")
+        breaks += 2
+    else:
+        pieces.append("\r\n")
+        breaks += 1
+    text = "".join(pieces)
     # Each line ends in the one line break it was given: one count over the head, not four
     # searches a header.
-    if text.count("\n") != len(lines) or text.count("\r") != len(lines):
-        _refuse_line_break(method, target, host, headers)
+    if text.count("\n") != breaks or text.count("\r") != breaks:
+        _refuse_line_break(method, target, pieces[4], headers)
     # aiohttp's server decodes header bytes as UTF-8 with surrogate escapes: this is the inverse.
     return text.encode("utf-8", "surrogateescape")
 

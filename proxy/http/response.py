@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from enum import IntEnum
 from typing import Final, Protocol
 
-from multidict import CIMultiDict, istr
+from multidict import CIMultiDict, CIMultiDictProxy, istr
 from mypy_extensions import mypyc_attr
 
 from proxy.core import INFLATED, Inflater
@@ -115,6 +115,10 @@ def _ignore(data: bytes) -> None:
     """A body piece for a response that is over."""
 
 
+# What a response holds as its headers before its head arrives: one read-only, empty, for all.
+_NO_HEADERS: Final = CIMultiDictProxy(CIMultiDict[str]())
+
+
 class UpstreamResponse:
     def __init__(self, connection: Reading, method: str, limit: int, inflate: bool) -> None:
         # First what a relay reads on every read, side by side at the object's start: a field
@@ -131,7 +135,8 @@ class UpstreamResponse:
         self.method = method
         self.status = 0
         self.reason = ""
-        self.headers: CIMultiDict[str] = CIMultiDict()
+        # The head's (``UpstreamConnection.on_headers_complete``); until then none, shared.
+        self.headers: CIMultiDict[str] | CIMultiDictProxy[str] = _NO_HEADERS
         self.fields: list[tuple[str, str]] = []  # the head's headers in order, as they came
         self._length: int | None = None  # its head's Content-Length (``content_length``)
         # A header value or the reason held bytes that are not UTF-8: see
