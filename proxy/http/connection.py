@@ -472,8 +472,9 @@ def request_head(
     body: bytes | None,
 ) -> bytes:
     # The head's pieces, joined once: a header's four pieces are appended as they are, not
-    # built into a line of their own first. ``breaks``: the line breaks the pieces hold.
-    pieces = [method, " ", target, " HTTP/1.1\r\nHost: ", host, "\r\n"]
+    # built into a line of their own first. ``breaks``: the line breaks the pieces hold. The
+    # Host line's value is set once every header is seen.
+    pieces = [method, " ", target, " HTTP/1.1\r\nHost: ", "", "\r\n"]
     breaks = 2
     for name, value in headers.items():
         part = _parts.of(name)
@@ -484,7 +485,8 @@ def request_head(
             pieces.append("\r\n")
             breaks += 1
         elif part == _HOST:
-            pieces[4] = value  # a replica reached by address keeps the configured host name
+            host = value  # a replica reached by address keeps the configured host name
+    pieces[4] = host
     if body is not None:
         pieces.append(f"Content-Length: {len(body)}\r\n\r\n")
         breaks += 2
@@ -495,7 +497,7 @@ def request_head(
     # Each line ends in the one line break it was given: one count over the head, not four
     # searches a header.
     if text.count("\n") != breaks or text.count("\r") != breaks:
-        _refuse_line_break(method, target, pieces[4], headers)
+        _refuse_line_break(method, target, host, headers)
     # aiohttp's server decodes header bytes as UTF-8 with surrogate escapes: this is the inverse.
     return text.encode("utf-8", "surrogateescape")
 
