@@ -94,11 +94,12 @@ def test_json_request_line_holds_its_fields(stream: io.StringIO) -> None:
 
 
 def test_the_request_line_is_the_json_line_of_its_fields(stream: io.StringIO) -> None:
-    """The request line is spliced, not merged into a copy of its fields: byte for byte what
-    ``json_line`` makes of them, with no fields, odd values, and every field of a real line."""
+    """The request line is written from one object, not through ``json_line``: byte for byte
+    what ``json_line`` makes of its fields, with no fields, odd values, and every field of a real
+    line."""
     setup("json", stream)
     assert request_line._direct is not None
-    assert request_line._direct.json  # the spliced path, not the formatter's
+    assert request_line._direct.json  # the direct path, not the formatter's
     every = {"request_id": 'a\n"b', "trace_id": None, "n": 4, "duration_ms": 0.5, "x": object()}
     cases: list[dict[str, Any]] = [{}, {"status": 200}, every]
     for fields in cases:
@@ -114,7 +115,7 @@ def test_the_request_line_is_the_json_line_of_its_fields(stream: io.StringIO) ->
 def test_a_records_line_is_the_json_line_of_its_fields(
     stream: io.StringIO, other_handler: bool
 ) -> None:
-    """The observer's line, whether written at once (spliced) or through logging (another
+    """The observer's line, whether written at once (directly) or through logging (another
     handler as well): byte for byte ``json_line`` of ``request_fields``."""
     setup("json", stream)
     if other_handler:
