@@ -81,9 +81,11 @@ def parser() -> argparse.ArgumentParser:
                    help="load generator; auto: wrk when found, except with --smoke")  # fmt: skip
     c.add_argument("--skip", type=lambda s: set(s.split(",")), default=set(),
                    help="leave out: nginx, wrk, litellm, sglang-router, smg, prometheus,\n"
-                   "forwarder, lean, floor, quiet")  # fmt: skip
+                   "forwarder, lean, floor, quiet, fanout")  # fmt: skip
     c.add_argument("--profile", nargs="?", const="py-spy", metavar="PY_SPY",
                    help="record n-proxy with py-spy: its hot spots in the report")  # fmt: skip
+    c.add_argument("--perf", nargs="?", const="perf", metavar="PERF",
+                   help="sample n-proxy with perf: its CPU by object and symbol")  # fmt: skip
     r = p.add_argument_group("output")
     r.add_argument("--out", type=Path, help="results folder (default bench/results;"
                    " with --smoke bench/results/raw/smoke)")  # fmt: skip
@@ -109,6 +111,9 @@ def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:
     py_spy = args.profile and _find(args.profile, [WORK / "venv" / "bin" / "py-spy"])
     if args.profile and not py_spy:
         raise SystemExit("bench: --profile needs py-spy (bench/run --install-tools installs it)")
+    perf = args.perf and _find(args.perf, [])
+    if args.perf and not perf:
+        raise SystemExit("bench: --perf needs perf (bench/run --install-tools installs it)")
     if args.tool == "wrk" and not found["wrk"]:
         raise SystemExit("bench: --tool wrk needs wrk")
     wrk = args.tool == "wrk" or (args.tool == "auto" and found["wrk"] and not args.smoke)
@@ -116,7 +121,7 @@ def tools(args: argparse.Namespace) -> tuple[Tools, list[str]]:
     versions = [version([path, TOOLS[name][2]]) for name, path in used.items()]
     gateways = {kind: path for kind in GATEWAYS if (path := found[kind])}
     chosen = Tools(found["nginx"], found["wrk"], found["litellm"], found["prometheus"],
-                   "wrk" if wrk else "python", py_spy or None, gateways)  # fmt: skip
+                   "wrk" if wrk else "python", py_spy or None, perf or None, gateways)  # fmt: skip
     return chosen, versions
 
 
@@ -132,6 +137,7 @@ def render(results: Row) -> str:
         data = results[s.name]
         out += ["", f"## {s.title}", "", *s.render(data)]
         out += profile.lines(data["profile"]) if data.get("profile") else []
+        out += profile.perf_lines(data["perf"]) if data.get("perf") else []
     if results["errors"]:
         out += ["", "## Errors", ""] + [f"- {k}: {v}" for k, v in results["errors"].items()]
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out) + "\n")  # one blank line between parts
@@ -145,6 +151,7 @@ def run(
     started = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
     (work / "profile.txt").unlink(missing_ok=True)  # an earlier run's, with --profile
+    (work / "perf.data").unlink(missing_ok=True)  # and with --perf
     try:  # the scenario's defaults, then its smoke ones with --smoke, then what was asked for
         chosen: dict[str, Any] = dict(scenario.full)
         if args.smoke:
@@ -156,6 +163,8 @@ def run(
             data = {"options": asdict(options), **scenario.run(ctx)}
         if (spots := work / "profile.txt").exists():
             data["profile"] = profile.hot_spots(spots)
+        if found is not None and found.perf and (samples := work / "perf.data").exists():
+            data["perf"] = profile.perf_spots(found.perf, samples)
         results[scenario.name] = data
     except Exception as exc:
         results["errors"][scenario.name] = f"{type(exc).__name__}: {exc}"[:500]
@@ -190,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_stem(args: argparse.Namespace) -> str:
-    """The report's file name: ``--name``, else ``profile`` with ``--profile``, else the one
-    scenario's, else ``latest`` (docs cite a report by the command that writes it)."""
+    """The report's file name: ``--name``, else ``profile`` with ``--profile`` or ``--perf``,
+    else the one scenario's, else ``latest`` (docs cite a report by the command that writes
+    it)."""
     names = args.scenarios or SUITE
     return str(
-        args.name or ("profile" if args.profile else names[0] if len(names) == 1 else "latest")
+        args.name
+        or ("profile" if args.profile or args.perf else names[0] if len(names) == 1 else "latest")
     )
 
 

@@ -2,7 +2,12 @@
 the samples in which they are on top (self) and anywhere on the stack (total), and source files by
 the samples in which one of their functions is on top. Time spent in compiled code (a C
 extension's, a mypyc-compiled module's, a system call) counts for the Python function that called
-it: run a pure build (no ``.so`` in ``proxy/``) to see the proxy's own modules one by one."""
+it: run a pure build (no ``.so`` in ``proxy/``) to see the proxy's own modules one by one.
+
+Linux's perf on n-proxy (``--perf``) splits the same time the other way: by the object whose code
+ran (the kernel, the interpreter, the proxy's compiled modules, uvloop, aiohttp's parser, orjson)
+and by symbol, the kernel's among them. It samples the CPU clock, so it works in a virtual machine
+with no hardware counters, and it needs no symbols of Python's own."""
 
 import contextlib
 import re
@@ -14,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 RATE_HZ = 250
+PERF_HZ = 999  # perf's samples a second of n-proxy's CPU time
 TOP = 25
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]*?)(?::(?P<line>\d+))?\)$")
 _SITE_PACKAGES = re.compile(r".*/site-packages/")
@@ -36,6 +42,61 @@ def recording(py_spy: str, pid: int, out: Path) -> Iterator[None]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)
+
+
+@contextlib.contextmanager
+def perf_recording(perf: str, pid: int, out: Path) -> Iterator[None]:
+    """``with perf_recording(perf, pid, out):`` samples the process's CPU clock into ``out``
+    until the block ends."""
+    argv = [perf, "record", "--quiet", "-e", "cpu-clock", "-F", str(PERF_HZ), "-p", str(pid),
+            "-o", str(out)]  # fmt: skip
+    with out.with_suffix(".log").open("wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGINT)  # perf writes its header on SIGINT
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+def perf_spots(perf: str, data: Path) -> dict[str, Any]:
+    """The shares of perf's samples in ``data`` by object (``objects``) and by symbol
+    (``symbols``), largest first."""
+
+    def shares(sort: str) -> list[tuple[str, float]]:
+        argv = [perf, "report", "--stdio", "--no-children", "-g", "none", "-i", str(data),
+                "--sort", sort]  # fmt: skip
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True)
+        return perf_shares(out.stdout)[:TOP]
+
+    return {"objects": shares("dso"), "symbols": shares("dso,sym")}
+
+
+def perf_shares(report: str) -> list[tuple[str, float]]:
+    """``perf report --stdio``'s rows: each name (an object, or an object and a symbol) and its
+    share of the samples."""
+    rows = []
+    for line in report.splitlines():
+        share, percent, name = line.strip().partition("%")
+        if line.startswith("#") or not percent:
+            continue
+        try:
+            rows.append((" ".join(name.split()), float(share) / 100))
+        except ValueError:
+            continue
+    return rows
+
+
+def perf_lines(spots: dict[str, Any]) -> list[str]:
+    out = ["", "perf on n-proxy (its CPU clock, sampled), by object:", "",
+           "| share | object |", "|---|---|"]  # fmt: skip
+    out += [f"| {share:.1%} | `{name}` |" for name, share in spots["objects"]]
+    out += ["", "By symbol:", "", "| share | object and symbol |", "|---|---|"]
+    return out + [f"| {share:.1%} | `{name}` |" for name, share in spots["symbols"]]
 
 
 def _function(frame: str) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.load import Loader, Tool
 from bench.procs import Fleet, Server, settle, wait_ready
-from bench.profile import recording
+from bench.profile import perf_recording, recording
 from bench.report import Row
 from bench.stack import PROXY_CONFIG, start_proxy
 
@@ -64,6 +64,7 @@ class Tools:
     prometheus: str | None  # the dashboard scenario's
     tool: Tool  # the load generator: wrk, or bench.load as a process
     py_spy: str | None  # --profile
+    perf: str | None = None  # --perf
     gateways: Mapping[str, str] = field(default_factory=dict)  # sglang-router, smg: their binaries
 
 
@@ -107,7 +108,7 @@ class Context:
         self, servers: Mapping[str, Server], optional: Collection[str] = ()
     ) -> dict[str, Server]:
         """Wait until each answers; an ``optional`` one that does not is skipped and noted. With
-        --profile, py-spy starts recording n-proxy once it is up."""
+        --profile, py-spy starts recording n-proxy once it is up; with --perf, perf does."""
         up: dict[str, Server] = {}
         for name, server in servers.items():
             if not any(server is seen for seen in up.values()):  # one server, two contenders
@@ -122,6 +123,9 @@ class Context:
                 if self.tools.py_spy and name == PROXY:  # server.name has a suffix (manystream)
                     out = self.work / "profile.txt"
                     self.stack.enter_context(recording(self.tools.py_spy, server.pid, out))
+                if self.tools.perf and name == PROXY:
+                    out = self.work / "perf.data"
+                    self.stack.enter_context(perf_recording(self.tools.perf, server.pid, out))
             up[name] = server
         return up
 

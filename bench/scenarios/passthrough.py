@@ -191,7 +191,10 @@ def _run(ctx: Context, upstream: Server, wire: bool = False) -> Row:
     if wire and ctx.wants("floor"):
         contenders[FLOOR] = stack.start_forwarder(fleet, upstream, "floor")
     proxies = ctx.proxies(upstream.url)
-    fanouts = {f"{label} n={FANOUT_N}": server for label, server in proxies.items()} if wire else {}
+    fanning = wire and ctx.wants("fanout")
+    fanouts = (
+        {f"{label} n={FANOUT_N}": server for label, server in proxies.items()} if fanning else {}
+    )
     contenders |= proxies | fanouts
     if wire and ctx.wants("quiet"):
         quiet = stack.PROXY_CONFIG + "log_level: warning\n"

@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import pytest
 
-from bench.profile import hot_spots, lines
+from bench.profile import hot_spots, lines, perf_lines, perf_shares
 
 ROOT = "<module> (/x/proxy/__main__.py:3);run (asyncio/runners.py:190)"
 RAW = "\n".join([
@@ -49,3 +49,33 @@ def test_a_run_reports_its_own_profile_only(tmp_path: Path) -> None:
     run(scenario, args, cast(Any, None), work, results)
     assert results["errors"] == {}
     assert "profile" not in results["wire"]
+
+
+PERF_REPORT = """\
+# To display the perf.data header info, please use --header/--header-only options.
+#
+# Samples: 39K of event 'cpu-clock'
+#
+# Overhead  Shared Object                                  Symbol
+# ........  .............................................  ......
+#
+    12.67%  [kernel.kallsyms]                              [k] _raw_spin_unlock_irqrestore
+     6.21%  libpython3.11.so.1.0                           [.] _PyEval_EvalFrameDefault
+     0.30%  compiled__mypyc.cpython-311-x86_64-linux-gnu.so  [.] CPyDef_proxy___x
+
+
+"""
+
+
+def test_perf_shares_are_its_reports_rows() -> None:
+    """Each row of ``perf report --stdio``, its columns joined by one space; headers skipped."""
+    assert perf_shares(PERF_REPORT) == [
+        ("[kernel.kallsyms] [k] _raw_spin_unlock_irqrestore", pytest.approx(0.1267)),
+        ("libpython3.11.so.1.0 [.] _PyEval_EvalFrameDefault", pytest.approx(0.0621)),
+        (
+            "compiled__mypyc.cpython-311-x86_64-linux-gnu.so [.] CPyDef_proxy___x",
+            pytest.approx(0.003),
+        ),
+    ]
+    report = "\n".join(perf_lines({"objects": [("[kernel.kallsyms]", 0.29)], "symbols": []}))
+    assert "| 29.0% | `[kernel.kallsyms]` |" in report
