@@ -48,8 +48,10 @@ def recording(py_spy: str, pid: int, out: Path) -> Iterator[None]:
 def perf_recording(perf: str, pid: int, out: Path) -> Iterator[None]:
     """``with perf_recording(perf, pid, out):`` samples the process's CPU clock into ``out``
     until the block ends."""
-    argv = [perf, "record", "--quiet", "-e", "cpu-clock", "-F", str(PERF_HZ), "-p", str(pid),
-            "-o", str(out)]  # fmt: skip
+    # -g: each sample's call chain too, for ``perf report -g`` on the file (the kernel's frames
+    # are whole; Python's are not, without its frame pointers).
+    argv = [perf, "record", "--quiet", "-g", "-e", "cpu-clock", "-F", str(PERF_HZ), "-p",
+            str(pid), "-o", str(out)]  # fmt: skip
     with out.with_suffix(".log").open("wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
