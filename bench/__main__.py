@@ -163,7 +163,7 @@ def run(
             data = {"options": asdict(options), **scenario.run(ctx)}
         if (spots := work / "profile.txt").exists():
             data["profile"] = profile.hot_spots(spots)
-        if found is not None and found.perf and (samples := work / "perf.data").exists():
+        if (samples := work / "perf.data").exists() and found.perf:  # this run's, with --perf
             data["perf"] = profile.perf_spots(found.perf, samples)
         results[scenario.name] = data
     except Exception as exc:

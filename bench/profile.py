@@ -26,40 +26,35 @@ _SITE_PACKAGES = re.compile(r".*/site-packages/")
 _CHECKOUT = re.compile(r".*/(?=proxy/)")  # a checkout's own modules, named from the package
 
 
-@contextlib.contextmanager
-def recording(py_spy: str, pid: int, out: Path) -> Iterator[None]:
+def recording(py_spy: str, pid: int, out: Path) -> contextlib.AbstractContextManager[None]:
     """``with recording(py_spy, pid, out):`` records the process until the block ends."""
     argv = [py_spy, "record", "--pid", str(pid), "--rate", str(RATE_HZ), "--format", "raw",
             "--nonblocking", "--output", str(out)]  # fmt: skip
-    with out.with_suffix(".log").open("wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield
-    finally:
-        process.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+    return _recorder(argv, out, 30)
 
 
-@contextlib.contextmanager
-def perf_recording(perf: str, pid: int, out: Path) -> Iterator[None]:
+def perf_recording(perf: str, pid: int, out: Path) -> contextlib.AbstractContextManager[None]:
     """``with perf_recording(perf, pid, out):`` samples the process's CPU clock into ``out``
     until the block ends."""
     # -g: each sample's call chain too, for ``perf report -g`` on the file (the kernel's frames
     # are whole; Python's are not, without its frame pointers).
     argv = [perf, "record", "--quiet", "-g", "-e", "cpu-clock", "-F", str(PERF_HZ), "-p",
             str(pid), "-o", str(out)]  # fmt: skip
+    return _recorder(argv, out, 60)
+
+
+@contextlib.contextmanager
+def _recorder(argv: list[str], out: Path, wait: float) -> Iterator[None]:
+    """``argv`` run for the block, its own output in ``out``'s ``.log``; then SIGINT, on which
+    py-spy and perf both write their file, and up to ``wait`` seconds for them to."""
     with out.with_suffix(".log").open("wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield
     finally:
-        process.send_signal(signal.SIGINT)  # perf writes its header on SIGINT
+        process.send_signal(signal.SIGINT)
         try:
-            process.wait(60)
+            process.wait(wait)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)

@@ -36,19 +36,22 @@ def test_hot_spots_rank_functions_and_files_by_their_samples(tmp_path: Path) -> 
 
 def test_a_run_reports_its_own_profile_only(tmp_path: Path) -> None:
     """The raw folder a scenario runs in is kept between runs: a profile an earlier run recorded
-    there (with ``--profile``) is not reported as a later run's."""
+    there (with ``--profile`` or ``--perf``) is not reported as a later run's."""
     from bench.__main__ import parser, run
     from bench.scenario import Scenario
 
     work = tmp_path / "wire"
     work.mkdir()
     (work / "profile.txt").write_text(RAW)
+    (work / "perf.data").write_bytes(b"an earlier run's samples")
     scenario = Scenario("wire", "a scenario that measures nothing", lambda ctx: {}, lambda row: [])
     args = parser().parse_args(["wire"])
     results: dict[str, Any] = {"skipped": {}, "errors": {}}
     run(scenario, args, cast(Any, None), work, results)
     assert results["errors"] == {}
     assert "profile" not in results["wire"]
+    assert "perf" not in results["wire"]
+    assert not (work / "perf.data").exists()
 
 
 PERF_REPORT = """\
