@@ -133,7 +133,7 @@ def write_directly(direct: Direct | None) -> None:
 def log_request(fields: dict[str, Any]) -> None:
     """A request line of ``fields`` (a request's are listed in docs/operating.md#logs)."""
     if logger.isEnabledFor(_INFO):
-        _write({"ts": 0.0, "level": "info", "msg": "request", **fields})
+        _write({**_HEAD, **fields})
 
 
 def _write(line: dict[str, Any]) -> None:
@@ -146,9 +146,10 @@ def _write(line: dict[str, Any]) -> None:
 
 
 def _fields_of(line: dict[str, Any]) -> dict[str, Any]:
-    """A request line's fields: its object without "ts", "level" and "msg"."""
+    """A request line's fields: its object without "ts", "level" and "msg" (``_HEAD``)."""
     fields = line.copy()
-    del fields["ts"], fields["level"], fields["msg"]
+    for name in _HEAD:
+        del fields[name]
     return fields
 
 
@@ -174,9 +175,10 @@ def _ts(created: float) -> float:
 
 
 # A request line's object, its names in their order: each line is a copy, its values then set
-# (a dict of this size built from nothing is resized twice on the way).
+# (a dict of this size built from nothing is resized twice on the way). Its "ts" is the writer's.
+_HEAD: Final[dict[str, Any]] = {"ts": 0.0, "level": "info", "msg": "request"}
 _LINE: Final[dict[str, Any]] = {
-    "ts": 0.0, "level": "info", "msg": "request",
+    **_HEAD,
     **dict.fromkeys((
         "request_id", "trace_id", "client", "method", "path", "route", "model", "upstream",
         "replica", "n", "children", "children_aborted", "retries", "status", "bytes_in",
@@ -213,11 +215,6 @@ def request_line(record: RequestRecord) -> dict[str, Any]:
     line["prompt_tokens"] = usage.get("prompt_tokens") if usage else None
     line["completion_tokens"] = usage.get("completion_tokens") if usage else None
     return line
-
-
-def request_fields(record: RequestRecord) -> dict[str, Any]:
-    """The request line's fields (docs/operating.md#logs)."""
-    return _fields_of(request_line(record))
 
 
 def ms(seconds: float) -> float:

@@ -116,7 +116,7 @@ def test_a_records_line_is_the_json_line_of_its_fields(
     stream: io.StringIO, other_handler: bool
 ) -> None:
     """The observer's line, whether written at once (directly) or through logging (another
-    handler as well): byte for byte ``json_line`` of ``request_fields``."""
+    handler as well): byte for byte ``json_line`` of the fields of ``request_line``."""
     setup("json", stream)
     if other_handler:
         log.logger.addHandler(logging.NullHandler())
@@ -126,7 +126,9 @@ def test_a_records_line_is_the_json_line_of_its_fields(
     record.counted()
     request_line.RequestLine().ended(record)
     (text,) = stream.getvalue().splitlines()
-    fields = request_line.request_fields(record)
+    line = request_line.request_line(record)
+    assert list(line)[:3] == ["ts", "level", "msg"]
+    fields = {name: value for name, value in line.items() if name not in ("ts", "level", "msg")}
     assert text == json_line(json.loads(text)["ts"], "info", "request", fields)
     assert json.loads(text)["request_id"] == 'a\n"'
 
