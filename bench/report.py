@@ -42,12 +42,41 @@ def commit(tree: Path = ROOT) -> str:
     return f"{head}{'+dirty' if dirty else ''}" if head else "unknown"
 
 
+# Run by an n-proxy tree's Python: its version, its executable, and the libpython it mapped (none
+# when the executable has the interpreter linked in).
+_INTERPRETER = """\
+import os, platform, sys
+maps = open("/proc/self/maps").read().splitlines()
+lib = next((line.split()[-1] for line in maps if "/libpython" in line), "")
+print(platform.python_version(), os.path.realpath(sys.executable), lib, sep="\\t")
+"""
+
+
+def interpreter(python: str | Path) -> str:
+    """What n-proxy runs on under ``python``: the version, the executable, and whether the
+    interpreter is in a shared libpython or linked into the executable. How a CPython was built
+    (PGO, LTO, a shared libpython) moves n-proxy's CPU per request by a fifth
+    (docs/performance.md#the-interpreters-build); "unknown" when ``python`` cannot say."""
+    try:
+        out = subprocess.run([str(python), "-c", _INTERPRETER], capture_output=True, text=True,
+                             timeout=30)  # fmt: skip
+        found, executable, lib = out.stdout.rstrip("\n").split("\t")
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return "unknown"
+    linked = f"libpython shared ({lib})" if lib else "libpython linked in"
+    return f"Python {found} at {executable}, {linked}"
+
+
 def stamp(command: str, load: str, versions: list[str], baseline: Path | None, note: str) -> Row:
     """What a result was measured with: printed at the top of its report, kept in its JSON."""
     names = re.findall(r"^model name\s*: (.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    pythons = {"n-proxy": interpreter(sys.executable)}
+    if baseline:
+        pythons["baseline"] = interpreter(baseline / ".venv" / "bin" / "python")
     return {
         "command": command, "commit": commit(),
         "baseline": f"{baseline} at {commit(baseline)}" if baseline else None,
+        "interpreters": pythons,
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(), "cpu_model": names[0] if names else "unknown",
         "kernel": platform.release(), "python": platform.python_version(),
@@ -67,6 +96,9 @@ def header(title: str, meta: Row) -> list[str]:
         f" {meta['python']}; {tools}; load average {meta.get('load_average', 0):.1f} at the"
         " start. Everything on 127.0.0.1.",
     ]  # fmt: skip
+    if pythons := meta.get("interpreters"):
+        lines[-1] += "  "
+        lines.append("; ".join(f"{name} on {what}" for name, what in pythons.items()) + ".")
     return lines + (["", meta["note"]] if meta.get("note") else [])
 
 
